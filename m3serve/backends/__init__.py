@@ -1,0 +1,39 @@
+"""Hardware backends, chosen by name at start. A backend owns how every model op runs.
+
+`reference` (pure torch, exact, any device) is always available; faster backends register here
+and refuse to start, with a message naming what is missing, where they cannot run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from m3serve.backends.base import Backend, BackendUnavailable
+from m3serve.backends.reference import ReferenceBackend
+
+# Names accepted by --backend; those mapped to None are planned but not built yet.
+_BACKENDS: dict[str, type[Backend] | None] = {
+    "reference": ReferenceBackend,
+    "hopper": None,
+    "blackwell": None,
+    "rocm": None,
+}
+
+BACKEND_NAMES = ("auto", *_BACKENDS)
+
+
+def create_backend(name: str, device: torch.device) -> Backend:
+    if name == "auto":
+        name = "reference"
+    if name not in _BACKENDS:
+        choices = ", ".join(BACKEND_NAMES)
+        raise BackendUnavailable(f"unknown backend {name!r} (choose from {choices})")
+    cls = _BACKENDS[name]
+    if cls is None:
+        raise BackendUnavailable(
+            f"backend {name!r} is not built yet in this release; use --backend reference"
+        )
+    return cls(device)
+
+
+__all__ = ["BACKEND_NAMES", "Backend", "BackendUnavailable", "create_backend"]

@@ -1,0 +1,86 @@
+"""The contract between model code and a hardware backend: the ops the network calls."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from m3serve.model.batch import ForwardBatch
+from m3serve.model.kv_cache import LayerKV
+
+
+class BackendUnavailable(RuntimeError):
+    """The requested backend cannot run here; the message says why and what to use instead."""
+
+
+class Backend(Protocol):
+    name: str
+    device: torch.device
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def head_norm_rope(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        positions: torch.Tensor,
+        inv_freq: torch.Tensor,
+    ) -> torch.Tensor:
+        """Per-head RMSNorm of x [T, H, D], then partial RoPE at positions."""
+        ...
+
+    def write_kv(
+        self,
+        layer: LayerKV,
+        batch: ForwardBatch,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        index_k: torch.Tensor | None,
+    ) -> None: ...
+
+    def index_topk(
+        self,
+        index_q: torch.Tensor,
+        layer: LayerKV,
+        batch: ForwardBatch,
+        topk: int,
+        local_blocks: int,
+        init_blocks: int,
+    ) -> torch.Tensor:
+        """Block ids [T, H_idx, topk] per new token; -1 padded, no duplicates."""
+        ...
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        layer: LayerKV,
+        batch: ForwardBatch,
+        scale: float,
+        block_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """[T, Hq, D] -> [T, Hq, D]; block_ids None means dense causal attention."""
+        ...
+
+    def swiglu(self, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor: ...
+
+    def moe(
+        self,
+        x: torch.Tensor,
+        router_weight: torch.Tensor,
+        bias: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        top_k: int,
+        alpha: float,
+        limit: float,
+    ) -> torch.Tensor:
+        """The routed experts' weighted sum (before the routed scaling factor)."""
+        ...

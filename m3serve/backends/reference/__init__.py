@@ -1,0 +1,122 @@
+"""The reference backend: every op is the exact torch reference from `m3serve.kernels`.
+
+Runs on any device torch runs on; weights are plain dequantized tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from m3serve.kernels.activation import swiglu_oai
+from m3serve.kernels.attention import paged_attention
+from m3serve.kernels.indexer import paged_index_topk
+from m3serve.kernels.moe import moe_experts, route_topk
+from m3serve.kernels.norm import add_gemma_rms_norm, gemma_rms_norm
+from m3serve.kernels.rope import apply_rope, rope_cos_sin
+from m3serve.model.batch import ForwardBatch
+from m3serve.model.kv_cache import LayerKV
+
+
+class ReferenceBackend:
+    name = "reference"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, weight)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return gemma_rms_norm(x, weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return add_gemma_rms_norm(x, residual, weight, eps)
+
+    def head_norm_rope(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        positions: torch.Tensor,
+        inv_freq: torch.Tensor,
+    ) -> torch.Tensor:
+        # Norm and rotation both in fp32 with one cast at the end.
+        cos, sin = rope_cos_sin(positions, inv_freq)
+        return apply_rope(gemma_rms_norm(x.float(), weight, eps), cos, sin).to(x.dtype)
+
+    def write_kv(
+        self,
+        layer: LayerKV,
+        batch: ForwardBatch,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        index_k: torch.Tensor | None,
+    ) -> None:
+        layer.k[batch.out_slots] = k.to(layer.k.dtype)
+        layer.v[batch.out_slots] = v.to(layer.v.dtype)
+        if index_k is not None:
+            assert layer.index_k is not None
+            layer.index_k[batch.out_slots] = index_k.to(layer.index_k.dtype)
+
+    def index_topk(
+        self,
+        index_q: torch.Tensor,
+        layer: LayerKV,
+        batch: ForwardBatch,
+        topk: int,
+        local_blocks: int,
+        init_blocks: int,
+    ) -> torch.Tensor:
+        assert layer.index_k is not None
+        return paged_index_topk(
+            index_q,
+            layer.index_k,
+            batch.page_table,
+            batch.seq_lens,
+            batch.extend_lens,
+            batch.positions,
+            batch.page_size,
+            topk,
+            local_blocks,
+            init_blocks,
+        )
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        layer: LayerKV,
+        batch: ForwardBatch,
+        scale: float,
+        block_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        return paged_attention(
+            q,
+            layer.k,
+            layer.v,
+            batch.page_table,
+            batch.seq_lens,
+            batch.extend_lens,
+            batch.positions,
+            batch.page_size,
+            scale,
+            block_ids,
+        )
+
+    def swiglu(self, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+        return swiglu_oai(gate_up, alpha, limit)
+
+    def moe(
+        self,
+        x: torch.Tensor,
+        router_weight: torch.Tensor,
+        bias: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        top_k: int,
+        alpha: float,
+        limit: float,
+    ) -> torch.Tensor:
+        weights, ids = route_topk(x, router_weight, bias, top_k)
+        return moe_experts(x, weights, ids, w13, w2, alpha, limit)

@@ -1,0 +1,77 @@
+"""From a checkpoint directory (or the built-in tiny one) to a ready `M3ForCausalLM`."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from m3serve.backends import Backend, create_backend
+from m3serve.model.config import ModelConfig, load_model_config
+from m3serve.model.loader import load_weights
+from m3serve.model.m3 import M3ForCausalLM
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: M3ForCausalLM
+    config: ModelConfig
+    path: Path
+    backend: Backend
+    dtype: torch.dtype
+    device: torch.device
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cpu":
+        # CPU matmuls in bf16 are slow and inexact; fp32 is both faster and the reference.
+        return torch.float32
+    if cfg.quant is not None:
+        return torch.bfloat16
+    return DTYPES.get(cfg.torch_dtype, torch.bfloat16)
+
+
+def load_model(
+    model_path: str | Path | None = None,
+    backend: str = "auto",
+    dtype: str = "auto",
+    device: str = "auto",
+    progress: bool = True,
+) -> LoadedModel:
+    if model_path is None:
+        from m3serve.model.tiny.default import default_model_path
+
+        model_path = default_model_path()
+    path = Path(model_path)
+    config = load_model_config(path)
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, config, dev)
+    be = create_backend(backend, dev)
+    started = time.monotonic()
+    model = M3ForCausalLM(config.text, be, torch_dtype, dev)
+    load_weights(model, path, config, progress=progress)
+    model.eval()
+    log.info(
+        "loaded %s (%s, %s, backend %s) in %.1fs",
+        path,
+        str(torch_dtype).removeprefix("torch."),
+        dev,
+        be.name,
+        time.monotonic() - started,
+    )
+    return LoadedModel(model, config, path, be, torch_dtype, dev)

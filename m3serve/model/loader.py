@@ -1,0 +1,246 @@
+"""Loading a safetensors checkpoint (single file or sharded) into `M3ForCausalLM`.
+
+Before any data is read, the checkpoint's names, shapes and dtypes are checked against the
+config's inventory; every problem is reported in one `CheckpointError` naming the tensors.
+Quantized modules (ModelOpt MXFP8 / NVFP4) are dequantized exactly into the model's dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from m3serve.model import quant
+from m3serve.model.config import ModelConfig
+from m3serve.model.inventory import (
+    IGNORED_PREFIXES,
+    PREFIX,
+    VISION_PREFIXES,
+    TensorSpec,
+    text_inventory,
+)
+from m3serve.model.progress import Progress
+
+log = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+MAX_LISTED = 8
+
+
+class CheckpointError(RuntimeError):
+    """The checkpoint does not match its config; the message names every offending tensor."""
+
+
+@dataclass(frozen=True)
+class Expected:
+    """One stored tensor the loader requires: its shape and safetensors dtype (None = any float)."""
+
+    shape: tuple[int, ...]
+    dtype: str | None
+    optional: bool = False
+
+
+FLOAT_DTYPES = ("F32", "BF16", "F16")
+
+
+def stored_tensors(spec: TensorSpec, algo: str | None) -> dict[str, Expected]:
+    """The tensors a logical weight is stored as, in its quantization format."""
+    if algo is None:
+        return {spec.name: Expected(spec.shape, None)}
+    if spec.kind != "linear":
+        raise CheckpointError(f"{spec.module} is listed as {algo} but is not a projection")
+    rows, cols = spec.shape
+    base = spec.module
+    if algo == "MXFP8":
+        return {
+            f"{base}.weight": Expected((rows, cols), "F8_E4M3"),
+            f"{base}.weight_scale_inv": Expected((rows, cols // quant.MXFP8_BLOCK), "U8"),
+        }
+    if algo == "NVFP4":
+        return {
+            f"{base}.weight": Expected((rows, cols // 2), "U8"),
+            f"{base}.weight_scale": Expected((rows, cols // quant.NVFP4_GROUP), "F8_E4M3"),
+            f"{base}.weight_scale_2": Expected((), "F32"),
+            # Only W4A4 kernels use the static activation scale; W4A16 and dequant ignore it.
+            f"{base}.input_scale": Expected((), "F32", optional=True),
+        }
+    raise CheckpointError(f"{base}: unsupported quant_algo {algo!r}")
+
+
+class CheckpointFiles:
+    """Name -> shard mapping of a checkpoint directory with lazily opened shards."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.dir = model_dir
+        self.location = self._locate(model_dir)
+        self._handles: dict[Path, object] = {}
+
+    @staticmethod
+    def _locate(model_dir: Path) -> dict[str, Path]:
+        index = model_dir / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as exc:
+                raise CheckpointError(f"{index} is not a valid safetensors index: {exc}") from exc
+            shards = sorted(set(weight_map.values()))
+            missing = [s for s in shards if not (model_dir / s).is_file()]
+            if missing:
+                raise CheckpointError(
+                    f"checkpoint shard(s) listed in {INDEX_FILE} are missing from {model_dir}: "
+                    + ", ".join(missing)
+                )
+            return {name: model_dir / shard for name, shard in weight_map.items()}
+        single = model_dir / SINGLE_FILE
+        if not single.is_file():
+            raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}")
+        names = _open(single).keys()
+        return dict.fromkeys(names, single)
+
+    def handle(self, path: Path):
+        if path not in self._handles:
+            self._handles[path] = _open(path)
+        return self._handles[path]
+
+    def meta(self, name: str) -> tuple[tuple[int, ...], str]:
+        shard = self.location[name]
+        try:
+            view = self.handle(shard).get_slice(name)
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(f"tensor {name} is not in shard {shard.name}: {exc}") from exc
+        return tuple(view.get_shape()), view.get_dtype()
+
+    def tensor(self, name: str) -> torch.Tensor:
+        try:
+            return self.handle(self.location[name]).get_tensor(name)
+        except Exception as exc:
+            raise CheckpointError(
+                f"cannot read tensor {name} from {self.location[name].name}: {exc}"
+            ) from exc
+
+
+def _open(path: Path):
+    try:
+        handle = safe_open(str(path), framework="pt")
+        handle.keys()
+    except Exception as exc:
+        raise CheckpointError(
+            f"checkpoint shard {path.name} is unreadable (truncated or corrupt?): {exc}"
+        ) from exc
+    return handle
+
+
+def checkpoint_prefix(names: set[str]) -> str:
+    """`language_model.` for the real (VL) layout, '' for a text-only export."""
+    return PREFIX if any(n.startswith(PREFIX) for n in names) else ""
+
+
+def plan_load(files: CheckpointFiles, cfg: ModelConfig) -> list[tuple[TensorSpec, str | None]]:
+    """Validate the checkpoint against the inventory; returns each weight with its format."""
+    names = set(files.location)
+    prefix = checkpoint_prefix(names)
+    plan: list[tuple[TensorSpec, str | None]] = []
+    expected: dict[str, Expected] = {}
+    problems: list[str] = []
+    for spec in text_inventory(cfg.text, prefix):
+        algo = _quant_algo(cfg, spec)
+        plan.append((spec, algo))
+        expected.update(stored_tensors(spec, algo))
+    missing = [n for n, e in expected.items() if n not in names and not e.optional]
+    skipped = [n for n in names if n.startswith(VISION_PREFIXES + IGNORED_PREFIXES)]
+    unexpected = sorted(names - expected.keys() - set(skipped))
+    _report(problems, "missing", missing)
+    _report(problems, "unexpected", unexpected)
+    for name, want in expected.items():
+        if name in names:
+            shape, dtype = files.meta(name)
+            problems.extend(_mismatch(name, want, shape, dtype))
+    if problems:
+        details = "; ".join(problems)
+        raise CheckpointError(f"checkpoint {files.dir} does not match its config: {details}")
+    if skipped:
+        log.info(
+            "skipping %d vision-tower/projector/MTP tensors (text-only model for now)", len(skipped)
+        )
+    return plan
+
+
+def _quant_algo(cfg: ModelConfig, spec: TensorSpec) -> str | None:
+    if cfg.quant is None:
+        return None
+    # A global algo covers projections only; an explicit per-module entry is checked as given.
+    if spec.kind != "linear" and cfg.quant.algo != "MIXED_PRECISION":
+        return None
+    return cfg.quant.algo_for(spec.module)
+
+
+def _report(problems: list[str], what: str, names: list[str]) -> None:
+    if names:
+        listed = ", ".join(names[:MAX_LISTED])
+        more = f" and {len(names) - MAX_LISTED} more" if len(names) > MAX_LISTED else ""
+        problems.append(f"{len(names)} {what} tensor(s): {listed}{more}")
+
+
+def _mismatch(name: str, want: Expected, shape: tuple[int, ...], dtype: str) -> list[str]:
+    problems = []
+    if shape != want.shape:
+        problems.append(f"tensor {name} has shape {list(shape)}, expected {list(want.shape)}")
+    allowed = FLOAT_DTYPES if want.dtype is None else (want.dtype,)
+    if dtype not in allowed:
+        problems.append(f"tensor {name} has dtype {dtype}, expected {' or '.join(allowed)}")
+    return problems
+
+
+def read_logical(files: CheckpointFiles, spec: TensorSpec, algo: str | None) -> torch.Tensor:
+    """The dequantized value of one logical weight (float32 for quantized formats)."""
+    base = spec.module
+    try:
+        if algo is None:
+            return files.tensor(spec.name)
+        if algo == "MXFP8":
+            return quant.dequant_mxfp8(
+                files.tensor(f"{base}.weight"), files.tensor(f"{base}.weight_scale_inv")
+            )
+        return quant.dequant_nvfp4(
+            files.tensor(f"{base}.weight"),
+            files.tensor(f"{base}.weight_scale"),
+            files.tensor(f"{base}.weight_scale_2"),
+        )
+    except ValueError as exc:
+        raise CheckpointError(f"{base}: cannot dequantize {algo}: {exc}") from exc
+
+
+def load_weights(
+    model: torch.nn.Module,
+    model_dir: str | Path,
+    cfg: ModelConfig,
+    progress: bool = True,
+    transform: Callable[[TensorSpec, torch.Tensor], torch.Tensor] | None = None,
+) -> None:
+    """Fill every parameter of `model` from the checkpoint in `model_dir`."""
+    files = CheckpointFiles(Path(model_dir))
+    plan = plan_load(files, cfg)
+    params = dict(model.named_parameters())
+    bar = Progress("Loading weights", len(plan), enabled=progress)
+    # Read shard by shard so the OS page cache streams each file once.
+    plan.sort(key=lambda item: (str(files.location[_stored_name(item[0])]), item[0].name))
+    for spec, algo in plan:
+        value = read_logical(files, spec, algo)
+        if transform is not None:
+            value = transform(spec, value)
+        with torch.no_grad():
+            params[spec.param][spec.index].copy_(value)
+        bar.advance()
+
+
+def _stored_name(spec: TensorSpec) -> str:
+    return spec.module + ".weight" if spec.name.endswith(".weight") else spec.name

@@ -1,0 +1,110 @@
+"""The MiniMax-M3.1 text backbone with its LM head, over paged KV."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from m3serve.backends.base import Backend
+from m3serve.kernels.rope import rope_inv_freq
+from m3serve.model.attention import Attention
+from m3serve.model.batch import ForwardBatch
+from m3serve.model.config import TextConfig
+from m3serve.model.ffn import DenseMLP, MoE
+from m3serve.model.kv_cache import KVCache
+from m3serve.model.params import Norm, Table
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        cfg: TextConfig,
+        index: int,
+        backend: Backend,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        self.backend = backend
+        self.index = index
+        self.input_layernorm = Norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = Norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(cfg, index, backend, dtype, device)
+        self.is_moe = cfg.is_moe(index)
+        # Attribute names follow the checkpoint: `block_sparse_moe` on MoE layers, `mlp` otherwise.
+        if self.is_moe:
+            self.block_sparse_moe = MoE(cfg, backend, dtype, device)
+        else:
+            self.mlp = DenseMLP(cfg, cfg.dense_intermediate_size, backend, dtype, device)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+        kv: KVCache,
+        inv_freq: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        be = self.backend
+        norm = self.input_layernorm
+        x, residual = be.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        hidden = self.self_attn(x, batch, kv.layers[self.index], inv_freq)
+        norm = self.post_attention_layernorm
+        x, residual = be.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        ffn = self.block_sparse_moe if self.is_moe else self.mlp
+        return ffn(x), residual
+
+
+class Backbone(nn.Module):
+    def __init__(
+        self, cfg: TextConfig, backend: Backend, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = Table(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, backend, dtype, device) for i in range(cfg.num_layers)
+        )
+        self.norm = Norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+
+class M3ForCausalLM(nn.Module):
+    """Parameter names mirror the checkpoint's `language_model.*` names (minus that prefix),
+    except where the loader fuses tensors: gate/up projections and the stacked experts."""
+
+    def __init__(
+        self,
+        cfg: TextConfig,
+        backend: Backend,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.backend = backend
+        self.dtype = dtype
+        self.model = Backbone(cfg, backend, dtype, device)
+        self.lm_head = Table(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        self.register_buffer(
+            "inv_freq", rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, device), persistent=False
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        """Run one step; returns fp32 logits [len(batch.logit_rows), vocab]."""
+        return self.compute_logits(self.hidden_states(batch, kv)[batch.logit_rows])
+
+    def hidden_states(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        """Final-normed hidden states of every new token [T, hidden]."""
+        be = self.backend
+        hidden = self.model.embed_tokens.weight[batch.input_ids]
+        residual: torch.Tensor | None = None
+        for layer in self.model.layers:
+            hidden, residual = layer(hidden, residual, batch, kv, self.inv_freq)
+        norm = self.model.norm
+        return be.add_rms_norm(hidden, residual, norm.weight, norm.eps)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.backend.linear(hidden, self.lm_head.weight).float()

@@ -1,0 +1,1 @@
+"""The actor runtime and shared contracts: typed config, messages, transport. No model code."""
