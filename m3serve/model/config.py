@@ -275,12 +275,7 @@ def _rope(raw: dict[str, Any], head_dim: int) -> tuple[float, int]:
 def _layer_types(raw: dict[str, Any], sparse: dict[str, Any], n: int) -> tuple[AttnKind, ...]:
     if raw.get("layer_types") is not None:
         names = {"minimax_m3_sparse": "sparse", "full_attention": "full"}
-        kinds = []
-        for value in raw["layer_types"]:
-            if value not in names:
-                raise ConfigError(f"text_config.layer_types contains unknown type {value!r}")
-            kinds.append(names[value])
-        return _exact_length(tuple(kinds), n, "layer_types")
+        return _named_kinds(raw["layer_types"], names, n, "layer_types")
     if "sparse_attention_freq" in sparse:
         freq = sparse["sparse_attention_freq"]
         kinds = tuple("sparse" if f else "full" for f in freq)
@@ -292,16 +287,18 @@ def _layer_types(raw: dict[str, Any], sparse: dict[str, Any], n: int) -> tuple[A
 def _mlp_layer_types(raw: dict[str, Any], n: int) -> tuple[FfnKind, ...]:
     if raw.get("mlp_layer_types") is not None:
         names = {"sparse": "moe", "dense": "dense"}
-        kinds = []
-        for value in raw["mlp_layer_types"]:
-            if value not in names:
-                raise ConfigError(f"text_config.mlp_layer_types contains unknown type {value!r}")
-            kinds.append(names[value])
-        return _exact_length(tuple(kinds), n, "mlp_layer_types")
+        return _named_kinds(raw["mlp_layer_types"], names, n, "mlp_layer_types")
     if raw.get("moe_layer_freq") is not None:
         freq = raw["moe_layer_freq"]
         return _exact_length(tuple("moe" if f else "dense" for f in freq), n, "moe_layer_freq")
     return ("moe",) * n
+
+
+def _named_kinds(values: list[str], names: dict[str, str], n: int, key: str) -> tuple[Any, ...]:
+    unknown = [v for v in values if v not in names]
+    if unknown:
+        raise ConfigError(f"text_config.{key} contains unknown type {unknown[0]!r}")
+    return _exact_length(tuple(names[v] for v in values), n, key)
 
 
 def _exact_length(kinds: tuple[Any, ...], n: int, key: str) -> tuple[Any, ...]:

@@ -10,11 +10,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from helpers.hf_oracle import full_logits, hf_greedy, hf_logits, load_hf, load_ours, random_prompt
 
 from m3serve.model.generate import generate
 from m3serve.model.tiny.checkpoint import TinySpec
-
-from .hf_oracle import full_logits, hf_greedy, hf_logits, load_hf, load_ours, random_prompt
 
 M31 = TinySpec(dtype="float32", seed=1)
 M3 = TinySpec(dtype="float32", seed=2, num_layers=5, full_attention_layers=2, dense_layers=2)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.hf_oracle import full_logits, load_ours, random_prompt
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -16,8 +17,6 @@ from m3serve.model.batch import ForwardBatch, SeqChunk
 from m3serve.model.kv_cache import KVCache
 from m3serve.model.m3 import M3ForCausalLM
 from m3serve.model.tiny.checkpoint import TinySpec
-
-from .hf_oracle import full_logits, load_ours, random_prompt
 
 SPEC = TinySpec(dtype="float32", seed=1)
 TOLERANCE = 1e-4

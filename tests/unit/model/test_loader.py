@@ -7,13 +7,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.param_names import destination, param_block
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -78,33 +78,6 @@ def edit_config(path: Path, edit: Callable[[dict], None]) -> None:
 
 def shard_names(path: Path) -> list[str]:
     return sorted(p.name for p in path.glob("model-*-of-*.safetensors"))
-
-
-def destination(name: str) -> tuple[str, int | None, str | None] | None:
-    """Where a checkpoint weight lands in M3ForCausalLM, written from the fusion rules:
-    (parameter, expert index, 'first'/'second' row half of a fused tensor)."""
-    if not name.startswith("language_model."):
-        return None
-    name = name.removeprefix("language_model.")
-    expert = re.fullmatch(r"(.+\.experts)\.(\d+)\.(w1|w2|w3)\.weight", name)
-    if expert:
-        base, index, which = expert.groups()
-        if which == "w2":
-            return f"{base}.w2", int(index), None
-        return f"{base}.w13", int(index), "first" if which == "w1" else "second"
-    gated = re.fullmatch(r"(.+)\.(gate|up)_proj\.weight", name)
-    if gated:
-        base, which = gated.groups()
-        return f"{base}.gate_up_proj.weight", None, "first" if which == "gate" else "second"
-    return name, None, None
-
-
-def block(param: torch.Tensor, expert: int | None, half: str | None) -> torch.Tensor:
-    part = param if expert is None else param[expert]
-    if half is None:
-        return part
-    rows = part.shape[0] // 2
-    return part[:rows] if half == "first" else part[rows:]
 
 
 # ------------------------------------------------------------------ damaged checkpoints
@@ -410,11 +383,11 @@ def test_bf16_checkpoint_loaded_as_float32_equals_the_stored_values_exactly(
         if where is None:
             continue
         param, expert, half = where
-        got = block(fp32[param], expert, half)
+        got = param_block(fp32[param], expert, half)
         assert got.dtype == torch.float32
         assert torch.equal(got, value.float()), name
         # The same checkpoint loaded as bf16 keeps the bits (fp32-only params excepted).
-        native = block(bf16[param], expert, half)
+        native = param_block(bf16[param], expert, half)
         assert torch.equal(native.float(), value.float()), name
         checked += 1
     assert checked == sum(1 for n in stored if n.startswith("language_model."))
