@@ -48,6 +48,122 @@ class BackendArgs:
             raise ConfigInvalid(f"--device {self.device!r}: expected auto, cpu, cuda or cuda:N")
 
 
+@dataclass(frozen=True)
+class CacheArgs:
+    max_total_tokens: int | None = option(
+        None, "KV pool size in tokens; default: from --mem-fraction-static (GPU) or 65536 (CPU)"
+    )
+    mem_fraction_static: float = option(0.85, "fraction of GPU memory for weights + KV pool")
+    disable_radix_cache: bool = option(False, "turn off prefix caching")
+    kv_cache_dtype: Literal["auto", "bfloat16", "float32"] = option(
+        "auto", "KV cache dtype; auto = the compute dtype"
+    )
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.max_total_tokens is not None and self.max_total_tokens <= 0:
+            problems.append("--max-total-tokens must be positive")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            problems.append("--mem-fraction-static must be in (0, 1)")
+        _raise(problems)
+
+
+@dataclass(frozen=True)
+class SchedArgs:
+    max_running_requests: int = option(256, "most requests decoding at once")
+    chunked_prefill_size: int = option(8192, "longest prefill chunk in tokens; -1 disables")
+    max_prefill_tokens: int = option(16384, "token budget of one prefill step")
+    max_queued_requests: int = option(4096, "waiting-queue length beyond which requests get 503")
+    disable_overlap_schedule: bool = option(False, "run steps strictly one after another")
+    schedule_policy: Literal["fcfs", "lpm"] = option(
+        "fcfs", "waiting-queue order: first come, or longest cached prefix first"
+    )
+    init_new_token_ratio: float = option(
+        0.7, "share of max_new_tokens reserved at admission (decays under no pressure)"
+    )
+    min_new_token_ratio: float = option(0.1, "floor of the decaying reservation ratio")
+    new_token_ratio_decay: float = option(0.001, "per-step decay of the reservation ratio")
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.max_running_requests < 1:
+            problems.append("--max-running-requests must be >= 1")
+        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+            problems.append("--chunked-prefill-size must be positive or -1")
+        if self.max_prefill_tokens < 1:
+            problems.append("--max-prefill-tokens must be >= 1")
+        if self.max_queued_requests < 1:
+            problems.append("--max-queued-requests must be >= 1")
+        if not 0.0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1.0:
+            problems.append("need 0 <= --min-new-token-ratio <= --init-new-token-ratio <= 1")
+        _raise(problems)
+
+
+@dataclass(frozen=True)
+class RuntimeArgs:
+    single_process: bool = option(False, "run every actor in this process (tests, small uses)")
+    tokenizer_worker_num: int = option(1, "tokenizer worker processes")
+    skip_tokenizer_init: bool = option(False, "token ids in and out only; no tokenizer files")
+    context_length: int | None = option(None, "max prompt + output tokens; default: the model's")
+    startup_timeout: float = option(300.0, "seconds to wait for every actor to be ready")
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.tokenizer_worker_num < 1:
+            problems.append("--tokenizer-worker-num must be >= 1")
+        if self.context_length is not None and self.context_length < 2:
+            problems.append("--context-length must be >= 2")
+        _raise(problems)
+
+
+SECTIONS: tuple[type, ...] = (ModelArgs, BackendArgs, CacheArgs, SchedArgs, RuntimeArgs)
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """Every section, built and validated together."""
+
+    model: ModelArgs = field(default_factory=ModelArgs)
+    backend: BackendArgs = field(default_factory=BackendArgs)
+    cache: CacheArgs = field(default_factory=CacheArgs)
+    sched: SchedArgs = field(default_factory=SchedArgs)
+    runtime: RuntimeArgs = field(default_factory=RuntimeArgs)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
+        """Build from flat keyword arguments named like the CLI flags (model_path=..., ...)."""
+        names = {f.name: section for section in SECTIONS for f in dataclasses.fields(section)}
+        unknown = sorted(set(kwargs) - names.keys())
+        if unknown:
+            raise ConfigInvalid(f"unknown server argument(s): {', '.join(unknown)}")
+        parts = {}
+        for attr, section in zip(_SECTION_ATTRS, SECTIONS, strict=True):
+            own = {k: v for k, v in kwargs.items() if names[k] is section}
+            parts[attr] = section(**own)
+        return cls(**parts)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServerArgs:
+        parts = {
+            attr: section_from_args(section, args)
+            for attr, section in zip(_SECTION_ATTRS, SECTIONS, strict=True)
+        }
+        return cls(**parts)
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        for section in SECTIONS:
+            add_section(parser, section)
+
+
+_SECTION_ATTRS = ("model", "backend", "cache", "sched", "runtime")
+
+
+def _raise(problems: list[str]) -> None:
+    if problems:
+        raise ConfigInvalid("; ".join(problems))
+
+
 def add_section(parser: argparse.ArgumentParser, section: type) -> None:
     """Add one flag per field of a config dataclass."""
     group = parser.add_argument_group(section.__name__)

@@ -1,0 +1,209 @@
+"""Every message that crosses an actor boundary, as msgspec Structs, grouped by channel.
+
+Channels (design.md §3): API → tokenizer, tokenizer → scheduler, scheduler → tokenizer,
+tokenizer → API, scheduler ↔ executor (in-process), control (any actor → supervisor). Each
+channel has a tagged union type its receiver decodes. Request messages carry their `rid`; an
+`Error` with a rid fails that request, an `Error` without one means the sender is going down.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class ShmRef(msgspec.Struct, array_like=True, frozen=True):
+    """A payload in a shared-memory segment; the receiver reads it once and unlinks it."""
+
+    name: str
+    nbytes: int
+
+
+class TokenIds(msgspec.Struct, array_like=True):
+    """Token ids (int32). Small lists travel inline; long prompts as a shared-memory segment."""
+
+    count: int
+    inline: list[int] | None = None
+    shm: ShmRef | None = None
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """How to sample one request. Keys follow SGLang's `sampling_params`."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0): no top-k cut
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+    skip_special_tokens: bool = True
+
+    def problems(self) -> list[str]:
+        """Every invalid setting, as messages naming the key (empty when valid)."""
+        checks = [
+            (self.max_new_tokens >= 0, "max_new_tokens must be >= 0"),
+            (self.temperature >= 0.0, "temperature must be >= 0"),
+            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
+            (self.top_k >= -1, "top_k must be -1 (disabled) or >= 0"),
+            (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
+            (0.0 < self.repetition_penalty <= 2.0, "repetition_penalty must be in (0, 2]"),
+            (0 <= self.top_logprobs <= 20, "top_logprobs must be in [0, 20]"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty"),
+        ]
+        return [message for ok, message in checks if not ok]
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+class Finish(msgspec.Struct, array_like=True, frozen=True):
+    reason: FinishReason
+    # The stop token id or stop string that ended the request, or an error message.
+    matched: int | str | None = None
+
+
+class TokenLogprob(msgspec.Struct, array_like=True, frozen=True):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = msgspec.field(default_factory=list)
+
+
+# ---------------------------------------------------------------- API -> tokenizer
+
+
+class GenerateReq(msgspec.Struct, tag=True, kw_only=True, array_like=True):
+    rid: str
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    input_ids: TokenIds | None = None
+    tools: list[dict[str, Any]] | None = None
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    stream: bool = False
+    thinking: str | None = None  # enabled | disabled | adaptive -> the template's thinking_mode
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class Abort(msgspec.Struct, tag=True, array_like=True):
+    rid: str
+
+
+# ---------------------------------------------------------------- tokenizer -> scheduler
+
+
+class Tokenized(msgspec.Struct, tag=True, kw_only=True, array_like=True):
+    rid: str
+    input_ids: TokenIds
+    sampling: SamplingParams
+    stop_token_ids: list[int]  # EOS ids (unless ignore_eos) plus the request's own
+    worker: int  # the tokenizer worker that owns this request's detokenization
+    arrival: float  # time.time() when the API received the request
+
+
+# ---------------------------------------------------------------- scheduler -> tokenizer
+
+
+class TokenBatch(msgspec.Struct, tag=True, kw_only=True, array_like=True):
+    """One engine step's new tokens for the requests one tokenizer worker owns."""
+
+    rids: list[str]
+    new_ids: list[list[int]]
+    finish: list[Finish | None]
+    prompt_tokens: list[int]
+    cached_tokens: list[int]
+    spec_accepted: list[int] = msgspec.field(default_factory=list)
+    logprobs: list[list[TokenLogprob]] | None = None
+
+
+# ---------------------------------------------------------------- tokenizer -> API
+
+
+class Usage(msgspec.Struct, array_like=True, frozen=True):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+class TextBatch(msgspec.Struct, tag=True, kw_only=True, array_like=True):
+    rids: list[str]
+    deltas: list[str]
+    new_ids: list[list[int]]
+    finish: list[Finish | None]
+    usage: list[Usage]
+    logprobs: list[list[TokenLogprob]] | None = None
+
+
+# ---------------------------------------------------------------- control
+
+
+class Ready(msgspec.Struct, tag=True, array_like=True):
+    actor: str
+    pid: int
+    # Facts the engine learned at start that clients need (context length, eos ids, ...).
+    info: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class Error(msgspec.Struct, tag=True, array_like=True):
+    """With a rid: that request failed. Without: the sender is going down."""
+
+    rid: str | None
+    message: str
+    code: int = 500
+
+
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+# ---------------------------------------------------------------- scheduler <-> executor
+
+
+class SeqStep(msgspec.Struct, array_like=True):
+    """One request's part of a step. `input_ids` None means: read the token the executor
+    sampled for this slot last step (it may not have reached the CPU yet — overlap)."""
+
+    slot: int
+    start: int  # tokens already in the KV cache
+    extend: int  # new tokens this step
+    pages: list[int]
+    input_ids: list[int] | None
+    sample: bool  # False for a prefill chunk that does not end the prompt
+    new_request: bool  # first step of this slot: reset its sampling state
+
+
+class StepPlan(msgspec.Struct, tag=True, kw_only=True, array_like=True):
+    step: int
+    seqs: list[SeqStep]
+    # Sampling settings for slots that start this step (keyed by slot).
+    sampling: dict[int, SamplingParams] = msgspec.field(default_factory=dict)
+    prompt_ids: dict[int, list[int]] = msgspec.field(default_factory=dict)
+
+
+class StepResult(msgspec.Struct, tag=True, kw_only=True, array_like=True):
+    step: int
+    slots: list[int]
+    tokens: list[int]
+    logprobs: list[TokenLogprob | None] = msgspec.field(default_factory=list)
+
+
+# Channel unions: what each receiver decodes.
+ToTokenizer = GenerateReq | Abort | TokenBatch | Shutdown
+ToScheduler = Tokenized | Abort | Shutdown
+ToApi = TextBatch | Error | Ready
+ToSupervisor = Ready | Error
