@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import msgspec
+import numpy as np
 
 SCHEMA_VERSION = 1
 
@@ -25,10 +26,11 @@ class ShmRef(msgspec.Struct, array_like=True, frozen=True):
 
 
 class TokenIds(msgspec.Struct, array_like=True):
-    """Token ids (int32). Small lists travel inline; long prompts as a shared-memory segment."""
+    """Token ids (int32): an array in the message (sent as a zero-copy frame by the codec) or,
+    for long prompts, a shared-memory segment."""
 
     count: int
-    inline: list[int] | None = None
+    array: np.ndarray | None = None
     shm: ShmRef | None = None
 
 
