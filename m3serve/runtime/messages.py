@@ -66,6 +66,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             (0.0 < self.repetition_penalty <= 2.0, "repetition_penalty must be in (0, 2]"),
             (0 <= self.top_logprobs <= 20, "top_logprobs must be in [0, 20]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty"),
+            (self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2**63)"),
         ]
         return [message for ok, message in checks if not ok]
 
@@ -205,7 +206,7 @@ class StepResult(msgspec.Struct, tag=True, kw_only=True, array_like=True):
 
 
 # Channel unions: what each receiver decodes.
-ToTokenizer = GenerateReq | Abort | TokenBatch | Shutdown
+ToTokenizer = GenerateReq | Abort | TokenBatch | Error | Shutdown
 ToScheduler = Tokenized | Abort | Shutdown
 ToApi = TextBatch | Error | Ready
 ToSupervisor = Ready | Error

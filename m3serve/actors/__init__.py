@@ -1,0 +1,1 @@
+"""Actors: tokenizer, scheduler, KV-cache metadata, executor, host cache, draft."""

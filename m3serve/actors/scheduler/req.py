@@ -1,0 +1,50 @@
+"""A request as the scheduler sees it: its tokens, its KV pages and where it is in its life."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from m3serve.actors.kvcache.radix import Match
+from m3serve.runtime.messages import Finish, SamplingParams
+
+
+class Phase(Enum):
+    WAITING = "waiting"  # queued, holds no KV (new, or retracted to be recomputed)
+    RUNNING = "running"  # holds a slot and pages; prefilling or decoding
+    DONE = "done"  # finished or aborted; resources released
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    prompt: list[int]
+    sampling: SamplingParams
+    stop_ids: frozenset[int]
+    worker: int
+    arrival: float
+    output: list[int] = field(default_factory=list)
+    phase: Phase = Phase.WAITING
+    slot: int | None = None
+    pages: list[int] = field(default_factory=list)  # match pages first, then own pages
+    match: Match | None = None
+    kv_len: int = 0  # tokens whose KV is computed or scheduled in a step in flight
+    prefilled: bool = False  # the last prefill chunk is scheduled: from now on, decode
+    cached_tokens: int = 0  # prefix-cache hit at first admission (what usage reports)
+    admitted_once: bool = False
+    inflight: int = 0  # sampling steps submitted whose token has not come back yet
+    retractions: int = 0
+    finish: Finish | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        """The sequence whose KV a (re)admission computes: prompt plus output so far."""
+        return self.prompt + self.output
+
+    @property
+    def prefill_target(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def remaining_new(self) -> int:
+        return max(self.sampling.max_new_tokens - len(self.output), 0)

@@ -1,0 +1,333 @@
+"""The scheduling policy, free of I/O: turn queued and running requests into the next
+`StepPlan`, and fold a `StepResult` back into request state and per-worker `TokenBatch`es.
+
+Every step decodes one token for each running request that finished its prefill, then fills
+the remaining prefill budget with prompt chunks: first requests already prefilling, then new
+admissions. Admission needs a slot, a prefix-cache lookup, pages for the chunk and a reservation
+for future decode tokens (a decaying share of each request's max_new_tokens). When decode runs
+out of pages, the newest requests are retracted: their KV is cached in the radix tree and they
+wait to be recomputed.
+
+`schedule` may run before the previous step's result is processed (overlap): a plan never
+depends on tokens the CPU has not seen — decode inputs come from the executor's slot table.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from m3serve.actors.kvcache.pages import PagePool
+from m3serve.actors.kvcache.radix import PrefixCache
+from m3serve.actors.kvcache.slots import SlotPool
+from m3serve.actors.scheduler.req import Phase, Req
+from m3serve.runtime.config import SchedArgs
+from m3serve.runtime.messages import (
+    Error,
+    Finish,
+    SeqStep,
+    StepPlan,
+    StepResult,
+    TokenBatch,
+    TokenLogprob,
+)
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at --max-queued-requests (HTTP 503)."""
+
+
+@dataclass
+class Outputs:
+    """What one processed step produces, per tokenizer worker."""
+
+    batches: dict[int, TokenBatch]
+    errors: dict[int, list[Error]]
+
+    def add(self, req: Req, new_ids: list[int], logprob: TokenLogprob | None) -> None:
+        batch = self.batches.get(req.worker)
+        if batch is None:
+            batch = TokenBatch(rids=[], new_ids=[], finish=[], prompt_tokens=[], cached_tokens=[])
+            self.batches[req.worker] = batch
+        batch.rids.append(req.rid)
+        batch.new_ids.append(new_ids)
+        batch.finish.append(req.finish)
+        batch.prompt_tokens.append(len(req.prompt))
+        batch.cached_tokens.append(req.cached_tokens)
+        if logprob is not None:
+            if batch.logprobs is None:
+                batch.logprobs = [[] for _ in batch.rids[:-1]]
+            batch.logprobs.append([logprob])
+        elif batch.logprobs is not None:
+            batch.logprobs.append([])
+
+    def fail(self, req: Req, message: str, code: int) -> None:
+        self.errors.setdefault(req.worker, []).append(Error(req.rid, message, code))
+
+
+class Scheduler:
+    def __init__(self, args: SchedArgs, num_pages: int, page_size: int, radix: bool) -> None:
+        self.args = args
+        self.page_size = page_size
+        self.pool = PagePool(num_pages)
+        self.cache = PrefixCache(self.pool, page_size, enabled=radix)
+        self.slots = SlotPool(args.max_running_requests)
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.by_rid: dict[str, Req] = {}
+        self.step = 0
+        self.inflight: dict[int, list[Req | None]] = {}  # step -> request per sampled row
+        self.new_token_ratio = args.init_new_token_ratio
+        self.pending_errors = Outputs({}, {})
+
+    # ------------------------------------------------------------------ requests in
+
+    def add(self, req: Req) -> None:
+        if len(self.waiting) >= self.args.max_queued_requests:
+            raise QueueFull(f"the waiting queue is full ({self.args.max_queued_requests})")
+        needed = len(req.prompt) + req.sampling.max_new_tokens
+        if needed > self.pool.num_pages * self.page_size:
+            raise ValueError(
+                f"prompt + max_new_tokens need {needed} KV tokens; the pool holds "
+                f"{self.pool.num_pages * self.page_size} (raise --max-total-tokens)"
+            )
+        self.by_rid[req.rid] = req
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> None:
+        req = self.by_rid.get(rid)
+        if req is None:
+            return
+        req.finish = Finish("abort")
+        self._finish(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ planning
+
+    def schedule(self) -> StepPlan | None:
+        decode = self._plan_decode()
+        prefill = self._plan_prefill()
+        if not decode and not prefill:
+            return None
+        self.step += 1
+        plan = StepPlan(step=self.step, seqs=[])
+        rows: list[Req | None] = []
+        for req in decode:
+            plan.seqs.append(self._decode_seq(req))
+            rows.append(req)
+        for req, chunk in prefill:
+            seq = self._prefill_seq(req, chunk, plan)
+            plan.seqs.append(seq)
+            if seq.sample:
+                rows.append(req)
+        self.inflight[self.step] = rows
+        self.new_token_ratio = max(
+            self.new_token_ratio - self.args.new_token_ratio_decay, self.args.min_new_token_ratio
+        )
+        return plan
+
+    def _plan_decode(self) -> list[Req]:
+        decode = [r for r in self.running if r.prefilled]
+        # Newest first out: retract from the back until every decode token has a page.
+        while decode:
+            short = [r for r in decode if r.kv_len // self.page_size >= len(r.pages)]
+            if not short:
+                return decode
+            pages = self.cache.alloc(len(short))
+            if pages is not None:
+                for req, page in zip(short, pages, strict=True):
+                    req.pages.append(page)
+                return decode
+            victim = decode.pop()
+            self._retract(victim)
+        return decode
+
+    def _plan_prefill(self) -> list[tuple[Req, int]]:
+        budget = self.args.max_prefill_tokens
+        if self.args.chunked_prefill_size > 0:
+            budget = min(budget, self.args.chunked_prefill_size)
+        chosen: list[tuple[Req, int]] = []
+        for req in self.running:
+            if not req.prefilled and budget > 0:
+                chunk = self._chunk(req, budget, first=not chosen)
+                if chunk and self._grow(req, chunk):
+                    chosen.append((req, chunk))
+                    budget -= chunk
+        while self.waiting and budget > 0 and len(self.running) < self.args.max_running_requests:
+            req = self.waiting[0]
+            if req.inflight:
+                break  # its last token is still on the way back; recompute after it lands
+            if not self._admit(req):
+                break
+            self.waiting.popleft()
+            chunk = self._chunk(req, budget, first=not chosen)
+            if not chunk or not self._grow(req, chunk):
+                break  # admitted; the chunk waits for the next step's budget
+            chosen.append((req, chunk))
+            budget -= chunk
+        return chosen
+
+    def _chunk(self, req: Req, budget: int, first: bool) -> int:
+        remaining = req.prefill_target - req.kv_len
+        if self.args.chunked_prefill_size > 0:
+            return min(remaining, budget)
+        # Without chunking a prompt goes whole; the first one of a step may exceed the budget.
+        return remaining if remaining <= budget or first else 0
+
+    def _admit(self, req: Req) -> bool:
+        """Give a waiting request a slot and its cached prefix, if memory allows."""
+        tokens = req.tokens
+        match = self.cache.acquire(tokens)
+        reserve = self._reserved_tokens() + int(req.remaining_new * self.new_token_ratio)
+        need_pages = -(-(len(tokens) - match.num_tokens + reserve) // self.page_size)
+        slot = self.slots.alloc() if need_pages <= self.cache.available_pages else None
+        if slot is None:
+            self.cache.release(tokens[: match.num_tokens], match.pages, match)
+            return False
+        req.slot, req.match, req.pages = slot, match, list(match.pages)
+        req.kv_len = match.num_tokens
+        req.phase, req.prefilled = Phase.RUNNING, False
+        if not req.admitted_once:
+            req.cached_tokens, req.admitted_once = match.num_tokens, True
+        self.running.append(req)
+        return True
+
+    def _reserved_tokens(self) -> int:
+        """KV the running requests will still claim: the rest of their prompt, plus a decaying
+        share of their remaining output budget."""
+        return sum(
+            (0 if r.prefilled else r.prefill_target - r.kv_len)
+            + int(r.remaining_new * self.new_token_ratio)
+            for r in self.running
+        )
+
+    def _grow(self, req: Req, extend: int) -> bool:
+        """Pages for KV positions up to kv_len + extend."""
+        needed = -(-(req.kv_len + extend) // self.page_size) - len(req.pages)
+        if needed <= 0:
+            return True
+        pages = self.cache.alloc(needed)
+        if pages is None:
+            return False
+        req.pages.extend(pages)
+        return True
+
+    def _decode_seq(self, req: Req) -> SeqStep:
+        seq = SeqStep(
+            slot=req.slot,
+            start=req.kv_len,
+            extend=1,
+            pages=list(req.pages),
+            input_ids=None,
+            sample=True,
+            new_request=False,
+        )
+        req.kv_len += 1
+        req.inflight += 1
+        return seq
+
+    def _prefill_seq(self, req: Req, chunk: int, plan: StepPlan) -> SeqStep:
+        start = req.kv_len
+        last = start + chunk == req.prefill_target
+        new = start == req.match.num_tokens if req.match else start == 0
+        seq = SeqStep(
+            slot=req.slot,
+            start=start,
+            extend=chunk,
+            pages=list(req.pages),
+            input_ids=req.tokens[start : start + chunk],
+            sample=last,
+            new_request=new,
+        )
+        if new:
+            plan.sampling[req.slot] = req.sampling
+            plan.prompt_ids[req.slot] = req.prompt
+        req.kv_len += chunk
+        if last:
+            req.prefilled = True
+            req.inflight += 1
+        return seq
+
+    def _retract(self, req: Req) -> None:
+        """Give a running request's KV back (cached in the tree) and queue it for recompute."""
+        log.info("retracting %s after %d tokens (KV pool exhausted)", req.rid, len(req.output))
+        self._release(req)
+        req.phase, req.prefilled, req.kv_len = Phase.WAITING, False, 0
+        req.retractions += 1
+        self.waiting.appendleft(req)
+        # Decode is outgrowing memory: reserve more for future tokens again.
+        self.new_token_ratio = self.args.init_new_token_ratio
+
+    def _release(self, req: Req) -> None:
+        if req.match is not None:
+            # Only tokens whose KV is written (or being written by a step in flight) are cached.
+            self.cache.release(req.tokens[: req.kv_len], req.pages, req.match)
+        if req.slot is not None:
+            self.slots.free(req.slot)
+        if req in self.running:
+            self.running.remove(req)
+        req.match, req.pages, req.slot = None, [], None
+
+    # ------------------------------------------------------------------ results
+
+    def process(self, result: StepResult) -> Outputs:
+        out, self.pending_errors = self.pending_errors, Outputs({}, {})
+        rows = self.inflight.pop(result.step, [])
+        logprobs = result.logprobs or [None] * len(result.tokens)
+        for req, token, logprob in zip(rows, result.tokens, logprobs, strict=True):
+            if req is None:
+                continue
+            req.inflight -= 1
+            if req.phase is Phase.DONE:
+                continue  # finished or aborted while this step was in flight
+            req.output.append(token)
+            req.finish = self._finish_reason(req, token)
+            out.add(req, [token], logprob)
+            if req.finish is not None:
+                self._finish(req)
+        return out
+
+    def fail_step(self, step: int, message: str) -> Outputs:
+        """A step raised: fail the requests it carried."""
+        out, self.pending_errors = self.pending_errors, Outputs({}, {})
+        for req in self.inflight.pop(step, []):
+            if req is not None and req.phase is not Phase.DONE:
+                out.fail(req, f"engine step failed: {message}", 500)
+                req.finish = Finish("error", message)
+                self._finish(req)
+        return out
+
+    def _finish_reason(self, req: Req, token: int) -> Finish | None:
+        if token in req.stop_ids:
+            return Finish("stop", token)
+        if len(req.output) >= req.sampling.max_new_tokens:
+            return Finish("length")
+        return None
+
+    def _finish(self, req: Req) -> None:
+        if req.phase is Phase.WAITING and req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+        req.phase = Phase.DONE
+        self.by_rid.pop(req.rid, None)
+
+    # ------------------------------------------------------------------ checks
+
+    def idle_check(self) -> None:
+        """With nothing running, every page is free or cached and every slot is free."""
+        self.cache.check()
+        assert self.cache.request_pages == sum(
+            len(r.pages) - len(r.match.pages) for r in self.running if r.match is not None
+        ), "pages held by requests do not add up"
+        if not self.running:
+            assert self.slots.num_free == self.slots.num_slots, "a slot leaked"
+
+    def free_pages_if_cache_dropped(self) -> int:
+        """Free pages after evicting the whole prefix cache (the leak-test baseline)."""
+        return self.pool.num_free + self.cache.tree.evictable_pages

@@ -1,0 +1,243 @@
+"""TokenizerActor: chat template, encode, incremental detokenize, stop strings.
+
+One or more worker processes (`--tokenizer-worker-num`); the API routes a request to worker
+`hash(rid) % N`, and the scheduler sends each worker the outputs of the requests it owns.
+Long prompts go to the scheduler as shared-memory segments, never inline.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from m3serve.actors.detokenize import IncrementalDetokenizer
+from m3serve.model.chat_template import ChatTemplateError, load_chat_template, render_chat
+from m3serve.runtime.actor import Actor, handles
+from m3serve.runtime.messages import (
+    Abort,
+    Error,
+    Finish,
+    GenerateReq,
+    SamplingParams,
+    TextBatch,
+    TokenBatch,
+    Tokenized,
+    Usage,
+)
+from m3serve.runtime.shm import pack_token_ids, unpack_token_ids
+from m3serve.runtime.transport import Inbox, Outbox
+
+log = logging.getLogger(__name__)
+
+THINKING_MODES = ("enabled", "disabled", "adaptive")
+EFFORTS = ("low", "medium", "high", "xhigh", "max")
+NO_THINKING_EFFORTS = ("none", "minimal")
+
+
+class RequestInvalid(ValueError):
+    """A request the model cannot run; becomes an HTTP 400 / a raised error for the caller."""
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the tokenizer needs to know about the model, read from its directory."""
+
+    eos_ids: tuple[int, ...]
+    context_length: int
+    vocab_size: int
+
+    @classmethod
+    def read(cls, model_dir: Path, context_length: int | None) -> ModelFacts:
+        config = json.loads((model_dir / "config.json").read_text())
+        text = config.get("text_config", config)
+        eos: set[int] = set()
+        for source in (text, _read_json(model_dir / "generation_config.json")):
+            value = source.get("eos_token_id")
+            eos.update(value if isinstance(value, list) else [] if value is None else [value])
+        limit = int(text.get("max_position_embeddings", 1 << 20))
+        return cls(tuple(sorted(eos)), context_length or limit, int(text.get("vocab_size", 0)))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+@dataclass
+class Pending:
+    """A request this worker owns: its detokenizer and usage counters."""
+
+    detok: IncrementalDetokenizer | None
+    prompt_tokens: int
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    stopped: bool = False
+
+
+class TokenizerActor(Actor):
+    name = "tokenizer"
+
+    def __init__(
+        self,
+        inbox: Inbox,
+        scheduler: Outbox,
+        api: Outbox,
+        control: Outbox | None,
+        model_dir: Path,
+        worker: int,
+        session: str,
+        skip_tokenizer_init: bool = False,
+        context_length: int | None = None,
+    ) -> None:
+        super().__init__(inbox, control)
+        self.name = f"tokenizer{worker}"
+        self.scheduler = scheduler
+        self.api = api
+        self.model_dir = Path(model_dir)
+        self.worker = worker
+        self.session = session
+        self.skip_tokenizer_init = skip_tokenizer_init
+        self.facts = ModelFacts.read(self.model_dir, context_length)
+        self.tokenizer: Any = None
+        self.template: str | None = None
+        self.pending: dict[str, Pending] = {}
+
+    async def on_start(self) -> dict[str, Any]:
+        if not self.skip_tokenizer_init:
+            from tokenizers import Tokenizer
+
+            self.tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
+            self.template = load_chat_template(self.model_dir)
+        return {"context_length": self.facts.context_length, "eos_ids": list(self.facts.eos_ids)}
+
+    # ------------------------------------------------------------------ requests in
+
+    @handles(GenerateReq)
+    async def on_generate(self, req: GenerateReq) -> None:
+        try:
+            ids = self.encode(req)
+            self.check(req.sampling, len(ids))
+        except (RequestInvalid, ChatTemplateError) as exc:
+            await self.api.send(Error(req.rid, str(exc), 400))
+            return
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(
+                self.tokenizer, ids[-8:], req.sampling.skip_special_tokens, req.sampling.stop
+            )
+        self.pending[req.rid] = Pending(detok, prompt_tokens=len(ids))
+        stop_ids = [] if req.sampling.ignore_eos else list(self.facts.eos_ids)
+        await self.scheduler.send(
+            Tokenized(
+                rid=req.rid,
+                input_ids=pack_token_ids(ids, self.session),
+                sampling=req.sampling,
+                stop_token_ids=sorted(set(stop_ids) | set(req.sampling.stop_token_ids)),
+                worker=self.worker,
+                arrival=time.time(),
+            )
+        )
+
+    @handles(Abort)
+    async def on_abort(self, abort: Abort) -> None:
+        if self.pending.pop(abort.rid, None) is not None:
+            await self.scheduler.send(abort)
+
+    def encode(self, req: GenerateReq) -> list[int]:
+        if req.input_ids is not None:
+            ids = unpack_token_ids(req.input_ids).tolist()
+        elif self.tokenizer is None:
+            raise RequestInvalid("this engine runs without a tokenizer: send input_ids")
+        elif req.messages is not None:
+            ids = self._encode_text(self.render(req))
+        elif req.prompt is not None:
+            ids = self._encode_text(req.prompt)
+        else:
+            raise RequestInvalid("a request needs a prompt, messages or input_ids")
+        if not ids:
+            raise RequestInvalid("the prompt is empty")
+        vocab = self.facts.vocab_size
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise RequestInvalid(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        return ids
+
+    def _encode_text(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def render(self, req: GenerateReq) -> str:
+        if self.template is None:
+            raise RequestInvalid("the model has no chat template: send a prompt instead")
+        kwargs = dict(req.chat_template_kwargs or {})
+        thinking = req.thinking or kwargs.pop("thinking", None) or kwargs.get("thinking_mode")
+        effort = req.reasoning_effort or kwargs.pop("reasoning_effort", None)
+        if effort in NO_THINKING_EFFORTS:
+            thinking, effort = "disabled", None
+        if thinking is not None and thinking not in THINKING_MODES:
+            raise RequestInvalid(f"thinking must be one of {', '.join(THINKING_MODES)}")
+        if effort is not None and effort not in EFFORTS:
+            raise RequestInvalid(f"reasoning_effort must be one of {', '.join(EFFORTS)}")
+        kwargs["thinking_mode"] = thinking or "adaptive"
+        if effort is not None and kwargs["thinking_mode"] != "disabled":
+            kwargs["reasoning_effort"] = effort
+        return render_chat(self.template, req.messages or [], tools=req.tools, **kwargs)
+
+    def check(self, sampling: SamplingParams, prompt_len: int) -> None:
+        problems = sampling.problems()
+        if problems:
+            raise RequestInvalid("; ".join(problems))
+        limit = self.facts.context_length
+        if prompt_len + sampling.max_new_tokens > limit:
+            raise RequestInvalid(
+                f"prompt ({prompt_len} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
+                f"exceeds the context length ({limit})"
+            )
+
+    # ------------------------------------------------------------------ tokens out
+
+    @handles(TokenBatch)
+    async def on_tokens(self, batch: TokenBatch) -> None:
+        out = TextBatch(rids=[], deltas=[], new_ids=[], finish=[], usage=[])
+        if batch.logprobs is not None:
+            out.logprobs = []
+        aborts = []
+        for i, rid in enumerate(batch.rids):
+            state = self.pending.get(rid)
+            if state is None or state.stopped:
+                continue  # finished by a stop string, or aborted, while this step ran
+            new_ids, finish = batch.new_ids[i], batch.finish[i]
+            state.completion_tokens += len(new_ids)
+            state.cached_tokens = batch.cached_tokens[i]
+            delta = ""
+            if state.detok is not None:
+                delta = state.detok.push(new_ids)
+                if state.detok.stopped is not None and (finish is None or finish.reason != "stop"):
+                    finish = Finish("stop", state.detok.stopped)
+                    state.stopped = True
+                    aborts.append(Abort(rid))
+                elif finish is not None:
+                    delta += state.detok.finish()
+            out.rids.append(rid)
+            out.deltas.append(delta)
+            out.new_ids.append(new_ids)
+            out.finish.append(finish)
+            usage = Usage(state.prompt_tokens, state.completion_tokens, state.cached_tokens)
+            out.usage.append(usage)
+            if out.logprobs is not None and batch.logprobs is not None:
+                out.logprobs.append(batch.logprobs[i])
+            if finish is not None:
+                self.pending.pop(rid, None)
+        if out.rids:
+            await self.api.send(out)
+        for abort in aborts:
+            await self.scheduler.send(abort)
+
+    @handles(Error)
+    async def on_error(self, error: Error) -> None:
+        # A request the scheduler failed: forget it and tell the API.
+        if error.rid is not None:
+            self.pending.pop(error.rid, None)
+        await self.api.send(error)

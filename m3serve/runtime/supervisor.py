@@ -1,0 +1,108 @@
+"""Spawning actor processes, waiting for them to be ready, noticing when one dies, and shutting
+everything down so that no child process, socket file or shared-memory segment is left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import shutil
+import time
+from collections.abc import Callable
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
+
+from m3serve.runtime.messages import Error, Ready
+from m3serve.runtime.shm import remove_session_segments
+from m3serve.runtime.transport import Inbox
+
+log = logging.getLogger(__name__)
+
+
+class StartupError(RuntimeError):
+    """An actor did not become ready; the message names it and says why."""
+
+
+class Supervisor:
+    def __init__(self, session: str, run_dir: Path) -> None:
+        self.session = session
+        self.run_dir = run_dir
+        self.procs: dict[str, BaseProcess] = {}
+        self._context = mp.get_context("spawn")
+        self._watched: list[int] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def spawn(self, name: str, target: Callable[..., None], *args: Any) -> None:
+        proc = self._context.Process(target=target, args=args, name=f"m3serve-{name}")
+        proc.start()
+        self.procs[name] = proc
+        log.info("started %s (pid %d)", name, proc.pid)
+
+    async def wait_ready(self, control: Inbox, timeout: float) -> dict[str, Ready]:
+        """Collect one Ready per spawned process; fail fast on an Error or a dead child."""
+        ready: dict[str, Ready] = {}
+        deadline = time.monotonic() + timeout
+        while len(ready) < len(self.procs):
+            self._raise_if_dead(ready)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(self.procs) - set(ready))
+                raise StartupError(f"not ready after {timeout:.0f}s: {', '.join(missing)}")
+            try:
+                message = await asyncio.wait_for(control.recv(), min(remaining, 0.5))
+            except asyncio.TimeoutError:
+                continue
+            if isinstance(message, Error):
+                raise StartupError(message.message)
+            if isinstance(message, Ready):
+                ready[message.actor] = message
+        return ready
+
+    def _raise_if_dead(self, ready: dict[str, Ready]) -> None:
+        for name, proc in self.procs.items():
+            if name not in ready and proc.exitcode is not None:
+                raise StartupError(f"{name} exited with code {proc.exitcode} during start-up")
+
+    def watch(self, on_death: Callable[[str, int | None], None]) -> None:
+        """Call on_death(name, exitcode) from the event loop as soon as a child exits."""
+        self._loop = asyncio.get_running_loop()
+        for name, proc in self.procs.items():
+            self._loop.add_reader(proc.sentinel, self._reap, name, on_death)
+            self._watched.append(proc.sentinel)
+
+    def _reap(self, name: str, on_death: Callable[[str, int | None], None]) -> None:
+        proc = self.procs[name]
+        assert self._loop is not None
+        self._loop.remove_reader(proc.sentinel)
+        self._watched.remove(proc.sentinel)
+        proc.join(timeout=1)
+        on_death(name, proc.exitcode)
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Wait for the children to exit on their own, then terminate, then kill."""
+        if self._loop is not None:
+            for fd in self._watched:
+                self._loop.remove_reader(fd)
+            self._watched.clear()
+        await asyncio.to_thread(self._stop_all, timeout)
+        self.cleanup()
+
+    def _stop_all(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for proc in self.procs.values():
+            proc.join(timeout=max(deadline - time.monotonic(), 0))
+        for action in ("terminate", "kill"):
+            alive = [p for p in self.procs.values() if p.is_alive()]
+            for proc in alive:
+                log.warning("%s of %s (pid %s)", action, proc.name, proc.pid)
+                getattr(proc, action)()
+            for proc in alive:
+                proc.join(timeout=5)
+
+    def cleanup(self) -> None:
+        """Remove the run directory (socket files) and the session's shared memory."""
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        removed = remove_session_segments(self.session)
+        if removed:
+            log.info("removed %d leftover shared-memory segment(s)", removed)

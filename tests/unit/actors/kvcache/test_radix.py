@@ -1,0 +1,501 @@
+"""RadixTree and PrefixCache (m3serve.actors.kvcache.radix).
+
+Crafted cases pin down page granularity, node splits, LRU order, locks and the ownership
+protocol; two state machines then drive random workloads: the bare tree against a model (a dict
+of cached page-aligned prefixes), and whole requests through a PrefixCache over a small PagePool,
+with simulated KV contents so that a page freed or reused too early shows up as wrong KV.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from m3serve.actors.kvcache.pages import PagePool
+from m3serve.actors.kvcache.radix import Match, Node, PrefixCache, RadixTree
+
+Prefix = tuple[int, ...]
+
+
+def seq(*pages: int) -> list[int]:
+    """Tokens of whole 2-token pages, each named by one number: seq(1, 2) == [10, 11, 20, 21]."""
+    return [token for page in pages for token in (10 * page, 10 * page + 1)]
+
+
+def tree_with(*inserts: tuple[list[int], list[int]]) -> RadixTree:
+    tree = RadixTree(page_size=2)
+    for tokens, pages in inserts:
+        tree.insert(tokens, pages)
+        tree.check()
+    return tree
+
+
+# ------------------------------------------------------------------------------ crafted: tree
+
+
+def test_only_whole_pages_are_matched() -> None:
+    tree = tree_with((seq(1, 2), [100, 101]))
+    assert tree.match([10]).pages == []
+    assert tree.match([10, 11, 20]).pages == [100]
+    match = tree.match([*seq(1, 2), 30])
+    assert (match.pages, match.num_tokens) == ([100, 101], 4)
+    assert tree.match([10, 12, 20, 21]).pages == []
+
+
+def test_insert_stores_only_the_pages_passed() -> None:
+    tree = RadixTree(page_size=2)
+    assert tree.insert([*seq(1, 2), 30], [7]) == 0  # one page: tokens past it are ignored
+    assert tree.match(seq(1, 2)).pages == [7]
+    assert tree.cached_pages == 1
+    with pytest.raises(ValueError, match="need 6 tokens"):
+        tree.insert(seq(1, 2), [1, 2, 3])
+
+
+def test_insert_counts_leading_duplicates_and_shared_prefixes_share_pages() -> None:
+    tree = tree_with((seq(1, 2, 3), [100, 101, 102]))
+    assert tree.insert(seq(1, 2, 4, 5), [200, 201, 202, 203]) == 2
+    assert tree.insert(seq(1, 2), [300, 301]) == 2
+    assert tree.insert(seq(6), [400]) == 0
+    tree.check()
+    assert tree.match(seq(1, 2, 4, 5)).pages == [100, 101, 202, 203]
+    assert tree.match(seq(1, 2, 3)).pages == [100, 101, 102]
+    assert tree.cached_pages == 6
+
+
+def test_match_splits_a_node_at_the_page_where_it_diverges() -> None:
+    tree = tree_with((seq(1, 2, 3, 4), [100, 101, 102, 103]))
+    (node,) = tree.root.children.values()
+    match = tree.match(seq(1, 2, 9))
+    tree.check()
+    assert match.pages == [100, 101]
+    assert match.node.key == tuple(seq(1, 2)) and match.node.pages == [100, 101]
+    assert node.parent is match.node and node.pages == [102, 103]  # the tail kept its identity
+
+
+def test_match_that_ends_inside_a_node_splits_it_too() -> None:
+    tree = tree_with((seq(1, 2, 3), [100, 101, 102]))
+    match = tree.match([*seq(1), 20])  # one whole page, then a partial one
+    assert match.node.pages == [100]
+    assert [child.pages for child in match.node.children.values()] == [[101, 102]]
+    tree.check()
+
+
+def test_numpy_token_arrays_work_like_lists() -> None:
+    tree = tree_with((seq(1, 2), [100, 101]))
+    assert tree.match(np.array(seq(1, 2, 3), dtype=np.int32)).pages == [100, 101]
+    assert tree.insert(np.array(seq(1, 5), dtype=np.int32), [200, 201]) == 1
+    assert tree.match(seq(1, 5)).pages == [100, 201]
+    tree.check()
+
+
+def test_evict_goes_least_recently_used_first() -> None:
+    tree = tree_with((seq(1), [100]), (seq(2), [200]), (seq(3), [300]))
+    tree.match(seq(1))  # 1 is now the most recent; 2 the least
+    assert tree.evict(1) == [200]
+    assert tree.evict(1) == [300]
+    assert tree.evict(5) == [100]
+    assert tree.evict(1) == []
+    assert tree.cached_pages == 0
+
+
+def test_a_parent_becomes_evictable_when_its_last_child_goes() -> None:
+    tree = tree_with((seq(1, 2, 3), [100, 101, 102]), (seq(1, 2, 4), [200, 201, 202]))
+    # seq(1, 2) is one node with children 3 (older) and 4; its own time is the newest.
+    assert tree.evict(1) == [102]
+    assert tree.evict(1) == [202]
+    assert tree.evict(1) == [100, 101]  # a whole node goes at once
+    tree.check()
+
+
+def test_locked_paths_are_never_evicted() -> None:
+    tree = tree_with((seq(1, 2, 3), [100, 101, 102]), (seq(1, 4), [200, 201]))
+    match = tree.match(seq(1, 2))
+    tree.lock(match.node)
+    assert (tree.protected_pages, tree.evictable_pages) == (2, 2)
+    assert sorted(tree.evict(10)) == [102, 201]
+    assert tree.match(seq(1, 2, 3)).pages == [100, 101]
+    tree.unlock(match.node)
+    assert (tree.protected_pages, tree.evictable_pages) == (0, 2)
+    assert tree.evict(10) == [101, 100]  # the leaf, then its parent
+    tree.check()
+
+
+def test_locks_nest_and_unlocking_below_zero_raises() -> None:
+    tree = tree_with((seq(1, 2), [100, 101]))
+    short, long = tree.match(seq(1)), tree.match(seq(1, 2))
+    tree.lock(short.node)
+    tree.lock(long.node)
+    tree.lock(long.node)
+    tree.check()
+    assert tree.protected_pages == 2
+    tree.unlock(long.node)
+    tree.unlock(long.node)
+    assert (tree.protected_pages, tree.evictable_pages) == (1, 1)
+    with pytest.raises(RuntimeError, match="not locked"):
+        tree.unlock(long.node)
+    tree.unlock(short.node)
+    tree.check()
+    tree.lock(tree.root)  # an empty match locks nothing
+    assert tree.protected_pages == 0
+
+
+def test_a_split_keeps_a_locked_match_locked() -> None:
+    tree = tree_with((seq(1, 2, 3), [100, 101, 102]))
+    match = tree.match(seq(1, 2, 3))
+    tree.lock(match.node)
+    tree.insert(seq(1, 5), [200, 201])  # splits the locked node after its first page
+    tree.check()
+    assert tree.evict(10) == [201]
+    tree.unlock(match.node)
+    assert tree.protected_pages == 0
+    tree.check()
+
+
+def test_an_evicted_node_cannot_be_locked() -> None:
+    tree = tree_with((seq(1), [100]))
+    match = tree.match(seq(1))
+    tree.evict(1)
+    with pytest.raises(ValueError, match="not in this tree"):
+        tree.lock(match.node)
+
+
+def test_reset_returns_every_page_and_refuses_while_locked() -> None:
+    tree = tree_with((seq(1, 2), [100, 101]), (seq(1, 3), [200, 201]))
+    match = tree.match(seq(1))
+    tree.lock(match.node)
+    with pytest.raises(RuntimeError, match="locked"):
+        tree.reset()
+    tree.unlock(match.node)
+    empty = tree.match([1])
+    tree.lock(empty.node)  # an empty match locks the root, which protects nothing
+    assert sorted(tree.reset()) == [100, 101, 201]
+    assert tree.cached_pages == 0 and tree.match(seq(1)).pages == []
+    tree.unlock(empty.node)  # the root survives a reset
+    with pytest.raises(ValueError, match="not in this tree"):
+        tree.lock(match.node)  # a node from before the reset
+    tree.check()
+
+
+# ------------------------------------------------------------------------------ crafted: cache
+
+
+def test_acquire_always_leaves_the_last_prompt_token_to_compute() -> None:
+    cache = PrefixCache(PagePool(8), page_size=2)
+    cache.tree.insert(seq(1, 2), [0, 1])
+    assert cache.acquire(seq(1, 2)).pages == [0]  # the whole prompt is cached: one page less
+    assert cache.acquire([*seq(1, 2), 30]).pages == [0, 1]
+
+
+def test_release_follows_the_ownership_protocol() -> None:
+    pool = PagePool(10)
+    cache = PrefixCache(pool, page_size=2)
+    first = cache.acquire(seq(1, 2, 3))
+    pages_a = cache.alloc(3)
+    assert first.pages == [] and pages_a == [0, 1, 2]
+    # B starts before A finishes: same prompt, no hit yet.
+    second = cache.acquire(seq(1, 2, 3))
+    pages_b = cache.alloc(3)
+    assert pages_b == [3, 4, 5]
+    cache.release([*seq(1, 2, 3), 40], [*pages_a, *cache.alloc(1)], first)  # tail page 6 freed
+    assert cache.tree.cached_pages == 3 and pool.num_free == 4
+    cache.release(seq(1, 2, 3), pages_b, second)  # all duplicates: B's pages go back
+    assert pool.num_free == 7
+    third = cache.acquire([*seq(1, 2, 3), 40, 41])
+    assert third.pages == [0, 1, 2]
+    pages_c = [*third.pages, *cache.alloc(1)]
+    cache.check()
+    cache.release(seq(1, 2, 3, 4), pages_c, third)  # the matched pages stay the tree's
+    assert cache.tree.cached_pages == 4 and cache.tree.protected_pages == 0
+    cache.check()
+    cache.reset()
+    assert pool.num_free == 10
+
+
+def test_release_refuses_pages_that_do_not_start_with_the_match() -> None:
+    cache = PrefixCache(PagePool(4), page_size=2)
+    cache.tree.insert(seq(1), [0])
+    match = cache.acquire(seq(1, 2))
+    with pytest.raises(ValueError, match="start with"):
+        cache.release(seq(1, 2), [3], match)
+    with pytest.raises(ValueError, match="fewer tokens"):
+        cache.release([10], match.pages, match)
+
+
+def test_alloc_evicts_when_short_and_evicts_nothing_when_it_cannot_help() -> None:
+    pool = PagePool(4)
+    cache = PrefixCache(pool, page_size=2)
+    held = cache.alloc(3)
+    assert held == [0, 1, 2]
+    assert cache.alloc(2) is None and cache.tree.cached_pages == 0
+    cache.release(seq(1, 2, 3), held, Match([], cache.tree.root, 0))
+    assert (pool.num_free, cache.tree.cached_pages, cache.available_pages) == (1, 3, 4)
+    locked = cache.acquire(seq(1, 9))  # keeps page 0 cached
+    assert cache.alloc(4) is None and cache.tree.cached_pages == 3
+    assert cache.alloc(3) == [1, 2, 3]
+    assert cache.tree.cached_pages == 1
+    cache.check()
+    cache.release(seq(1), locked.pages, locked)
+    cache.check()
+
+
+def test_disabled_cache_never_keeps_a_page() -> None:
+    pool = PagePool(4)
+    cache = PrefixCache(pool, page_size=2, enabled=False)
+    match = cache.acquire(seq(1, 2))
+    cache.release(seq(1, 2), cache.alloc(2) or [], match)
+    assert cache.acquire(seq(1, 2, 3)).pages == []
+    assert pool.num_free == 4 and cache.tree.cached_pages == 0
+    cache.check()
+
+
+# ------------------------------------------------------------------------------ random: tree
+
+TOKENS = st.lists(st.integers(0, 1), max_size=10)  # two token values: prefixes collide a lot
+
+
+class RadixMachine(RuleBasedStateMachine):
+    """The tree against a model: `cached` maps each cached page-aligned prefix to the page that
+    holds its last page; `access` to the logical time it was last matched or inserted."""
+
+    @initialize(page_size=st.integers(1, 3))
+    def start(self, page_size: int) -> None:
+        self.ps = page_size
+        self.tree = RadixTree(page_size)
+        self.clock = 0
+        self.cached: dict[Prefix, int] = {}
+        self.access: dict[Prefix, int] = {}
+        self.locks: list[tuple[Node, Prefix]] = []
+        self.given: set[int] = set()  # every page ever passed to insert ...
+        self.returned: set[int] = set()  # ... is cached, handed back as a duplicate,
+        self.released: set[int] = set()  # ... or released by evict / reset
+
+    def prefixes(self, tokens: list[int], num_pages: int) -> list[Prefix]:
+        return [tuple(tokens[: j * self.ps]) for j in range(1, num_pages + 1)]
+
+    def cached_run(self, tokens: list[int]) -> list[Prefix]:
+        run = []
+        for prefix in self.prefixes(tokens, len(tokens) // self.ps):
+            if prefix not in self.cached:
+                break
+            run.append(prefix)
+        return run
+
+    def protected(self) -> set[Prefix]:
+        return {p for _, key in self.locks for p in self.prefixes(list(key), len(key) // self.ps)}
+
+    def is_leaf(self, prefix: Prefix) -> bool:
+        return not any(
+            len(p) == len(prefix) + self.ps and p[: len(prefix)] == prefix for p in self.cached
+        )
+
+    @rule(tokens=TOKENS, lock=st.booleans())
+    def match(self, tokens: list[int], lock: bool) -> None:
+        match = self.tree.match(tokens)
+        self.clock += 1
+        expected = self.cached_run(tokens)
+        assert match.pages == [self.cached[p] for p in expected]
+        assert match.num_tokens == len(expected) * self.ps
+        for prefix in expected:
+            self.access[prefix] = self.clock
+        if lock:
+            self.tree.lock(match.node)
+            self.locks.append((match.node, tuple(tokens[: match.num_tokens])))
+
+    @rule(tokens=TOKENS, data=st.data())
+    def insert(self, tokens: list[int], data: st.DataObject) -> None:
+        num_pages = data.draw(st.integers(0, len(tokens) // self.ps), label="num_pages")
+        pages = [len(self.given) + i for i in range(num_pages)]  # fresh ids, never reused
+        self.given.update(pages)
+        dup = self.tree.insert(tokens, pages)
+        self.clock += 1
+        assert dup == len(self.cached_run(tokens[: num_pages * self.ps]))
+        for j, prefix in enumerate(self.prefixes(tokens, num_pages)):
+            self.cached.setdefault(prefix, pages[j])
+            self.access[prefix] = self.clock
+        self.returned.update(pages[:dup])
+
+    @precondition(lambda self: self.locks)
+    @rule(data=st.data())
+    def unlock(self, data: st.DataObject) -> None:
+        node, _ = self.locks.pop(data.draw(st.integers(0, len(self.locks) - 1), label="lock"))
+        self.tree.unlock(node)
+
+    @rule(num_pages=st.integers(0, 6))
+    def evict(self, num_pages: int) -> None:
+        protected = self.protected()
+        released = self.tree.evict(num_pages)
+        owner = {page: prefix for prefix, page in self.cached.items()}
+        gone = [owner[page] for page in released]  # KeyError: released a page it did not hold
+        assert len(set(gone)) == len(gone)
+        assert protected.isdisjoint(gone), "evicted a locked path"
+        assert len(released) >= num_pages or self.tree.evictable_pages == 0
+        assert num_pages > 0 or released == []
+        times = [self.access[p] for p in gone]
+        assert times == sorted(times), "evicted out of LRU order"
+        for prefix in gone:
+            del self.cached[prefix]
+        survivors = [p for p in self.cached if p not in protected and self.is_leaf(p)]
+        if gone and survivors:
+            assert max(times) <= min(self.access[p] for p in survivors), "a newer leaf went first"
+        for prefix in gone:
+            del self.access[prefix]
+        self.released.update(released)
+
+    @rule()
+    def reset(self) -> None:
+        if self.protected():  # locks of empty matches (on the root) protect nothing
+            with pytest.raises(RuntimeError):
+                self.tree.reset()
+            return
+        released = self.tree.reset()
+        assert sorted(released) == sorted(self.cached.values())
+        self.released.update(released)
+        self.cached.clear()
+        self.access.clear()
+
+    @invariant()
+    def tree_matches_model(self) -> None:
+        self.tree.check()
+        assert self.contents() == (self.cached, self.access)
+        protected = self.protected()
+        assert protected <= self.cached.keys()
+        assert self.tree.cached_pages == len(self.cached)
+        assert self.tree.protected_pages == len(protected)
+        assert self.tree.evictable_pages == len(self.cached) - len(protected)
+        kept = set(self.cached.values())
+        assert self.given == kept | self.returned | self.released
+        assert len(self.given) == len(kept) + len(self.returned) + len(self.released)
+
+    def contents(self) -> tuple[dict[Prefix, int], dict[Prefix, int]]:
+        """The tree read back as the model's two dicts."""
+        pages: dict[Prefix, int] = {}
+        access: dict[Prefix, int] = {}
+        stack: list[tuple[Prefix, Node]] = [((), self.tree.root)]
+        while stack:
+            above, node = stack.pop()
+            for child in node.children.values():
+                for j, page in enumerate(child.pages):
+                    prefix = above + child.key[: (j + 1) * self.ps]
+                    pages[prefix] = page
+                    access[prefix] = child.last_access
+                stack.append((above + child.key, child))
+        return pages, access
+
+
+TestRadixMachine = RadixMachine.TestCase
+TestRadixMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+# ------------------------------------------------------------------------------ random: serving
+
+
+@dataclass
+class Request:
+    tokens: list[int]  # tokens whose KV is written
+    pages: list[int]  # match.pages, then pages from alloc
+    match: Match
+
+
+class ServingMachine(RuleBasedStateMachine):
+    """Requests admitted, decoded, finished, aborted and retracted through a PrefixCache over a
+    pool small enough to force eviction and failed allocations. `kv` records which tokens each
+    page holds, as the executor would write them: a page freed or reused while still in use
+    turns into a wrong match or a wrong tree page."""
+
+    @initialize(page_size=st.integers(1, 3), num_pages=st.integers(0, 12), enabled=st.booleans())
+    def start(self, page_size: int, num_pages: int, enabled: bool) -> None:
+        self.ps = page_size
+        self.pool = PagePool(num_pages)
+        self.cache = PrefixCache(self.pool, page_size, enabled=enabled)
+        self.kv: dict[int, Prefix] = {}
+        self.live: list[Request] = []
+
+    def page_tokens(self, tokens: list[int], i: int) -> Prefix:
+        return tuple(tokens[i * self.ps : (i + 1) * self.ps])
+
+    def write_kv(self, req: Request) -> None:
+        for i in range(len(req.match.pages), len(req.pages)):
+            self.kv[req.pages[i]] = self.page_tokens(req.tokens, i)
+
+    def release(self, req: Request, num_tokens: int) -> None:
+        self.cache.release(req.tokens[:num_tokens], req.pages, req.match)
+        self.live.remove(req)
+
+    @rule(prompt=st.lists(st.integers(0, 1), min_size=1, max_size=8))
+    def admit(self, prompt: list[int]) -> None:
+        match = self.cache.acquire(prompt)
+        assert match.num_tokens < len(prompt)
+        for i, page in enumerate(match.pages):
+            assert self.kv[page] == self.page_tokens(prompt, i), "matched KV of other tokens"
+        need = -(-len(prompt) // self.ps) - len(match.pages)
+        pages = self.cache.alloc(need)
+        if pages is None:  # no room: hand the match back, as the scheduler would
+            self.cache.release(prompt[: match.num_tokens], match.pages, match)
+            return
+        req = Request(list(prompt), [*match.pages, *pages], match)
+        self.write_kv(req)
+        self.live.append(req)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), token=st.integers(0, 1))
+    def decode(self, data: st.DataObject, token: int) -> None:
+        req = self.live[data.draw(st.integers(0, len(self.live) - 1), label="request")]
+        if len(req.tokens) == len(req.pages) * self.ps:
+            pages = self.cache.alloc(1)
+            if pages is None:  # decode pressure: retract, keeping its KV in the tree
+                self.release(req, len(req.tokens))
+                return
+            req.pages.extend(pages)
+        req.tokens.append(token)
+        self.write_kv(req)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def finish_or_abort(self, data: st.DataObject) -> None:
+        req = self.live[data.draw(st.integers(0, len(self.live) - 1), label="request")]
+        # An abort mid-prefill has KV for fewer tokens (never fewer than the match).
+        computed = data.draw(st.integers(req.match.num_tokens, len(req.tokens)), label="computed")
+        self.release(req, computed)
+
+    @rule()
+    def drain(self) -> None:
+        """Everything finishes and the cache is flushed: the pool is whole again."""
+        for req in list(self.live):
+            self.release(req, len(req.tokens))
+        self.cache.reset()
+        assert self.pool.num_free == self.pool.num_pages
+        self.cache.check()
+
+    @invariant()
+    def every_page_accounted_for(self) -> None:
+        self.cache.check()
+        own = [page for req in self.live for page in req.pages[len(req.match.pages) :]]
+        tree_pages = self.tree_pages()
+        assert len(set(own)) == len(own) and set(own).isdisjoint(tree_pages)
+        assert self.cache.request_pages == len(own)
+        assert self.pool.num_free + len(tree_pages) + len(own) == self.pool.num_pages
+
+    def tree_pages(self) -> set[int]:
+        """Every page in the tree, checking that it holds the KV of exactly its tokens."""
+        pages: set[int] = set()
+        stack = [self.cache.tree.root]
+        while stack:
+            node = stack.pop()
+            for i, page in enumerate(node.pages):
+                assert self.kv[page] == tuple(node.key[i * self.ps : (i + 1) * self.ps])
+                pages.add(page)
+            stack.extend(node.children.values())
+        return pages
+
+    def teardown(self) -> None:
+        if hasattr(self, "cache"):
+            self.drain()
+
+
+TestServingMachine = ServingMachine.TestCase
+TestServingMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

@@ -1,0 +1,58 @@
+"""A model-free executor that checks the scheduler's bookkeeping end to end.
+
+Its "KV cache" stores token ids: every step writes each input token at the slot its page table
+names, and the next token is a hash of the whole sequence *read back through the page table*.
+So wrong pages, a stale prefix-cache hit, a page freed too early or a mis-fed decode input all
+change the tokens, and a test only has to compare against the same hash run alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from m3serve.runtime.messages import StepPlan, StepResult
+
+VOCAB = 1000
+
+
+def next_token(sequence: list[int]) -> int:
+    digest = hashlib.blake2b(repr(sequence).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % VOCAB
+
+
+def reference_output(prompt: list[int], max_new: int, stop: frozenset[int]) -> list[int]:
+    seq, out = list(prompt), []
+    while len(out) < max_new:
+        token = next_token(seq)
+        out.append(token)
+        seq.append(token)
+        if token in stop:
+            break
+    return out
+
+
+class FakeExecutor:
+    def __init__(self, num_pages: int, page_size: int, max_slots: int) -> None:
+        self.page_size = page_size
+        self.kv: list[int | None] = [None] * (num_pages * page_size)
+        self.last_tokens = [0] * max_slots
+
+    def run(self, plan: StepPlan) -> StepResult:
+        slots, tokens = [], []
+        for seq in plan.seqs:
+            inputs = seq.input_ids if seq.input_ids is not None else [self.last_tokens[seq.slot]]
+            assert len(inputs) == seq.extend
+            for offset, token in enumerate(inputs):
+                self.kv[self._slot(seq.pages, seq.start + offset)] = token
+            if seq.sample:
+                end = seq.start + seq.extend
+                history = [self.kv[self._slot(seq.pages, p)] for p in range(end)]
+                assert None not in history, "read a KV slot nobody wrote"
+                token = next_token(history)
+                self.last_tokens[seq.slot] = token
+                slots.append(seq.slot)
+                tokens.append(token)
+        return StepResult(step=plan.step, slots=slots, tokens=tokens)
+
+    def _slot(self, pages: list[int], position: int) -> int:
+        return pages[position // self.page_size] * self.page_size + position % self.page_size

@@ -1,0 +1,239 @@
+"""The scheduler against a model-free executor whose tokens depend on the KV it reads back:
+continuous batching, chunked prefill, prefix caching, retraction, aborts and overlap all have to
+reproduce each request's solo output, and every page comes back when the work is done."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from m3serve.actors.scheduler.req import Req
+from m3serve.actors.scheduler.scheduler import QueueFull, Scheduler
+from m3serve.runtime.config import SchedArgs
+from m3serve.runtime.messages import SamplingParams, StepPlan
+
+from .fake_executor import FakeExecutor, reference_output
+
+PAGE = 4
+STOP = frozenset({7})
+
+
+@dataclass
+class Run:
+    scheduler: Scheduler
+    executor: FakeExecutor
+    outputs: dict[str, list[int]]
+    finishes: dict[str, str]
+
+
+def make(num_pages: int, radix: bool = True, **sched: float) -> Run:
+    args = SchedArgs(**{"max_running_requests": 8, "max_prefill_tokens": 64, **sched})
+    scheduler = Scheduler(args, num_pages, PAGE, radix)
+    return Run(scheduler, FakeExecutor(num_pages, PAGE, args.max_running_requests), {}, {})
+
+
+def request(rid: str, prompt: list[int], max_new: int) -> Req:
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=max_new)
+    return Req(rid, prompt, sampling, STOP, worker=0, arrival=0.0)
+
+
+def drive(run: Run, overlap: bool = True, aborts: dict[int, str] | None = None) -> None:
+    """Run to completion; with overlap, step N+1 is planned before step N's result lands."""
+    pending: deque[StepPlan] = deque()
+    aborts = aborts or {}
+    for _ in range(10_000):
+        if run.scheduler.step in aborts:
+            run.scheduler.abort(aborts.pop(run.scheduler.step))
+        plan = run.scheduler.schedule()
+        if plan is not None:
+            pending.append(plan)
+        if pending and (len(pending) > 1 or not overlap or plan is None):
+            collect(run, pending.popleft())
+        run.scheduler.idle_check()
+        if plan is None and not pending and not run.scheduler.has_work:
+            return
+    raise AssertionError("the scheduler did not finish the workload")
+
+
+def collect(run: Run, plan: StepPlan) -> None:
+    out = run.scheduler.process(run.executor.run(plan))
+    for batch in out.batches.values():
+        for rid, ids, finish in zip(batch.rids, batch.new_ids, batch.finish, strict=True):
+            run.outputs.setdefault(rid, []).extend(ids)
+            if finish is not None:
+                run.finishes[rid] = finish.reason
+
+
+def assert_all_pages_back(run: Run) -> None:
+    s = run.scheduler
+    s.idle_check()
+    assert not s.running and not s.waiting
+    assert s.slots.num_free == s.slots.num_slots
+    s.cache.reset()
+    assert s.pool.num_free == s.pool.num_pages
+
+
+def prompts(seed: int, count: int, low: int = 1, high: int = 40) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(8, 1000) for _ in range(rng.randint(low, high))] for _ in range(count)]
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+@pytest.mark.parametrize("chunk", [-1, 5], ids=["whole-prefill", "chunk-5"])
+def test_batched_outputs_equal_solo_outputs(overlap: bool, chunk: int) -> None:
+    run = make(256, chunked_prefill_size=chunk)
+    reqs = [request(f"r{i}", p, 12) for i, p in enumerate(prompts(1, 16))]
+    for req in reqs:
+        run.scheduler.add(req)
+    drive(run, overlap)
+    for req in reqs:
+        assert run.outputs[req.rid] == reference_output(req.prompt, 12, STOP)
+    assert_all_pages_back(run)
+
+
+def test_shared_prefix_is_served_from_the_cache() -> None:
+    run = make(256)
+    prefix = list(range(100, 130))  # 30 tokens: 7 whole pages
+    first = request("a", [*prefix, 1, 2], 4)
+    run.scheduler.add(first)
+    drive(run)
+    second = request("b", [*prefix, 3, 4, 5], 4)
+    run.scheduler.add(second)
+    drive(run)
+    assert second.cached_tokens >= (len(prefix) // PAGE) * PAGE
+    assert run.outputs["b"] == reference_output(second.prompt, 4, STOP)
+    assert_all_pages_back(run)
+
+
+def test_small_pool_retracts_and_still_completes_correctly() -> None:
+    # 24 pages = 96 tokens for 8 requests that each grow to ~45 tokens, admitted optimistically
+    # (a small reservation ratio), so decode outgrows the pool.
+    run = make(24, max_running_requests=8, init_new_token_ratio=0.05, min_new_token_ratio=0.05)
+    reqs = [request(f"r{i}", p, 30) for i, p in enumerate(prompts(2, 8, 10, 20))]
+    for req in reqs:
+        run.scheduler.add(req)
+    drive(run)
+    assert sum(r.retractions for r in reqs) > 0, "the workload was meant to force retraction"
+    for req in reqs:
+        assert run.outputs[req.rid] == reference_output(req.prompt, 30, STOP)
+    assert_all_pages_back(run)
+
+
+def test_eviction_under_a_small_pool_keeps_outputs_correct() -> None:
+    run = make(16)
+    for i, prompt in enumerate(prompts(3, 12, 20, 40)):
+        req = request(f"r{i}", prompt, 6)
+        run.scheduler.add(req)
+        drive(run)
+        assert run.outputs[req.rid] == reference_output(prompt, 6, STOP)
+    assert_all_pages_back(run)
+
+
+def test_abort_frees_pages() -> None:
+    run = make(64)
+    reqs = [request(f"r{i}", p, 40) for i, p in enumerate(prompts(4, 6, 10, 30))]
+    for req in reqs:
+        run.scheduler.add(req)
+    drive(run, aborts={3: "r1", 5: "r4", 9: "r0"})
+    assert {"r0", "r1", "r4"}.isdisjoint(run.finishes)
+    assert_all_pages_back(run)
+
+
+def test_full_queue_is_refused() -> None:
+    run = make(64, max_queued_requests=2)
+    run.scheduler.add(request("a", [9], 1))
+    run.scheduler.add(request("b", [9], 1))
+    with pytest.raises(QueueFull):
+        run.scheduler.add(request("c", [9], 1))
+
+
+def test_request_larger_than_the_pool_is_refused() -> None:
+    run = make(4)
+    with pytest.raises(ValueError, match="raise --max-total-tokens"):
+        run.scheduler.add(request("a", list(range(8, 20)), 10))
+
+
+# A few shared prefixes, so prefix-cache hits (and evictions of shared pages) are common.
+PREFIXES = [[], list(range(200, 212)), list(range(300, 317))]
+prompt_strategy = st.builds(
+    lambda prefix, suffix: PREFIXES[prefix] + suffix,
+    st.integers(0, len(PREFIXES) - 1),
+    st.lists(st.integers(8, 999), min_size=1, max_size=20),
+)
+workload = st.lists(
+    st.tuples(
+        prompt_strategy,  # prompt
+        st.integers(1, 20),  # max_new_tokens
+        st.integers(0, 30),  # step at which to abort it (0: never)
+        st.integers(0, 6),  # steps between this request and the previous one
+    ),
+    min_size=4,
+    max_size=12,
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    jobs=workload,
+    num_pages=st.integers(12, 64),
+    chunk=st.sampled_from([-1, 3, 8]),
+    overlap=st.booleans(),
+    radix=st.booleans(),
+    ratio=st.sampled_from([0.05, 0.7]),
+)
+def test_random_workload_is_correct_and_leaks_nothing(
+    jobs: list[tuple[list[int], int, int, int]],
+    num_pages: int,
+    chunk: int,
+    overlap: bool,
+    radix: bool,
+    ratio: float,
+) -> None:
+    run = make(
+        num_pages,
+        radix=radix,
+        chunked_prefill_size=chunk,
+        init_new_token_ratio=ratio,
+        min_new_token_ratio=min(ratio, 0.1),
+    )
+    aborted, arrivals, started, step = set(), [], [], 0
+    for i, (prompt, max_new, abort_at, gap) in enumerate(jobs):
+        step += gap
+        if len(prompt) + max_new > num_pages * PAGE:
+            continue
+        arrivals.append((step, request(f"r{i}", prompt, max_new)))
+        started.append(arrivals[-1])
+        if abort_at:
+            aborted.add((step + abort_at, f"r{i}"))
+    pending: deque[StepPlan] = deque()
+    arrivals.sort(key=lambda item: item[0])
+    for tick in range(5_000):
+        while arrivals and arrivals[0][0] <= tick:
+            run.scheduler.add(arrivals.pop(0)[1])
+        for when, rid in sorted(aborted):
+            if when == tick:
+                run.scheduler.abort(rid)
+        plan = run.scheduler.schedule()
+        if plan is not None:
+            pending.append(plan)
+        if pending and (len(pending) > 1 or not overlap or plan is None):
+            collect(run, pending.popleft())
+        run.scheduler.idle_check()
+        if not arrivals and not pending and not run.scheduler.has_work:
+            break
+    else:
+        raise AssertionError("workload did not finish")
+    event(f"retractions: {min(sum(r.retractions for _, r in started), 3)}")
+    event(f"cache hits: {sum(r.cached_tokens > 0 for _, r in started) > 0}")
+    for rid, reason in run.finishes.items():
+        req_prompt, req_max = next((job[0], job[1]) for i, job in enumerate(jobs) if f"r{i}" == rid)
+        expected = reference_output(req_prompt, req_max, STOP)
+        assert run.outputs[rid] == expected
+        assert reason == ("stop" if expected[-1] in STOP else "length")
+    assert_all_pages_back(run)
