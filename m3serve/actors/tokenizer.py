@@ -109,7 +109,13 @@ class TokenizerActor(Actor):
         if not self.skip_tokenizer_init:
             from tokenizers import Tokenizer
 
-            self.tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
+            path = self.model_dir / "tokenizer.json"
+            if not path.is_file():
+                raise FileNotFoundError(
+                    f"no tokenizer.json in {self.model_dir} "
+                    "(use skip_tokenizer_init=True to serve token ids only)"
+                )
+            self.tokenizer = Tokenizer.from_file(str(path))
             self.template = load_chat_template(self.model_dir)
         return {"context_length": self.facts.context_length, "eos_ids": list(self.facts.eos_ids)}
 

@@ -94,14 +94,18 @@ class AsyncEngine:
         self._tasks: list[asyncio.Task[Any]] = []
         self._supervisor: Supervisor | None = None
         self._in_process: Any = None
+        self.actors: list[Any] = []
 
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
+        from m3serve.model.config import load_model_config
         from m3serve.model.tiny.default import default_model_path
 
         path = self.args.model.model_path
         self.model_path = Path(path) if path else await asyncio.to_thread(default_model_path)
+        # Fail in this process, with the config's own message, before spawning anything.
+        load_model_config(self.model_path)
         session = new_session_id()
         run_dir = Path(tempfile.mkdtemp(prefix=f"m3s-{session}-"))
         self._supervisor = Supervisor(session, run_dir)
@@ -184,6 +188,7 @@ class AsyncEngine:
                     context_length=self.args.runtime.context_length,
                 )
             )
+        self.actors = actors  # for introspection in tests and embedded uses
         self._in_process = [asyncio.create_task(a.serve(), name=a.name) for a in actors]
         control_inbox = control.inbox()
         ready: dict[str, Ready] = {}
@@ -221,6 +226,13 @@ class AsyncEngine:
             box.close()
         self._closables = []
         self._fail_all(EngineDeadError("the engine was shut down"))
+
+    @property
+    def processes(self) -> dict[str, int]:
+        """Actor process name -> pid (empty in single-process mode)."""
+        if self._supervisor is None:
+            return {}
+        return {name: proc.pid for name, proc in self._supervisor.procs.items() if proc.pid}
 
     # ------------------------------------------------------------------ requests
 

@@ -82,6 +82,7 @@ class Scheduler:
         self.inflight: dict[int, list[Req | None]] = {}  # step -> request per sampled row
         self.new_token_ratio = args.init_new_token_ratio
         self.pending_errors = Outputs({}, {})
+        self.retracted = 0  # requests retracted so far (a metric)
 
     # ------------------------------------------------------------------ requests in
 
@@ -260,6 +261,7 @@ class Scheduler:
         self._release(req)
         req.phase, req.prefilled, req.kv_len = Phase.WAITING, False, 0
         req.retractions += 1
+        self.retracted += 1
         self.waiting.appendleft(req)
         # Decode is outgrowing memory: reserve more for future tokens again.
         self.new_token_ratio = self.args.init_new_token_ratio
