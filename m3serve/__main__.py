@@ -4,4 +4,6 @@ import sys
 
 from m3serve.cli import main
 
-sys.exit(main())
+# Guarded: actor processes are spawned, and a spawned child re-imports the parent's __main__.
+if __name__ == "__main__":
+    sys.exit(main())

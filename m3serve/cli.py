@@ -12,13 +12,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from m3serve.runtime.config import (
-    BackendArgs,
-    ConfigInvalid,
-    ModelArgs,
-    add_section,
-    section_from_args,
-)
+from m3serve.runtime.config import ConfigInvalid, ServerArgs, add_section, section_from_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,18 +20,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
     commands = parser.add_subparsers(dest="command", required=True)
 
-    gen = commands.add_parser("generate", help="generate text from a prompt in-process")
+    gen = commands.add_parser("generate", help="generate text from a prompt through the engine")
     gen.add_argument("prompt", nargs="?", default="The capital of France is")
-    add_section(gen, ModelArgs)
-    add_section(gen, BackendArgs)
-    gen.add_argument("--max-new-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
+    ServerArgs.add_arguments(gen)
+    sampling = gen.add_argument_group("sampling")
+    sampling.add_argument("--max-new-tokens", type=int, default=32)
+    sampling.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    sampling.add_argument("--top-p", type=float, default=1.0)
+    sampling.add_argument("--top-k", type=int, default=-1)
+    sampling.add_argument("--min-p", type=float, default=0.0)
+    sampling.add_argument("--seed", type=int, default=None)
+    sampling.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    gen.add_argument("--ignore-eos", action="store_true")
 
     from m3serve.model.tiny.checkpoint import TinySpec
 
@@ -71,39 +65,38 @@ def _make_tiny(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    import torch
-    from tokenizers import Tokenizer
+    from m3serve.runtime.offline import Engine
 
-    from m3serve.kernels.sampling import SamplingConfig
-    from m3serve.model.build import load_model
-    from m3serve.model.chat_template import load_chat_template, render_chat
-    from m3serve.model.generate import stream_tokens
-
-    model_args = section_from_args(ModelArgs, args)
-    backend_args = section_from_args(BackendArgs, args)
-    loaded = load_model(
-        model_args.model_path, backend_args.backend, model_args.dtype, backend_args.device
-    )
-    tokenizer = Tokenizer.from_file(str(loaded.path / "tokenizer.json"))
-    prompt = args.prompt
-    if args.chat:
-        template = load_chat_template(loaded.path)
-        if template is None:
-            raise ValueError(f"--chat: no chat template in {loaded.path}")
-        prompt = render_chat(template, [{"role": "user", "content": prompt}])
-    ids = tokenizer.encode(prompt, add_special_tokens=False).ids
-    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.min_p)
+    sampling = {
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "min_p": args.min_p,
+        "seed": args.seed,
+        "ignore_eos": args.ignore_eos,
+    }
     started = time.monotonic()
-    stop = () if args.ignore_eos else None
-    with torch.inference_mode():
-        out = list(stream_tokens(loaded.model, ids, args.max_new_tokens, sampling, args.seed, stop))
-    elapsed = time.monotonic() - started
-    completion = tokenizer.decode(out, skip_special_tokens=True)
-    print(completion if args.chat else prompt + completion)
+    with Engine(server_args=ServerArgs.from_args(args)) as engine:
+        ready = time.monotonic()
+        if args.chat:
+            messages = [{"role": "user", "content": args.prompt}]
+            chunks = engine.chat(messages, sampling_params=sampling, stream=True)
+        else:
+            print(args.prompt, end="", flush=True)
+            chunks = engine.generate(args.prompt, sampling, stream=True)
+        meta: dict = {}
+        for chunk in chunks:
+            print(chunk["text"], end="", flush=True)
+            meta = chunk["meta_info"]
+        print()
+        elapsed = time.monotonic() - ready
+        info = engine.server_info
     print(
-        f"[{len(ids)} prompt + {len(out)} new tokens in {elapsed:.2f}s, "
-        f"{len(out) / max(elapsed, 1e-9):.1f} tok/s, backend {loaded.backend.name}, "
-        f"{str(loaded.dtype).removeprefix('torch.')} on {loaded.device}]",
+        f"[{meta.get('prompt_tokens', 0)} prompt + {meta.get('completion_tokens', 0)} new tokens "
+        f"in {elapsed:.2f}s ({meta.get('completion_tokens', 0) / max(elapsed, 1e-9):.1f} tok/s), "
+        f"start-up {ready - started:.1f}s, backend {info.get('backend')}, "
+        f"{info.get('dtype')} on {info.get('device')}]",
         file=sys.stderr,
     )
     return 0

@@ -78,7 +78,12 @@ class Executor:
     def run(self, plan: StepPlan) -> StepResult:
         for seq in plan.seqs:
             if seq.new_request:
-                self.sampler.start(seq.slot, plan.sampling[seq.slot], plan.prompt_ids[seq.slot])
+                self.sampler.start(
+                    seq.slot,
+                    plan.sampling[seq.slot],
+                    plan.prompt_ids[seq.slot],
+                    plan.output_ids.get(seq.slot, ()),
+                )
         chunks = [
             SeqChunk(seq.input_ids or [0] * seq.extend, seq.start, seq.pages) for seq in plan.seqs
         ]

@@ -22,7 +22,8 @@ _BACKENDS: dict[str, type[Backend] | None] = {
 BACKEND_NAMES = ("auto", *_BACKENDS)
 
 
-def create_backend(name: str, device: torch.device) -> Backend:
+def backend_class(name: str) -> type[Backend]:
+    """The class behind a --backend name; raises BackendUnavailable with the reason."""
     if name == "auto":
         name = "reference"
     if name not in _BACKENDS:
@@ -33,7 +34,11 @@ def create_backend(name: str, device: torch.device) -> Backend:
         raise BackendUnavailable(
             f"backend {name!r} is not built yet in this release; use --backend reference"
         )
-    return cls(device)
+    return cls
 
 
-__all__ = ["BACKEND_NAMES", "Backend", "BackendUnavailable", "create_backend"]
+def create_backend(name: str, device: torch.device) -> Backend:
+    return backend_class(name)(device)
+
+
+__all__ = ["BACKEND_NAMES", "Backend", "BackendUnavailable", "backend_class", "create_backend"]

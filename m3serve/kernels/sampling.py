@@ -168,18 +168,38 @@ class Sampler:
 
     # ------------------------------------------------------------------------ slot lifecycle
 
-    def start(self, slot: int, params: SamplingParams, prompt_ids: Sequence[int]) -> None:
-        """A new request in `slot`: fresh counts, its own generator if it has a seed."""
+    def start(
+        self,
+        slot: int,
+        params: SamplingParams,
+        prompt_ids: Sequence[int],
+        output_ids: Sequence[int] = (),
+    ) -> None:
+        """A new request in `slot`: fresh counts, its own generator if it has a seed.
+
+        `output_ids` resumes a request that was retracted and recomputed: its earlier tokens
+        count for the penalties again, and a seeded stream continues where it stopped.
+        """
         self._check_slot(slot)
         self._params[slot] = params
         self._generators[slot] = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device)
             self._generators[slot] = generator.manual_seed(params.seed & _SEED_MASK)
+            if not params.greedy:
+                # Each sampled step drew one noise row of the vocabulary's size.
+                row = torch.empty(self.vocab_size, device=self.device)
+                for _ in range(len(output_ids)):
+                    row.exponential_(generator=generator)
         self._counts[slot].zero_()
         self._seen[slot].zero_()
         if len(prompt_ids) > 0:  # len, not truth: prompt ids may come as a numpy array
             self._seen[slot].index_fill_(0, self._upload(list(prompt_ids)), True)
+        if len(output_ids) > 0:
+            ids = self._upload(list(output_ids))
+            self._seen[slot].index_fill_(0, ids, True)
+            ones = torch.ones_like(ids, dtype=self._counts.dtype)
+            self._counts[slot].index_add_(0, ids, ones)
 
     def release(self, slot: int) -> None:
         """Free `slot`; its tensor rows are left as they are (`start` resets them)."""

@@ -99,13 +99,15 @@ class AsyncEngine:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
+        from m3serve.backends import backend_class
         from m3serve.model.config import load_model_config
         from m3serve.model.tiny.default import default_model_path
 
         path = self.args.model.model_path
         self.model_path = Path(path) if path else await asyncio.to_thread(default_model_path)
-        # Fail in this process, with the config's own message, before spawning anything.
+        # Fail in this process, with the component's own message, before spawning anything.
         load_model_config(self.model_path)
+        backend_class(self.args.backend.backend)
         session = new_session_id()
         run_dir = Path(tempfile.mkdtemp(prefix=f"m3s-{session}-"))
         self._supervisor = Supervisor(session, run_dir)

@@ -193,9 +193,11 @@ class SeqStep(msgspec.Struct, array_like=True):
 class StepPlan(msgspec.Struct, tag=True, kw_only=True, array_like=True):
     step: int
     seqs: list[SeqStep]
-    # Sampling settings for slots that start this step (keyed by slot).
+    # Slots that start (or resume after retraction) this step: their sampling settings, prompt
+    # and the output they already produced.
     sampling: dict[int, SamplingParams] = msgspec.field(default_factory=dict)
     prompt_ids: dict[int, list[int]] = msgspec.field(default_factory=dict)
+    output_ids: dict[int, list[int]] = msgspec.field(default_factory=dict)
 
 
 class StepResult(msgspec.Struct, tag=True, kw_only=True, array_like=True):

@@ -38,8 +38,18 @@ class Engine:
     `async_*` methods work inside any host event loop (which is never created or closed here).
     """
 
-    def __init__(self, model_path: str | None = None, **server_args: Any) -> None:
-        self.args = ServerArgs.from_kwargs(model_path=model_path, **server_args)
+    def __init__(
+        self,
+        model_path: str | None = None,
+        *,
+        server_args: ServerArgs | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if server_args is None:
+            server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
+        elif model_path is not None or kwargs:
+            raise ValueError("pass either server_args or model_path/keyword arguments")
+        self.args = server_args
         self._loop = _new_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="m3serve-engine-loop", daemon=True

@@ -69,6 +69,32 @@ def test_requests_outgrowing_the_pool_are_retracted_and_complete(
         assert out["output_ids"] == generate(model, ids, 24)
 
 
+def test_seeded_sampling_survives_retraction(model_path: Path) -> None:
+    prompts = [random_prompt(600 + i, 12, VOCAB) for i in range(8)]
+    params = [
+        {
+            "temperature": 0.9,
+            "top_k": 50,
+            "seed": 7 + i,
+            "max_new_tokens": 24,
+            "frequency_penalty": 0.4,
+        }
+        for i in range(8)
+    ]
+    with Engine(str(model_path), single_process=True) as roomy:
+        expected = roomy.generate(input_ids=prompts, sampling_params=params)
+    with Engine(
+        str(model_path),
+        single_process=True,
+        max_total_tokens=160,
+        init_new_token_ratio=0.05,
+        min_new_token_ratio=0.05,
+    ) as tight:
+        outs = tight.generate(input_ids=prompts, sampling_params=params)
+        assert scheduler_of(tight).scheduler.retracted > 0
+    assert [o["output_ids"] for o in outs] == [e["output_ids"] for e in expected]
+
+
 def test_eviction_under_a_small_pool_gives_correct_results(
     model_path: Path, model: M3ForCausalLM
 ) -> None:

@@ -249,6 +249,8 @@ class Scheduler:
         if new:
             plan.sampling[req.slot] = req.sampling
             plan.prompt_ids[req.slot] = req.prompt
+            if req.output:
+                plan.output_ids[req.slot] = list(req.output)
         req.kv_len += chunk
         if last:
             req.prefilled = True

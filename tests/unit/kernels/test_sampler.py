@@ -540,3 +540,14 @@ def test_cuda_matches_the_contract_without_syncs() -> None:
     raw = torch.log_softmax(logits[0], dim=-1).cpu()
     assert entry.logprob == pytest.approx(raw[entry.token_id].item(), abs=1e-5)
     assert [t for t, _ in entry.top] == torch.topk(raw, 4).indices.tolist()
+
+
+def test_resumed_request_continues_its_seeded_stream_and_penalty_counts() -> None:
+    params = SamplingParams(temperature=1.0, seed=99, frequency_penalty=0.5, presence_penalty=0.3)
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(3))
+    straight = Sampler(2, 50, "cpu")
+    straight.start(0, params, [1, 2, 3])
+    tokens = [int(straight.sample(logits, [0])[0][0]) for _ in range(6)]
+    resumed = Sampler(2, 50, "cpu")
+    resumed.start(1, params, [1, 2, 3], output_ids=tokens[:4])
+    assert [int(resumed.sample(logits, [1])[0][0]) for _ in range(2)] == tokens[4:]

@@ -1,0 +1,159 @@
+"""Scheduler CPU time per step, and how much of it the overlap loop hides.
+
+Part 1 (CPU per step): the real `Scheduler` with N running decode requests and a no-op
+executor; the time of `schedule()` + `process()` per step, at 64 and 256 running requests.
+
+Part 2 (overlap): the real `SchedulerActor` step loop with an executor thread whose step takes a
+fixed "device" time (a sleep that releases the GIL, like a GPU step would), run with the overlap
+schedule on and off. Without overlap, a step costs device time + the host work around it (plan,
+hand-off, process, emit); hidden share = the part of that host work overlap takes off the
+critical path = 1 - (step_overlap - device) / (step_no_overlap - device). Prints a table and
+writes JSON.
+
+    python perf/bench_scheduler.py [--steps 200] [--device-ms 4] [--out perf/results/...json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+from m3serve.actors.executor import ExecutorThread
+from m3serve.actors.scheduler.actor import SchedulerActor
+from m3serve.actors.scheduler.req import Req
+from m3serve.actors.scheduler.scheduler import Scheduler
+from m3serve.runtime.config import ServerArgs
+from m3serve.runtime.messages import SamplingParams, StepPlan, StepResult
+from m3serve.runtime.transport import InProcChannel
+
+PAGE = 128
+PROMPT = 1000
+
+
+class NoOpExecutor:
+    """Returns a token for every sampled row at once (optionally after a fake device time)."""
+
+    def __init__(self, device_s: float = 0.0) -> None:
+        self.device_s = device_s
+
+    def run(self, plan: StepPlan) -> StepResult:
+        if self.device_s:
+            time.sleep(self.device_s)
+        slots = [seq.slot for seq in plan.seqs if seq.sample]
+        return StepResult(step=plan.step, slots=slots, tokens=[11] * len(slots))
+
+
+def make_scheduler(running: int) -> Scheduler:
+    args = ServerArgs.from_kwargs(max_running_requests=running, max_prefill_tokens=1 << 20)
+    pages = running * ((PROMPT + 4096) // PAGE + 1)
+    scheduler = Scheduler(args.sched, pages, PAGE, radix=True)
+    for i in range(running):
+        sampling = SamplingParams(temperature=0.0, max_new_tokens=4000)
+        prompt = [(i * 7 + j) % 1000 for j in range(PROMPT)]
+        scheduler.add(Req(f"r{i}", prompt, sampling, frozenset(), worker=0, arrival=0.0))
+    return scheduler
+
+
+def cpu_per_step(running: int, steps: int) -> dict[str, Any]:
+    scheduler = make_scheduler(running)
+    executor = NoOpExecutor()
+    while any(not r.prefilled for r in scheduler.running) or scheduler.waiting:
+        scheduler.process(executor.run(scheduler.schedule()))  # admit and prefill everyone
+    plan_s = process_s = 0.0
+    for _ in range(steps):
+        started = time.perf_counter()
+        plan = scheduler.schedule()
+        planned = time.perf_counter()
+        scheduler.process(executor.run(plan))
+        process_s += time.perf_counter() - planned
+        plan_s += planned - started
+    per_step = (plan_s + process_s) / steps
+    return {
+        "running": running,
+        "schedule_us": plan_s / steps * 1e6,
+        "process_us": process_s / steps * 1e6,
+        "cpu_us_per_step": per_step * 1e6,
+        "cpu_us_per_request": per_step / running * 1e6,
+    }
+
+
+async def actor_step_time(running: int, steps: int, device_s: float, overlap: bool) -> float:
+    """Wall seconds per decode step of the real SchedulerActor loop."""
+    args = ServerArgs.from_kwargs(disable_overlap_schedule=not overlap)
+    inbox, outputs = InProcChannel(), InProcChannel()
+    actor = SchedulerActor(inbox.inbox(), [outputs.outbox()], None, args, Path("."))
+    actor.scheduler = make_scheduler(running)
+    actor.executor = ExecutorThread(NoOpExecutor(device_s))
+    counted: list[float] = []
+
+    async def drain() -> None:
+        received = 0
+        out_inbox = outputs.inbox()
+        while True:
+            await out_inbox.recv()
+            received += 1
+            counted.append(time.perf_counter())
+            if received >= steps + 50:
+                actor.stopping = True
+                actor._wake.set()
+                return
+
+    drainer = asyncio.create_task(drain())
+    await actor.loop()
+    await drainer
+    actor.executor.close()
+    window = counted[50:]  # skip admission and prefill
+    return (window[-1] - window[0]) / (len(window) - 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--device-ms", type=float, default=4.0)
+    parser.add_argument("--out", type=Path, default=Path("perf/results/bench_scheduler.json"))
+    args = parser.parse_args()
+    rows = []
+    for running in (64, 256):
+        row = cpu_per_step(running, args.steps)
+        device_s = args.device_ms / 1000
+        on = asyncio.run(actor_step_time(running, args.steps, device_s, overlap=True))
+        off = asyncio.run(actor_step_time(running, args.steps, device_s, overlap=False))
+        exposed = off - device_s
+        row.update(
+            device_ms=args.device_ms,
+            step_ms_overlap=on * 1e3,
+            step_ms_no_overlap=off * 1e3,
+            hidden_share=max(0.0, 1.0 - (on - device_s) / exposed) if exposed > 0 else 0.0,
+        )
+        rows.append(row)
+    print(f"scheduler, no-op executor, {platform.machine()} ({args.steps} steps)")
+    print(
+        f"{'running':>7} {'schedule µs':>12} {'process µs':>11} {'µs/req':>7} "
+        f"{'device ms':>9} {'step ms (overlap)':>18} {'step ms (none)':>15} {'hidden':>7}"
+    )
+    for r in rows:
+        print(
+            f"{r['running']:7d} {r['schedule_us']:12.0f} {r['process_us']:11.0f} "
+            f"{r['cpu_us_per_request']:7.1f} {r['device_ms']:9.1f} {r['step_ms_overlap']:18.2f} "
+            f"{r['step_ms_no_overlap']:15.2f} {r['hidden_share']:7.0%}"
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    report = {
+        "benchmark": "bench_scheduler",
+        "command": (
+            f"python perf/bench_scheduler.py --steps {args.steps} --device-ms {args.device_ms}"
+        ),
+        "machine": platform.machine(),
+        "rows": rows,
+    }
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
