@@ -152,8 +152,8 @@ class AsyncEngine:
         ready = await sup.wait_ready(control, self.args.runtime.startup_timeout)
         sup.watch(self._on_death)
         self._tasks = [
-            asyncio.create_task(self._read_outputs(api), name="engine-outputs"),
-            asyncio.create_task(self._read_control(control), name="engine-control"),
+            asyncio.create_task(self._read(api), name="engine-outputs"),
+            asyncio.create_task(self._read(control), name="engine-control"),
         ]
         return ready
 
@@ -202,8 +202,8 @@ class AsyncEngine:
                 raise StartupError(message.message)
             ready[message.actor] = message
         self._tasks = [
-            asyncio.create_task(self._read_outputs(api.inbox()), name="engine-outputs"),
-            asyncio.create_task(self._read_control(control_inbox), name="engine-control"),
+            asyncio.create_task(self._read(api.inbox()), name="engine-outputs"),
+            asyncio.create_task(self._read(control_inbox), name="engine-control"),
         ]
         return ready
 
@@ -272,7 +272,8 @@ class AsyncEngine:
         if self.healthy:
             await self._tokenizers[self.worker_of(rid)].send(Abort(rid))
 
-    async def _read_outputs(self, inbox: Inbox) -> None:
+    async def _read(self, inbox: Inbox) -> None:
+        """Route what the actors send back (outputs, request errors, crash reports)."""
         while True:
             try:
                 message = await inbox.recv()
@@ -306,15 +307,6 @@ class AsyncEngine:
         state = self._streams.get(error.rid)
         if state is not None:
             state.queue.put_nowait(RequestError(error.message, error.code))
-
-    async def _read_control(self, inbox: Inbox) -> None:
-        while True:
-            try:
-                message = await inbox.recv()
-            except MailboxClosed:
-                return
-            if isinstance(message, Error):
-                self._deliver_error(message)
 
     def _on_death(self, name: str, exitcode: int | None) -> None:
         self._die(EngineDeadError(f"the {name} process exited unexpectedly (exit code {exitcode})"))

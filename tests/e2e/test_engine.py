@@ -4,11 +4,11 @@ with every actor in this process and with ZeroMQ between actor processes."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers.hf_oracle import hf_greedy, load_hf, load_ours, random_prompt
+from helpers.hf_oracle import hf_greedy, load_hf, random_prompt
 
 from m3serve import Engine, RequestError
 from m3serve.model.generate import generate
@@ -18,16 +18,6 @@ from m3serve.model.tiny.checkpoint import TinySpec
 SPEC = TinySpec(dtype="float32", seed=1)
 MODES = ["single-process", "multi-process"]
 GREEDY = {"temperature": 0.0}
-
-
-@pytest.fixture(scope="module")
-def model_path(tiny_checkpoint: Callable[[TinySpec], Path]) -> Path:
-    return tiny_checkpoint(SPEC)
-
-
-@pytest.fixture(scope="module")
-def model(model_path: Path) -> M3ForCausalLM:
-    return load_ours(model_path)
 
 
 @pytest.fixture(scope="module", params=MODES)

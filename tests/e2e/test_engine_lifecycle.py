@@ -7,7 +7,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,11 +18,6 @@ from m3serve.runtime.shm import list_session_segments
 from m3serve.runtime.supervisor import StartupError
 
 SPEC = TinySpec(dtype="float32", seed=1)
-
-
-@pytest.fixture(scope="module")
-def model_path(tiny_checkpoint: Callable[[TinySpec], Path]) -> Path:
-    return tiny_checkpoint(SPEC)
 
 
 def alive(pid: int) -> bool:

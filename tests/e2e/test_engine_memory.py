@@ -5,11 +5,10 @@ back after a workload with aborts."""
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers.hf_oracle import load_ours, random_prompt
+from helpers.hf_oracle import random_prompt
 
 from m3serve import Engine
 from m3serve.actors.scheduler.actor import SchedulerActor
@@ -20,16 +19,6 @@ from m3serve.model.tiny.checkpoint import TinySpec
 SPEC = TinySpec(dtype="float32", seed=1)
 GREEDY = {"temperature": 0.0}
 VOCAB = SPEC.vocab_size - 64
-
-
-@pytest.fixture(scope="module")
-def model_path(tiny_checkpoint: Callable[[TinySpec], Path]) -> Path:
-    return tiny_checkpoint(SPEC)
-
-
-@pytest.fixture(scope="module")
-def model(model_path: Path) -> M3ForCausalLM:
-    return load_ours(model_path)
 
 
 def scheduler_of(engine: Engine) -> SchedulerActor:

@@ -41,20 +41,29 @@ def request(rid: str, prompt: list[int], max_new: int) -> Req:
     return Req(rid, prompt, sampling, STOP, worker=0, arrival=0.0)
 
 
-def drive(run: Run, overlap: bool = True, aborts: dict[int, str] | None = None) -> None:
-    """Run to completion; with overlap, step N+1 is planned before step N's result lands."""
+def drive(
+    run: Run,
+    overlap: bool = True,
+    aborts: dict[int, str] | None = None,
+    arrivals: list[tuple[int, Req]] | None = None,
+) -> None:
+    """Run to completion, one schedule call per tick; requests arrive and aborts land at given
+    ticks. With overlap, step N+1 is planned before step N's result lands."""
     pending: deque[StepPlan] = deque()
-    aborts = aborts or {}
-    for _ in range(10_000):
-        if run.scheduler.step in aborts:
-            run.scheduler.abort(aborts.pop(run.scheduler.step))
+    aborts = dict(aborts or {})
+    arrivals = sorted(arrivals or [], key=lambda item: item[0])
+    for tick in range(10_000):
+        while arrivals and arrivals[0][0] <= tick:
+            run.scheduler.add(arrivals.pop(0)[1])
+        if tick in aborts:
+            run.scheduler.abort(aborts.pop(tick))
         plan = run.scheduler.schedule()
         if plan is not None:
             pending.append(plan)
         if pending and (len(pending) > 1 or not overlap or plan is None):
             collect(run, pending.popleft())
         run.scheduler.idle_check()
-        if plan is None and not pending and not run.scheduler.has_work:
+        if not arrivals and not pending and not run.scheduler.has_work:
             return
     raise AssertionError("the scheduler did not finish the workload")
 
@@ -202,33 +211,16 @@ def test_random_workload_is_correct_and_leaks_nothing(
         init_new_token_ratio=ratio,
         min_new_token_ratio=min(ratio, 0.1),
     )
-    aborted, arrivals, started, step = set(), [], [], 0
+    aborts, arrivals, step = {}, [], 0
     for i, (prompt, max_new, abort_at, gap) in enumerate(jobs):
         step += gap
         if len(prompt) + max_new > num_pages * PAGE:
             continue
         arrivals.append((step, request(f"r{i}", prompt, max_new)))
-        started.append(arrivals[-1])
         if abort_at:
-            aborted.add((step + abort_at, f"r{i}"))
-    pending: deque[StepPlan] = deque()
-    arrivals.sort(key=lambda item: item[0])
-    for tick in range(5_000):
-        while arrivals and arrivals[0][0] <= tick:
-            run.scheduler.add(arrivals.pop(0)[1])
-        for when, rid in sorted(aborted):
-            if when == tick:
-                run.scheduler.abort(rid)
-        plan = run.scheduler.schedule()
-        if plan is not None:
-            pending.append(plan)
-        if pending and (len(pending) > 1 or not overlap or plan is None):
-            collect(run, pending.popleft())
-        run.scheduler.idle_check()
-        if not arrivals and not pending and not run.scheduler.has_work:
-            break
-    else:
-        raise AssertionError("workload did not finish")
+            aborts.setdefault(step + abort_at, f"r{i}")
+    started = list(arrivals)
+    drive(run, overlap, aborts, arrivals)
     event(f"retractions: {min(sum(r.retractions for _, r in started), 3)}")
     event(f"cache hits: {sum(r.cached_tokens > 0 for _, r in started) > 0}")
     for rid, reason in run.finishes.items():
