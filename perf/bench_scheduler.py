@@ -1,14 +1,14 @@
-"""Scheduler CPU time per step, and how much of it the overlap loop hides.
+"""Scheduler CPU time per step, and how much of the host work the overlap loop hides.
 
 Part 1 (CPU per step): the real `Scheduler` with N running decode requests and a no-op
 executor; the time of `schedule()` + `process()` per step, at 64 and 256 running requests.
 
-Part 2 (overlap): the real `SchedulerActor` step loop with an executor thread whose step takes a
-fixed "device" time (a sleep that releases the GIL, like a GPU step would), run with the overlap
-schedule on and off. Without overlap, a step costs device time + the host work around it (plan,
-hand-off, process, emit); hidden share = the part of that host work overlap takes off the
-critical path = 1 - (step_overlap - device) / (step_no_overlap - device). Prints a table and
-writes JSON.
+Part 2 (overlap): the real `SchedulerActor` step loop, overlap schedule on and off, with an
+executor thread whose step takes a fixed "device" time (a sleep that releases the GIL, as a GPU
+step would). Part 3: the same with the real executor on the CPU reference backend (the built-in
+tiny model), where "device" time is the measured time inside the executor. Without overlap a
+step costs device time + the host work around it (plan, hand-off, process, emit); hidden share
+= 1 - (step_overlap - device) / (step_no_overlap - device). Prints a table and writes JSON.
 
     python perf/bench_scheduler.py [--steps 200] [--device-ms 4] [--out perf/results/...json]
 """
@@ -48,13 +48,13 @@ class NoOpExecutor:
         return StepResult(step=plan.step, slots=slots, tokens=[11] * len(slots))
 
 
-def make_scheduler(running: int) -> Scheduler:
+def make_scheduler(running: int, prompt_len: int = PROMPT, page: int = PAGE) -> Scheduler:
     args = ServerArgs.from_kwargs(max_running_requests=running, max_prefill_tokens=1 << 20)
-    pages = running * ((PROMPT + 4096) // PAGE + 1)
-    scheduler = Scheduler(args.sched, pages, PAGE, radix=True)
+    pages = running * ((prompt_len + 4096) // page + 1)
+    scheduler = Scheduler(args.sched, pages, page, radix=True)
     for i in range(running):
         sampling = SamplingParams(temperature=0.0, max_new_tokens=4000)
-        prompt = [(i * 7 + j) % 1000 for j in range(PROMPT)]
+        prompt = [(i * 7 + j) % 400 for j in range(prompt_len)]
         scheduler.add(Req(f"r{i}", prompt, sampling, frozenset(), worker=0, arrival=0.0))
     return scheduler
 
@@ -82,13 +82,34 @@ def cpu_per_step(running: int, steps: int) -> dict[str, Any]:
     }
 
 
-async def actor_step_time(running: int, steps: int, device_s: float, overlap: bool) -> float:
+class TimedExecutor:
+    """Wraps an executor and keeps the seconds spent inside `run` per step."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.seconds: list[float] = []
+
+    def run(self, plan: StepPlan) -> StepResult:
+        started = time.perf_counter()
+        result = self.inner.run(plan)
+        self.seconds.append(time.perf_counter() - started)
+        return result
+
+
+async def actor_step_time(
+    running: int,
+    steps: int,
+    executor: Any,
+    overlap: bool,
+    prompt_len: int = PROMPT,
+    page: int = PAGE,
+) -> float:
     """Wall seconds per decode step of the real SchedulerActor loop."""
     args = ServerArgs.from_kwargs(disable_overlap_schedule=not overlap)
     inbox, outputs = InProcChannel(), InProcChannel()
     actor = SchedulerActor(inbox.inbox(), [outputs.outbox()], None, args, Path("."))
-    actor.scheduler = make_scheduler(running)
-    actor.executor = ExecutorThread(NoOpExecutor(device_s))
+    actor.scheduler = make_scheduler(running, prompt_len, page)
+    actor.executor = ExecutorThread(executor)
     counted: list[float] = []
 
     async def drain() -> None:
@@ -111,6 +132,42 @@ async def actor_step_time(running: int, steps: int, device_s: float, overlap: bo
     return (window[-1] - window[0]) / (len(window) - 1)
 
 
+def _share(on: float, off: float, device: float) -> float:
+    """Share of the exposed host work (off - device) that overlap removed, clamped to [0, 1]."""
+    exposed = off - device
+    return min(1.0, max(0.0, 1.0 - (on - device) / exposed)) if exposed > 0 else 0.0
+
+
+def reference_backend_rows(steps: int) -> list[dict[str, Any]]:
+    from m3serve.actors.executor import Executor, KVBudget, leave_a_core_for_the_scheduler
+    from m3serve.model.build import load_model
+
+    loaded = load_model(None, "reference", "float32", "cpu", progress=False)
+    leave_a_core_for_the_scheduler()  # what the engine does on CPU
+    page = loaded.model.cfg.page_size
+    rows = []
+    for running in (16, 64):
+        times = {}
+        for overlap in (True, False):
+            budget = KVBudget(running * (64 + steps + 200) // page, page)
+            timed = TimedExecutor(Executor(loaded, budget, running, loaded.dtype))
+            # Short prompts, so the measured window is decode steps.
+            step = asyncio.run(actor_step_time(running, steps, timed, overlap, 64, page))
+            times[overlap] = (step, sum(timed.seconds[-steps:]) / steps)
+        (on, device_on), (off, device_off) = times[True], times[False]
+        device = min(device_on, device_off)
+        rows.append(
+            {
+                "running": running,
+                "executor_ms": device * 1e3,
+                "step_ms_overlap": on * 1e3,
+                "step_ms_no_overlap": off * 1e3,
+                "hidden_share": _share(on, off, device),
+            }
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
@@ -121,16 +178,17 @@ def main() -> None:
     for running in (64, 256):
         row = cpu_per_step(running, args.steps)
         device_s = args.device_ms / 1000
-        on = asyncio.run(actor_step_time(running, args.steps, device_s, overlap=True))
-        off = asyncio.run(actor_step_time(running, args.steps, device_s, overlap=False))
-        exposed = off - device_s
+        stub = NoOpExecutor(device_s)
+        on = asyncio.run(actor_step_time(running, args.steps, stub, overlap=True))
+        off = asyncio.run(actor_step_time(running, args.steps, stub, overlap=False))
         row.update(
             device_ms=args.device_ms,
             step_ms_overlap=on * 1e3,
             step_ms_no_overlap=off * 1e3,
-            hidden_share=max(0.0, 1.0 - (on - device_s) / exposed) if exposed > 0 else 0.0,
+            hidden_share=_share(on, off, device_s),
         )
         rows.append(row)
+    reference = reference_backend_rows(args.steps)
     print(f"scheduler, no-op executor, {platform.machine()} ({args.steps} steps)")
     print(
         f"{'running':>7} {'schedule µs':>12} {'process µs':>11} {'µs/req':>7} "
@@ -142,6 +200,16 @@ def main() -> None:
             f"{r['cpu_us_per_request']:7.1f} {r['device_ms']:9.1f} {r['step_ms_overlap']:18.2f} "
             f"{r['step_ms_no_overlap']:15.2f} {r['hidden_share']:7.0%}"
         )
+    print("\nreal executor, reference backend on CPU, built-in tiny model (decode steps)")
+    print(
+        f"{'running':>7} {'executor ms':>12} {'step ms (overlap)':>18} {'step ms (none)':>15} "
+        f"{'hidden':>7}"
+    )
+    for r in reference:
+        print(
+            f"{r['running']:7d} {r['executor_ms']:12.2f} {r['step_ms_overlap']:18.2f} "
+            f"{r['step_ms_no_overlap']:15.2f} {r['hidden_share']:7.0%}"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "benchmark": "bench_scheduler",
@@ -150,6 +218,7 @@ def main() -> None:
         ),
         "machine": platform.machine(),
         "rows": rows,
+        "reference_backend_rows": reference,
     }
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")

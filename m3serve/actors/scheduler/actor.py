@@ -12,7 +12,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from m3serve.actors.executor import Executor, ExecutorThread, plan_kv_budget
+from m3serve.actors.executor import (
+    Executor,
+    ExecutorThread,
+    leave_a_core_for_the_scheduler,
+    plan_kv_budget,
+)
 from m3serve.actors.scheduler.req import Req
 from m3serve.actors.scheduler.scheduler import Outputs, QueueFull, Scheduler
 from m3serve.model.build import DTYPES, load_model
@@ -59,6 +64,8 @@ class SchedulerActor(Actor):
             args.backend.device,
             False,
         )
+        if loaded.device.type == "cpu":
+            leave_a_core_for_the_scheduler()
         kv_dtype = loaded.dtype
         if args.cache.kv_cache_dtype != "auto":
             kv_dtype = DTYPES[args.cache.kv_cache_dtype]
