@@ -56,7 +56,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def problems(self) -> list[str]:
         """Every invalid setting, as messages naming the key (empty when valid)."""
         checks = [
-            (self.max_new_tokens >= 0, "max_new_tokens must be >= 0"),
+            (self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
             (self.temperature >= 0.0, "temperature must be >= 0"),
             (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
             (self.top_k >= -1, "top_k must be -1 (disabled) or >= 0"),

@@ -134,7 +134,12 @@ class Scheduler:
         return plan
 
     def _plan_decode(self) -> list[Req]:
-        decode = [r for r in self.running if r.prefilled]
+        # A request whose in-flight step brings it to max_new_tokens is done: no extra step.
+        decode = [
+            r
+            for r in self.running
+            if r.prefilled and len(r.output) + r.inflight < r.sampling.max_new_tokens
+        ]
         # Newest first out: retract from the back until every decode token has a page.
         while decode:
             short = [r for r in decode if r.kv_len // self.page_size >= len(r.pages)]
