@@ -219,7 +219,9 @@ class TokenizerActor(Actor):
             state.cached_tokens = batch.cached_tokens[i]
             delta = ""
             if state.detok is not None:
-                delta = state.detok.push(new_ids)
+                # A matched stop token ends the output but is not part of its text.
+                stopped_by_token = finish is not None and isinstance(finish.matched, int)
+                delta = state.detok.push(new_ids[:-1] if stopped_by_token else new_ids)
                 if state.detok.stopped is not None and (finish is None or finish.reason != "stop"):
                     finish = Finish("stop", state.detok.stopped)
                     state.stopped = True

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from m3serve.runtime.codec import Codec
-from m3serve.runtime.config import ServerArgs
+from m3serve.runtime.config import ConfigInvalid, ServerArgs
 from m3serve.runtime.messages import (
     Abort,
     Error,
@@ -101,12 +101,23 @@ class AsyncEngine:
     async def start(self) -> None:
         from m3serve.backends import backend_class
         from m3serve.model.config import load_model_config
+        from m3serve.model.locate import resolve_model_path
         from m3serve.model.tiny.default import default_model_path
 
-        path = self.args.model.model_path
-        self.model_path = Path(path) if path else await asyncio.to_thread(default_model_path)
         # Fail in this process, with the component's own message, before spawning anything.
-        load_model_config(self.model_path)
+        self.args.check_supported()
+        path = self.args.model.model_path
+        if path:
+            self.model_path = resolve_model_path(path, self.args.model.revision)
+        else:
+            self.model_path = await asyncio.to_thread(default_model_path)
+        config = load_model_config(self.model_path)
+        page_size = self.args.cache.page_size
+        if page_size is not None and page_size != config.text.page_size:
+            raise ConfigInvalid(
+                f"--page-size {page_size}: this model's KV page is its sparse block, "
+                f"{config.text.page_size} tokens"
+            )
         backend_class(self.args.backend.backend)
         session = new_session_id()
         run_dir = Path(tempfile.mkdtemp(prefix=f"m3s-{session}-"))

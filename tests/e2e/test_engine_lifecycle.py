@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from m3serve import Engine, EngineDeadError, RequestError
-from m3serve.model.config import ConfigError
+from m3serve.model.locate import ModelNotFound
 from m3serve.model.tiny.checkpoint import TinySpec
+from m3serve.runtime.config import ConfigInvalid
 from m3serve.runtime.shm import list_session_segments
 from m3serve.runtime.supervisor import StartupError
 
@@ -85,8 +86,10 @@ def test_start_up_failure_names_the_problem(tmp_path: Path, model_path: Path) ->
     (broken / "tokenizer.json").write_text((model_path / "tokenizer.json").read_text())
     with pytest.raises(StartupError, match=r"no model\.safetensors"):
         Engine(str(broken), startup_timeout=60)
-    with pytest.raises(ConfigError, match=r"no config\.json"):
+    with pytest.raises(ModelNotFound, match="not a local directory"):
         Engine(str(tmp_path / "missing"))
+    with pytest.raises(ConfigInvalid, match="this build cannot honour: --tp 4"):
+        Engine(str(model_path), tp_size=4)
 
 
 def test_skip_tokenizer_init_serves_token_ids_only(model_path: Path, tmp_path: Path) -> None:

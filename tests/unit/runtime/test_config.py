@@ -1,0 +1,76 @@
+"""Typed config sections: validation at construction, the generated CLI, and the one message
+that lists every setting this build cannot honour."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+
+import pytest
+
+from m3serve.runtime.config import ConfigInvalid, ServerArgs
+
+# The B300 balanced launch command of the MiniMax-M3.1 cookbook, `sglang serve` -> m3serve.
+COOKBOOK = """
+--trust-remote-code --model-path MiniMaxAI/MiniMax-M3.1-Flash
+--revision ce7f4df87d2e05262f5775f373dac4772f134041
+--reasoning-parser minimax-m3 --tool-call-parser minimax-m3 --tp 4
+--moe-runner-backend flashinfer_trtllm_routed --speculative-algorithm DSPARK
+--speculative-use-block-verification --cuda-graph-backend-prefill breakable
+--chunked-prefill-size 32768 --max-running-requests 128 --cuda-graph-max-bs-decode 128
+--mem-fraction-static 0.8 --tokenizer-worker-num 8 --host 0.0.0.0 --port 30000
+--enable-hierarchical-cache --hicache-size 192 --ep 8 --attn-dp-size 2 --enable-dp-lm-head
+--speculative-num-steps 1 --speculative-eagle-topk 1 --speculative-num-draft-tokens 8
+--speculative-dspark-block-size 7 --disable-attn-tp-gather --page-size 128
+"""
+
+
+def parse(argv: str) -> ServerArgs:
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_arguments(parser)
+    return ServerArgs.from_args(parser.parse_args(shlex.split(argv)))
+
+
+def test_the_cookbook_launch_flags_parse() -> None:
+    args = parse(COOKBOOK)
+    assert args.parallel.tp_size == 4 and args.sched.chunked_prefill_size == 32768
+    assert args.api.reasoning_parser == "minimax-m3" and args.api.port == 30000
+
+
+def test_every_unsupported_setting_is_listed_in_one_message() -> None:
+    problems = parse(COOKBOOK).unsupported()
+    listed = " ".join(problems)
+    for flag in (
+        "--tp 4",
+        "--ep 8",
+        "--speculative-algorithm DSPARK",
+        "--speculative-use-block-verification",
+        "--enable-hierarchical-cache",
+        "--hicache-size 192",
+        "--moe-runner-backend flashinfer_trtllm_routed",
+        "--cuda-graph-max-bs-decode 128",
+    ):
+        assert flag in listed
+    with pytest.raises(ConfigInvalid, match=r"this build cannot honour: .*--tp 4.*DSPARK"):
+        parse(COOKBOOK).check_supported()
+
+
+def test_defaults_are_all_supported() -> None:
+    assert ServerArgs().unsupported() == []
+    assert parse("--disable-cuda-graph").unsupported() == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"max_running_requests": 0}, "--max-running-requests"),
+        ({"chunked_prefill_size": 0}, "--chunked-prefill-size"),
+        ({"mem_fraction_static": 1.5}, "--mem-fraction-static"),
+        ({"port": 0}, "--port"),
+        ({"tokenizer_worker_num": 0}, "--tokenizer-worker-num"),
+        ({"nonsense": 1}, "unknown server argument"),
+    ],
+)
+def test_bad_settings_stop_construction(kwargs: dict, fragment: str) -> None:
+    with pytest.raises(ConfigInvalid, match=fragment):
+        ServerArgs.from_kwargs(**kwargs)
