@@ -1,4 +1,4 @@
-"""The `m3serve` command line: `generate` and `make-tiny` (the server arrives with `serve`).
+"""The `m3serve` command line: `serve`, `generate` and `make-tiny`.
 
 Flags come from the typed config sections; names follow SGLang's where SGLang has the setting.
 """
@@ -19,6 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="m3serve", description="MiniMax-M3.1 inference server")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
     commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    ServerArgs.add_arguments(serve)
 
     gen = commands.add_parser("generate", help="generate text from a prompt through the engine")
     gen.add_argument("prompt", nargs="?", default="The capital of France is")
@@ -47,12 +50,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
+        if args.command == "serve":
+            return _serve(args)
         if args.command == "generate":
             return _generate(args)
         return _make_tiny(args)
     except (ConfigInvalid, ValueError, RuntimeError) as exc:
         print(f"m3serve: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from m3serve.api.server import serve
+
+    serve(ServerArgs.from_args(args))
+    return 0
 
 
 def _make_tiny(args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ from typing import Any
 
 from m3serve.actors.detokenize import IncrementalDetokenizer
 from m3serve.model.chat_template import ChatTemplateError, load_chat_template, render_chat
+from m3serve.model.thinking import ThinkingInvalid, resolve_thinking
 from m3serve.runtime.actor import Actor, handles
 from m3serve.runtime.messages import (
     Abort,
@@ -32,10 +33,6 @@ from m3serve.runtime.shm import pack_token_ids, unpack_token_ids
 from m3serve.runtime.transport import Inbox, Outbox
 
 log = logging.getLogger(__name__)
-
-THINKING_MODES = ("enabled", "disabled", "adaptive")
-EFFORTS = ("low", "medium", "high", "xhigh", "max")
-NO_THINKING_EFFORTS = ("none", "minimal")
 
 
 class RequestInvalid(ValueError):
@@ -117,7 +114,16 @@ class TokenizerActor(Actor):
                 )
             self.tokenizer = Tokenizer.from_file(str(path))
             self.template = load_chat_template(self.model_dir)
-        return {"context_length": self.facts.context_length, "eos_ids": list(self.facts.eos_ids)}
+        info: dict[str, Any] = {
+            "context_length": self.facts.context_length,
+            "eos_ids": list(self.facts.eos_ids),
+        }
+        if self.tokenizer is not None:
+            specials = {"think_start": "<mm:think>", "think_end": "</mm:think>"}
+            info["special_ids"] = {
+                name: self.tokenizer.token_to_id(token) for name, token in specials.items()
+            }
+        return info
 
     # ------------------------------------------------------------------ requests in
 
@@ -125,7 +131,7 @@ class TokenizerActor(Actor):
     async def on_generate(self, req: GenerateReq) -> None:
         try:
             ids = self.encode(req)
-            self.check(req.sampling, len(ids))
+            max_new = self.check(req.sampling, len(ids))
         except (RequestInvalid, ChatTemplateError) as exc:
             await self.api.send(Error(req.rid, str(exc), 400))
             return
@@ -142,6 +148,8 @@ class TokenizerActor(Actor):
                 input_ids=pack_token_ids(ids, self.session),
                 sampling=req.sampling,
                 stop_token_ids=sorted(set(stop_ids) | set(req.sampling.stop_token_ids)),
+                max_new_tokens=max_new,
+                fit_to_pool=req.sampling.max_new_tokens is None,
                 worker=self.worker,
                 arrival=time.time(),
             )
@@ -177,30 +185,41 @@ class TokenizerActor(Actor):
     def render(self, req: GenerateReq) -> str:
         if self.template is None:
             raise RequestInvalid("the model has no chat template: send a prompt instead")
-        kwargs = dict(req.chat_template_kwargs or {})
-        thinking = req.thinking or kwargs.pop("thinking", None) or kwargs.get("thinking_mode")
-        effort = req.reasoning_effort or kwargs.pop("reasoning_effort", None)
-        if effort in NO_THINKING_EFFORTS:
-            thinking, effort = "disabled", None
-        if thinking is not None and thinking not in THINKING_MODES:
-            raise RequestInvalid(f"thinking must be one of {', '.join(THINKING_MODES)}")
-        if effort is not None and effort not in EFFORTS:
-            raise RequestInvalid(f"reasoning_effort must be one of {', '.join(EFFORTS)}")
-        kwargs["thinking_mode"] = thinking or "adaptive"
-        if effort is not None and kwargs["thinking_mode"] != "disabled":
+        kwargs = {
+            k: v
+            for k, v in (req.chat_template_kwargs or {}).items()
+            if k not in ("thinking", "thinking_mode", "reasoning_effort")
+        }
+        try:
+            mode, effort = resolve_thinking(
+                req.thinking, req.reasoning_effort, req.chat_template_kwargs
+            )
+        except ThinkingInvalid as exc:
+            raise RequestInvalid(str(exc)) from exc
+        kwargs["thinking_mode"] = mode
+        if effort is not None:
             kwargs["reasoning_effort"] = effort
-        return render_chat(self.template, req.messages or [], tools=req.tools, **kwargs)
+        text = render_chat(self.template, req.messages or [], tools=req.tools, **kwargs)
+        return text + (req.assistant_prefix or "")
 
-    def check(self, sampling: SamplingParams, prompt_len: int) -> None:
+    def check(self, sampling: SamplingParams, prompt_len: int) -> int:
+        """Validate; returns the resolved max_new_tokens (None: what the context leaves)."""
         problems = sampling.problems()
         if problems:
             raise RequestInvalid("; ".join(problems))
         limit = self.facts.context_length
+        if sampling.max_new_tokens is None:
+            if prompt_len >= limit:
+                raise RequestInvalid(
+                    f"the prompt ({prompt_len} tokens) fills the context length ({limit})"
+                )
+            return limit - prompt_len
         if prompt_len + sampling.max_new_tokens > limit:
             raise RequestInvalid(
                 f"prompt ({prompt_len} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
                 f"exceeds the context length ({limit})"
             )
+        return sampling.max_new_tokens
 
     # ------------------------------------------------------------------ tokens out
 

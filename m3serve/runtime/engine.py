@@ -28,6 +28,7 @@ from m3serve.runtime.messages import (
     GenerateReq,
     Ready,
     Shutdown,
+    Stats,
     TextBatch,
     ToApi,
     TokenLogprob,
@@ -95,6 +96,7 @@ class AsyncEngine:
         self._supervisor: Supervisor | None = None
         self._in_process: Any = None
         self.actors: list[Any] = []
+        self.stats: Stats | None = None  # the engine's latest load figures
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -294,6 +296,8 @@ class AsyncEngine:
                 self._deliver(message)
             elif isinstance(message, Error):
                 self._deliver_error(message)
+            elif isinstance(message, Stats):
+                self.stats = message
 
     def _deliver(self, batch: TextBatch) -> None:
         for i, rid in enumerate(batch.rids):

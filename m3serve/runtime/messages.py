@@ -37,7 +37,7 @@ class TokenIds(msgspec.Struct, array_like=True):
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """How to sample one request. Keys follow SGLang's `sampling_params`."""
 
-    max_new_tokens: int = 128
+    max_new_tokens: int | None = 128  # None: as many as the context and the KV pool allow
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 (or 0): no top-k cut
@@ -56,7 +56,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def problems(self) -> list[str]:
         """Every invalid setting, as messages naming the key (empty when valid)."""
         checks = [
-            (self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
+            (
+                self.max_new_tokens is None or self.max_new_tokens >= 1,
+                "max_new_tokens must be >= 1",
+            ),
             (self.temperature >= 0.0, "temperature must be >= 0"),
             (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
             (self.top_k >= -1, "top_k must be -1 (disabled) or >= 0"),
@@ -101,6 +104,9 @@ class GenerateReq(msgspec.Struct, tag=True, kw_only=True, array_like=True):
     thinking: str | None = None  # enabled | disabled | adaptive -> the template's thinking_mode
     reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # Text appended after the rendered chat prompt: the start of the answer the model must
+    # continue (a forced tool call for tool_choice "required" or a named tool).
+    assistant_prefix: str | None = None
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):
@@ -115,6 +121,8 @@ class Tokenized(msgspec.Struct, tag=True, kw_only=True, array_like=True):
     input_ids: TokenIds
     sampling: SamplingParams
     stop_token_ids: list[int]  # EOS ids (unless ignore_eos) plus the request's own
+    max_new_tokens: int  # resolved: the request's own, or what the context leaves
+    fit_to_pool: bool  # no explicit limit: the scheduler may lower it to what the KV pool holds
     worker: int  # the tokenizer worker that owns this request's detokenization
     arrival: float  # time.time() when the API received the request
 
@@ -153,6 +161,17 @@ class TextBatch(msgspec.Struct, tag=True, kw_only=True, array_like=True):
 
 
 # ---------------------------------------------------------------- control
+
+
+class Stats(msgspec.Struct, tag=True, array_like=True):
+    """The engine's load, published periodically to the API process (for /metrics)."""
+
+    running: int
+    waiting: int
+    kv_used_pages: int
+    kv_total_pages: int
+    cached_pages: int
+    retractions: int
 
 
 class Ready(msgspec.Struct, tag=True, array_like=True):
@@ -211,4 +230,4 @@ class StepResult(msgspec.Struct, tag=True, kw_only=True, array_like=True):
 ToTokenizer = GenerateReq | Abort | TokenBatch | Error | Shutdown
 ToScheduler = Tokenized | Abort | Shutdown
 ToApi = TextBatch | Error | Ready
-ToSupervisor = Ready | Error
+ToSupervisor = Ready | Error | Stats

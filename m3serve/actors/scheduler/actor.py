@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +24,13 @@ from m3serve.actors.scheduler.scheduler import Outputs, QueueFull, Scheduler
 from m3serve.model.build import DTYPES, load_model
 from m3serve.runtime.actor import Actor, handles
 from m3serve.runtime.config import ServerArgs
-from m3serve.runtime.messages import Abort, Error, Shutdown, Tokenized
+from m3serve.runtime.messages import Abort, Error, Shutdown, Stats, Tokenized
 from m3serve.runtime.shm import unpack_token_ids
 from m3serve.runtime.transport import Inbox, Outbox
 
 log = logging.getLogger(__name__)
 
+STATS_INTERVAL_S = 0.5
 # With work queued but nothing schedulable (e.g. a retracted request's token in flight) the
 # loop re-plans after this long instead of busy-spinning.
 IDLE_RECHECK_S = 0.01
@@ -53,6 +55,7 @@ class SchedulerActor(Actor):
         self.scheduler: Scheduler | None = None
         self.executor: ExecutorThread | None = None
         self._wake = asyncio.Event()
+        self._stats_at = 0.0
 
     async def on_start(self) -> dict[str, Any]:
         args = self.args
@@ -102,9 +105,10 @@ class SchedulerActor(Actor):
             stop_ids=frozenset(msg.stop_token_ids),
             worker=msg.worker,
             arrival=msg.arrival,
+            max_new=msg.max_new_tokens,
         )
         try:
-            self.scheduler.add(req)
+            self.scheduler.add(req, fit_to_pool=msg.fit_to_pool)
         except QueueFull as exc:
             await self.tokenizers[msg.worker].send(Error(msg.rid, str(exc), 503))
         except ValueError as exc:
@@ -154,7 +158,10 @@ class SchedulerActor(Actor):
                 await self._collect(*pending)
                 pending = None
             if plan is None and pending is None and not self.stopping:
+                await self._publish_stats(force=True)
                 await self._idle(receiver)
+            else:
+                await self._publish_stats()
         if pending is not None:
             await self._collect(*pending)
 
@@ -176,6 +183,25 @@ class SchedulerActor(Actor):
         else:
             outputs = self.scheduler.process(result)
         await self._emit(outputs)
+
+    async def _publish_stats(self, force: bool = False) -> None:
+        """Load figures for /metrics, at most every STATS_INTERVAL_S while busy."""
+        now = time.monotonic()
+        if self.control is None or (not force and now - self._stats_at < STATS_INTERVAL_S):
+            return
+        self._stats_at = now
+        s = self.scheduler
+        assert s is not None
+        await self.control.send(
+            Stats(
+                running=len(s.running),
+                waiting=len(s.waiting),
+                kv_used_pages=s.pool.num_pages - s.pool.num_free,
+                kv_total_pages=s.pool.num_pages,
+                cached_pages=s.cache.tree.cached_pages,
+                retractions=s.retracted,
+            )
+        )
 
     async def _emit(self, outputs: Outputs) -> None:
         for worker, errors in outputs.errors.items():

@@ -23,6 +23,7 @@ class Req:
     stop_ids: frozenset[int]
     worker: int
     arrival: float
+    max_new: int = 0  # resolved max_new_tokens (0: take it from sampling)
     output: list[int] = field(default_factory=list)
     phase: Phase = Phase.WAITING
     slot: int | None = None
@@ -45,6 +46,10 @@ class Req:
     def prefill_target(self) -> int:
         return len(self.prompt) + len(self.output)
 
+    def __post_init__(self) -> None:
+        if not self.max_new:
+            self.max_new = self.sampling.max_new_tokens or 1
+
     @property
     def remaining_new(self) -> int:
-        return max(self.sampling.max_new_tokens - len(self.output), 0)
+        return max(self.max_new - len(self.output), 0)

@@ -86,11 +86,16 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests in
 
-    def add(self, req: Req) -> None:
+    def add(self, req: Req, fit_to_pool: bool = False) -> None:
+        """Queue a request. With fit_to_pool (no explicit max_new_tokens) its output budget is
+        lowered to what the KV pool can hold rather than refused."""
         if len(self.waiting) >= self.args.max_queued_requests:
             raise QueueFull(f"the waiting queue is full ({self.args.max_queued_requests})")
-        needed = len(req.prompt) + req.sampling.max_new_tokens
-        if needed > self.pool.num_pages * self.page_size:
+        capacity = self.pool.num_pages * self.page_size
+        if fit_to_pool:
+            req.max_new = min(req.max_new, capacity - len(req.prompt))
+        needed = len(req.prompt) + max(req.max_new, 1)
+        if needed > capacity:
             raise ValueError(
                 f"prompt + max_new_tokens need {needed} KV tokens; the pool holds "
                 f"{self.pool.num_pages * self.page_size} (raise --max-total-tokens)"
@@ -135,11 +140,7 @@ class Scheduler:
 
     def _plan_decode(self) -> list[Req]:
         # A request whose in-flight step brings it to max_new_tokens is done: no extra step.
-        decode = [
-            r
-            for r in self.running
-            if r.prefilled and len(r.output) + r.inflight < r.sampling.max_new_tokens
-        ]
+        decode = [r for r in self.running if r.prefilled and len(r.output) + r.inflight < r.max_new]
         # Newest first out: retract from the back until every decode token has a page.
         while decode:
             short = [r for r in decode if r.kv_len // self.page_size >= len(r.pages)]
@@ -315,7 +316,7 @@ class Scheduler:
     def _finish_reason(self, req: Req, token: int) -> Finish | None:
         if token in req.stop_ids:
             return Finish("stop", token)
-        if len(req.output) >= req.sampling.max_new_tokens:
+        if len(req.output) >= req.max_new:
             return Finish("length")
         return None
 

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API process: routes, streaming, metrics."""

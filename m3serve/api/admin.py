@@ -1,0 +1,145 @@
+"""Operational endpoints: /health, /metrics, /v1/models, /v1/tokenize, /v1/detokenize and
+/openapi.json (generated from the request structs)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from m3serve.api.errors import APIError, decode, read_body
+from m3serve.api.metrics import CONTENT_TYPE
+from m3serve.api.protocol import REQUEST_TYPES, DetokenizeRequest, TokenizeRequest
+from m3serve.api.serving import ServerState, to_builtins
+from m3serve.model.chat_template import ChatTemplateError, render_chat
+
+
+async def health(request: Request) -> Response:
+    state: ServerState | None = getattr(request.app.state, "server", None)
+    if state is None or not state.engine.healthy:
+        reason = "starting" if state is None else str(state.engine.dead or "not running")
+        return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+async def metrics(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    stats = state.engine.stats
+    if stats is not None:
+        state.metrics.set_engine_stats(
+            running=stats.running,
+            waiting=stats.waiting,
+            kv_used=stats.kv_used_pages,
+            kv_total=stats.kv_total_pages,
+            retractions=stats.retractions,
+        )
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def models(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    card = {
+        "id": state.model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "m3serve",
+        "root": state.engine.info.get("model_path"),
+        "max_model_len": state.context_length,
+    }
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+async def tokenize(request: Request) -> Response:
+    state = _with_tokenizer(request)
+    body = decode(await read_body(request, state.args.max_request_bytes), TokenizeRequest)
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "send exactly one of prompt or messages", "prompt")
+    text = body.prompt
+    if body.messages is not None:
+        if state.chat_template is None:
+            raise APIError(400, "the model has no chat template", "messages")
+        try:
+            text = render_chat(
+                state.chat_template,
+                [to_builtins(m) for m in body.messages],
+                add_generation_prompt=body.add_generation_prompt,
+            )
+        except ChatTemplateError as exc:
+            raise APIError(400, str(exc), "messages") from exc
+    ids = state.tokenizer.encode(text or "", add_special_tokens=False).ids
+    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.context_length})
+
+
+async def detokenize(request: Request) -> Response:
+    state = _with_tokenizer(request)
+    body = decode(await read_body(request, state.args.max_request_bytes), DetokenizeRequest)
+    vocab = state.tokenizer.get_vocab_size()
+    bad = [t for t in body.tokens if not 0 <= t < vocab]
+    if bad:
+        raise APIError(400, f"token id {bad[0]} is outside the vocabulary", "tokens")
+    return JSONResponse({"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=False)})
+
+
+def _with_tokenizer(request: Request) -> ServerState:
+    state: ServerState = request.app.state.server
+    if state.tokenizer is None:
+        raise APIError(400, "this server runs without a tokenizer")
+    return state
+
+
+def openapi_document(title: str, api_key: bool) -> dict[str, Any]:
+    """OpenAPI 3.1 for every POST endpoint, schemas straight from the request structs."""
+    (schemas, components) = msgspec.json.schema_components(
+        list(REQUEST_TYPES.values()), ref_template="#/components/schemas/{name}"
+    )
+    components["Error"] = _ERROR_SCHEMA
+    errors = {
+        str(code): {
+            "description": text,
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+        }
+        for code, text in ((400, "Bad request"), (401, "Unauthorized"), (413, "Too large"))
+    }
+    paths: dict[str, Any] = {}
+    for (path, _), schema in zip(REQUEST_TYPES.items(), schemas, strict=True):
+        paths[path] = {
+            "post": {
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": schema}},
+                },
+                "responses": {"200": {"description": "OK"}, **errors},
+            }
+        }
+    for path in ("/v1/models", "/health", "/metrics"):
+        paths[path] = {"get": {"responses": {"200": {"description": "OK"}}}}
+    doc: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {"title": title, "version": "1"},
+        "paths": paths,
+        "components": {"schemas": components},
+    }
+    if api_key:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        doc["security"] = [{"bearer": []}]
+    return doc
+
+
+_ERROR_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "error": {
+            "type": "object",
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["integer", "null"]},
+            },
+            "required": ["message", "type"],
+        }
+    },
+    "required": ["error"],
+}

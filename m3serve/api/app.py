@@ -1,0 +1,144 @@
+"""The Starlette application: routes, Bearer auth, error mapping, metrics per request, and the
+engine's lifecycle when the app owns it.
+
+`create_app(engine)` embeds the API around an engine you manage; `create_app(engine,
+own_engine=True)` starts it with the app and shuts it down with it (what `m3serve serve` does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from m3serve.api import admin
+from m3serve.api.chat import chat_completions
+from m3serve.api.completions import completions
+from m3serve.api.errors import APIError, error_response
+from m3serve.api.metrics import ServerMetrics
+from m3serve.api.serving import ServerState
+from m3serve.runtime.config import ApiArgs
+from m3serve.runtime.engine import AsyncEngine
+
+log = logging.getLogger(__name__)
+
+OPEN_PATHS = frozenset({"/health"})
+
+
+def create_app(
+    engine: AsyncEngine, args: ApiArgs | None = None, own_engine: bool = False
+) -> Starlette:
+    args = args or engine.args.api
+    metrics = ServerMetrics()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if own_engine:
+            await engine.start()
+        app.state.server = ServerState.build(engine, args, metrics)
+        log.info("serving %s", app.state.server.model_name)
+        try:
+            yield
+        finally:
+            if own_engine:
+                await engine.shutdown()
+
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", admin.models, methods=["GET"]),
+        Route("/v1/tokenize", admin.tokenize, methods=["POST"]),
+        Route("/v1/detokenize", admin.detokenize, methods=["POST"]),
+        Route("/health", admin.health, methods=["GET"]),
+        Route("/metrics", admin.metrics, methods=["GET"]),
+    ]
+    doc = admin.openapi_document("m3serve", args.api_key is not None)
+
+    async def openapi(_: Request) -> Response:
+        return JSONResponse(doc)
+
+    routes.append(Route("/openapi.json", openapi, methods=["GET"]))
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={
+            APIError: _api_error,
+            404: _not_found,
+            405: _not_allowed,
+            Exception: _internal,
+        },
+    )
+    app.add_middleware(_Guard, api_key=args.api_key, metrics=metrics)
+    return app
+
+
+async def _api_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def _not_found(request: Request, _: Exception) -> Response:
+    return error_response(404, f"no route {request.url.path}")
+
+
+async def _not_allowed(request: Request, _: Exception) -> Response:
+    return error_response(405, f"{request.method} is not allowed on {request.url.path}")
+
+
+async def _internal(_: Request, exc: Exception) -> Response:
+    log.exception("unhandled error", exc_info=exc)
+    return error_response(500, f"internal error: {type(exc).__name__}")
+
+
+class _Guard:
+    """Bearer auth (constant-time compare) and per-request metrics, as plain ASGI middleware
+    so that streaming responses pass through untouched."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.key = api_key.encode() if api_key else None
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        if self.key is not None and path not in OPEN_PATHS and not self._authorized(scope):
+            response = error_response(401, "invalid or missing API key (Authorization: Bearer)")
+            self.metrics.observe_request(path, 401)
+            await response(scope, receive, send)
+            return
+        status: dict[str, Any] = {}
+
+        async def record(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, record)
+        finally:
+            if path != "/metrics":
+                self.metrics.observe_request(_endpoint(path), status.get("code", 500))
+
+    def _authorized(self, scope: Scope) -> bool:
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        assert self.key is not None
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+
+
+def _endpoint(path: str) -> str:
+    # Unknown paths share one label, so scanners cannot blow up the metric's cardinality.
+    known = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/tokenize"}
+    known |= {"/v1/detokenize", "/health", "/openapi.json"}
+    return path if path in known else "other"

@@ -1,0 +1,297 @@
+"""POST /v1/chat/completions: OpenAI chat, streamed (SSE) or not, with MiniMax reasoning and
+tool calls parsed out of the model's text, thinking controls, n choices and logprobs."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from m3serve.api.choice import ChoiceOutput, Delta
+from m3serve.api.errors import APIError, decode, read_body
+from m3serve.api.parsers.reasoning import ReasoningParser
+from m3serve.api.parsers.tools import ToolCallParser
+from m3serve.api.protocol import ChatCompletionRequest, Message
+from m3serve.api.responses import (
+    finish_reason,
+    logprobs_content,
+    sse,
+    sse_done,
+    usage_dict,
+)
+from m3serve.api.serving import (
+    ClientGone,
+    ServerState,
+    Timing,
+    collect,
+    merged,
+    observe_finished,
+    sampling_params,
+    start,
+    to_builtins,
+    until_disconnect,
+)
+from m3serve.model.thinking import ThinkingInvalid, resolve_thinking
+from m3serve.runtime.engine import Chunk, EngineDeadError, RequestError
+from m3serve.runtime.messages import GenerateReq
+
+NAMESPACE = "]<]minimax[>["
+MEDIA_PARTS = ("image_url", "image", "video_url", "video", "input_audio")
+
+
+@dataclass
+class Plan:
+    """A validated chat request, ready to submit."""
+
+    reqs: list[GenerateReq]
+    thinking: str
+    tools: list[dict[str, Any]] | None
+    forced_prefix: str
+    body: ChatCompletionRequest
+
+
+async def chat_completions(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    body = decode(await read_body(request, state.args.max_request_bytes), ChatCompletionRequest)
+    plan = _plan(body, state)
+    rid = "chatcmpl-" + uuid.uuid4().hex
+    timing = Timing()
+    streams = await start(state.engine, plan.reqs)
+    outputs = [_choice_output(plan, state) for _ in plan.reqs]
+    if body.stream:
+        events = _stream(rid, plan, state, streams, outputs, timing)
+        return StreamingResponse(events, media_type="text/event-stream")
+    try:
+        chunks = await until_disconnect(request, collect(streams))
+    except ClientGone:
+        state.metrics.observe_aborted()
+        return Response(status_code=499)
+    return JSONResponse(_completion(rid, plan, state, outputs, chunks, timing))
+
+
+# ---------------------------------------------------------------------- validation
+
+
+def _plan(body: ChatCompletionRequest, state: ServerState) -> Plan:
+    if not body.messages:
+        raise APIError(400, "messages must not be empty", "messages")
+    _check_content(body.messages)
+    try:
+        thinking, effort = resolve_thinking(
+            body.thinking.type if body.thinking else None,
+            body.reasoning_effort,
+            body.chat_template_kwargs,
+        )
+    except ThinkingInvalid as exc:
+        raise APIError(400, str(exc), "thinking") from exc
+    tools = [to_builtins(t) for t in body.tools] if body.tools else None
+    forced = ""
+    if tools and body.tool_choice not in (None, "auto", "none"):
+        forced, thinking, effort = _forced_call(body, tools), "disabled", None
+    if body.tool_choice == "none":
+        tools = None
+    if body.logprobs and body.top_logprobs is None:
+        body.top_logprobs = 0
+    template_kwargs = {
+        k: v
+        for k, v in (body.chat_template_kwargs or {}).items()
+        if k not in ("thinking", "thinking_mode", "reasoning_effort")
+    }
+    messages = [to_builtins(m) for m in body.messages]
+    parsing = state.args.reasoning_parser is not None or state.args.tool_call_parser is not None
+    reqs = [
+        GenerateReq(
+            rid=f"{uuid.uuid4().hex}-{i}",
+            messages=messages,
+            tools=tools,
+            sampling=sampling_params(
+                body,
+                state,
+                body.max_completion_tokens or body.max_tokens,
+                logprobs=body.logprobs,
+                top_logprobs=body.top_logprobs or 0,
+                # The parsers need the <mm:think> and tool-call tokens in the text.
+                skip_special_tokens=not parsing,
+                seed_offset=i,
+            ),
+            stream=body.stream,
+            thinking=thinking,
+            reasoning_effort=effort,
+            chat_template_kwargs=template_kwargs or None,
+            assistant_prefix=(("</mm:think>" if forced else "") + forced) or None,
+        )
+        for i in range(body.n)
+    ]
+    return Plan(reqs, thinking, tools, forced, body)
+
+
+def _check_content(messages: list[Message]) -> None:
+    for i, message in enumerate(messages):
+        if isinstance(message.content, list):
+            for part in message.content:
+                kind = part.get("type")
+                if kind in MEDIA_PARTS:
+                    raise APIError(
+                        400, f"{kind} input is not supported by this build yet", f"messages.{i}"
+                    )
+                if kind != "text" or not isinstance(part.get("text"), str):
+                    raise APIError(400, f"unsupported content part {kind!r}", f"messages.{i}")
+        if message.role == "tool" and message.content is None:
+            raise APIError(400, "a tool message needs content", f"messages.{i}")
+
+
+def _forced_call(body: ChatCompletionRequest, tools: list[dict[str, Any]]) -> str:
+    """The start of the tool call the model must continue (tool_choice required / named)."""
+    opening = f'{NAMESPACE}<tool_call>\n{NAMESPACE}<invoke name="'
+    if body.tool_choice == "required":
+        return opening
+    name = body.tool_choice.function.name  # type: ignore[union-attr]
+    if name not in {t.get("function", t).get("name") for t in tools}:
+        raise APIError(400, f"tool_choice names {name!r}, which is not in tools", "tool_choice")
+    return f'{opening}{name}">'
+
+
+def _choice_output(plan: Plan, state: ServerState) -> ChoiceOutput:
+    reasoning = None
+    if state.args.reasoning_parser and plan.body.separate_reasoning:
+        reasoning = ReasoningParser(plan.thinking)
+    tools = None
+    if state.args.tool_call_parser and plan.tools:
+        tools = ToolCallParser(plan.tools)
+    return ChoiceOutput(reasoning, tools, plan.forced_prefix, plan.body.parallel_tool_calls)
+
+
+# ---------------------------------------------------------------------- non-streaming
+
+
+def _completion(
+    rid: str,
+    plan: Plan,
+    state: ServerState,
+    outputs: list[ChoiceOutput],
+    chunks: list[list[Chunk]],
+    timing: Timing,
+) -> dict[str, Any]:
+    choices = []
+    for index, (output, pieces) in enumerate(zip(outputs, chunks, strict=True)):
+        for chunk in pieces:
+            output.feed(chunk.text)
+        output.finish()
+        calls = output.calls
+        message: dict[str, Any] = {"role": "assistant", "content": output.text.content or None}
+        if output.reasoning is not None:
+            message["reasoning_content"] = output.text.reasoning or None
+        if calls:
+            message["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                }
+                for c in calls
+            ]
+        elif message["content"] is None:
+            message["content"] = ""
+        finish = pieces[-1].finish
+        choices.append(
+            {
+                "index": index,
+                "message": message,
+                "logprobs": logprobs_content(state, pieces) if plan.body.logprobs else None,
+                "finish_reason": finish_reason(finish, bool(calls)),
+            }
+        )
+        observe_finished(state, pieces, timing)
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": state.model_name,
+        "choices": choices,
+        "usage": usage_dict(state, chunks, plan.thinking if outputs[0].reasoning else None),
+    }
+
+
+# ---------------------------------------------------------------------- streaming
+
+
+async def _stream(
+    rid: str,
+    plan: Plan,
+    state: ServerState,
+    streams: list[AsyncIterator[Chunk]],
+    outputs: list[ChoiceOutput],
+    timing: Timing,
+) -> AsyncIterator[bytes]:
+    created = int(time.time())
+    head = {"id": rid, "object": "chat.completion.chunk", "created": created}
+    head["model"] = state.model_name
+    finished: list[list[Chunk]] = [[] for _ in streams]
+    include_usage = bool(plan.body.stream_options and plan.body.stream_options.include_usage)
+    try:
+        for index in range(len(streams)):
+            yield sse({**head, "choices": [_choice(index, {"role": "assistant", "content": ""})]})
+        async for index, chunk in merged(streams):
+            timing.token()
+            finished[index].append(chunk)
+            output = outputs[index]
+            delta = output.feed(chunk.text)
+            if chunk.finish is not None:
+                tail = output.finish()
+                delta = Delta(
+                    delta.reasoning + tail.reasoning,
+                    delta.content + tail.content,
+                    delta.calls + tail.calls,
+                )
+            body = _delta_dict(delta)
+            logprobs = None
+            if plan.body.logprobs and chunk.logprobs:
+                logprobs = logprobs_content(state, [chunk])
+            reason = None
+            if chunk.finish is not None:
+                reason = finish_reason(chunk.finish, bool(output.calls))
+                observe_finished(state, finished[index], timing)
+            if body or reason or logprobs:
+                yield sse({**head, "choices": [_choice(index, body, reason, logprobs)]})
+        if include_usage:
+            thinking = plan.thinking if outputs[0].reasoning else None
+            yield sse({**head, "choices": [], "usage": usage_dict(state, finished, thinking)})
+    except (RequestError, EngineDeadError) as exc:  # failed mid-stream: tell the client in-band
+        code = getattr(exc, "code", 503)
+        yield sse({"error": {"message": str(exc), "type": "server_error", "code": code}})
+    finally:
+        if not all(pieces and pieces[-1].finish for pieces in finished):
+            state.metrics.observe_aborted()
+    yield sse_done()
+
+
+def _choice(
+    index: int, delta: dict[str, Any], reason: str | None = None, logprobs: Any = None
+) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+
+
+def _delta_dict(delta: Delta) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if delta.reasoning:
+        out["reasoning_content"] = delta.reasoning
+    if delta.content:
+        out["content"] = delta.content
+    if delta.calls:
+        out["tool_calls"] = [_call_delta(c) for c in delta.calls]
+    return out
+
+
+def _call_delta(call: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"index": call.index, "function": {"arguments": call.arguments}}
+    if call.id is not None:
+        out["id"] = call.id
+        out["type"] = "function"
+    if call.name is not None:
+        out["function"]["name"] = call.name
+    return out

@@ -1,0 +1,71 @@
+"""One chat completion choice's output pipeline: model text -> reasoning parser -> tool-call
+parser -> deltas of reasoning_content, content and tool_calls. The same object serves the
+streaming and the non-streaming response, so both always agree."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from m3serve.api.parsers.reasoning import ReasoningParser
+from m3serve.api.parsers.tools import ToolCall, ToolCallDelta, ToolCallParser
+
+
+@dataclass
+class Delta:
+    reasoning: str = ""
+    content: str = ""
+    calls: list[ToolCallDelta] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content or self.calls)
+
+
+class ChoiceOutput:
+    def __init__(
+        self,
+        reasoning: ReasoningParser | None,
+        tools: ToolCallParser | None,
+        forced_prefix: str = "",
+        parallel_tool_calls: bool = True,
+    ) -> None:
+        self.reasoning = reasoning
+        self.tools = tools
+        self.parallel = parallel_tool_calls
+        self.text = Delta()  # everything emitted so far, for the non-streaming message
+        if forced_prefix:
+            # The prompt already holds the start of a tool call; the parsers must see it as
+            # output so that they are in the state the model continues from.
+            self.feed(forced_prefix)
+
+    def feed(self, text: str) -> Delta:
+        if self.reasoning is None:
+            return self._route("", text)
+        step = self.reasoning.feed(text)
+        return self._route(step.reasoning, step.content)
+
+    def finish(self) -> Delta:
+        if self.reasoning is None:
+            return self._route("", "", final=True)
+        step = self.reasoning.finish()
+        return self._route(step.reasoning, step.content, final=True)
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        if self.tools is None:
+            return []
+        calls = self.tools.calls
+        return calls if self.parallel else calls[:1]
+
+    def _route(self, reasoning: str, content: str, final: bool = False) -> Delta:
+        calls: list[ToolCallDelta] = []
+        if self.tools is not None:
+            step = self.tools.feed(content) if content else None
+            pieces = [step] if step else []
+            if final:
+                pieces.append(self.tools.finish())
+            content = "".join(p.content for p in pieces)
+            calls = [c for p in pieces for c in p.calls if self.parallel or c.index == 0]
+        delta = Delta(reasoning, content, calls)
+        self.text.reasoning += reasoning
+        self.text.content += content
+        return delta

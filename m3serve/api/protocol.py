@@ -1,0 +1,130 @@
+"""OpenAI request bodies as msgspec Structs: decoding them is the type check, `/openapi.json` is
+generated from them, and fields OpenAI clients may add that we do not know are ignored.
+Structs that reach the chat template omit unset fields, so the template sees what was sent.
+
+Responses are plain dicts built by the handlers (see `responses.py`): their shape is OpenAI's,
+and clients only read, never validate, them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+class FunctionDef(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, kw_only=True, omit_defaults=True):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class ToolChoiceFunction(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True, omit_defaults=True):
+    type: Literal["function"] = "function"
+    function: ToolChoiceFunction
+
+
+class FunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str | dict[str, Any]
+
+
+class ToolCallIn(msgspec.Struct, kw_only=True, omit_defaults=True):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(msgspec.Struct, kw_only=True, omit_defaults=True):
+    role: Role
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class Thinking(msgspec.Struct, kw_only=True):
+    # Any string decodes; the handler answers 400 for values outside the model's three modes.
+    type: str
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class SamplingFields(msgspec.Struct, kw_only=True):
+    """Sampling fields shared by chat and text completions (OpenAI names, SGLang extensions)."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    max_tokens: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = 1
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    messages: list[Message]
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    thinking: Thinking | None = None
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    separate_reasoning: bool = True
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    # str | list[str] | list[int] | list[list[int]]; checked by the handler (msgspec unions
+    # allow one list type).
+    prompt: str | list[str | int | list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
+REQUEST_TYPES: dict[str, type[msgspec.Struct]] = {
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
+    "/v1/tokenize": TokenizeRequest,
+    "/v1/detokenize": DetokenizeRequest,
+}
