@@ -35,6 +35,10 @@ from m3serve.runtime.transport import Inbox, Outbox
 log = logging.getLogger(__name__)
 
 
+# Arguments render_chat sets itself; a request cannot override them through the template kwargs.
+RESERVED_TEMPLATE_ARGS = frozenset({"messages", "tools", "template", "add_generation_prompt"})
+
+
 class RequestInvalid(ValueError):
     """A request the model cannot run; becomes an HTTP 400 / a raised error for the caller."""
 
@@ -135,6 +139,11 @@ class TokenizerActor(Actor):
         except (RequestInvalid, ChatTemplateError) as exc:
             await self.api.send(Error(req.rid, str(exc), 400))
             return
+        except Exception as exc:
+            # One bad request must never take the actor (and every other request) down.
+            log.exception("request %s could not be tokenized", req.rid)
+            await self.api.send(Error(req.rid, f"cannot process the request: {exc!r}", 400))
+            return
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(
@@ -185,9 +194,13 @@ class TokenizerActor(Actor):
     def render(self, req: GenerateReq) -> str:
         if self.template is None:
             raise RequestInvalid("the model has no chat template: send a prompt instead")
+        given = req.chat_template_kwargs or {}
+        reserved = sorted(RESERVED_TEMPLATE_ARGS & given.keys())
+        if reserved:
+            raise RequestInvalid(f"chat_template_kwargs may not set {', '.join(reserved)}")
         kwargs = {
             k: v
-            for k, v in (req.chat_template_kwargs or {}).items()
+            for k, v in given.items()
             if k not in ("thinking", "thinking_mode", "reasoning_effort")
         }
         try:

@@ -40,7 +40,21 @@ async def metrics(request: Request) -> Response:
 
 async def models(request: Request) -> Response:
     state: ServerState = request.app.state.server
-    card = {
+    return JSONResponse({"object": "list", "data": [_model_card(state)]})
+
+
+async def model(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    name = request.path_params["name"]
+    if name != state.model_name:
+        raise APIError(
+            404, f"model {name!r} does not exist (this server serves {state.model_name!r})"
+        )
+    return JSONResponse(_model_card(state))
+
+
+def _model_card(state: ServerState) -> dict[str, Any]:
+    return {
         "id": state.model_name,
         "object": "model",
         "created": state.created,
@@ -48,7 +62,6 @@ async def models(request: Request) -> Response:
         "root": state.engine.info.get("model_path"),
         "max_model_len": state.context_length,
     }
-    return JSONResponse({"object": "list", "data": [card]})
 
 
 async def tokenize(request: Request) -> Response:

@@ -55,6 +55,7 @@ def create_app(
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", admin.models, methods=["GET"]),
+        Route("/v1/models/{name:path}", admin.model, methods=["GET"]),
         Route("/v1/tokenize", admin.tokenize, methods=["POST"]),
         Route("/v1/detokenize", admin.detokenize, methods=["POST"]),
         Route("/health", admin.health, methods=["GET"]),
@@ -89,8 +90,11 @@ async def _not_found(request: Request, _: Exception) -> Response:
     return error_response(404, f"no route {request.url.path}")
 
 
-async def _not_allowed(request: Request, _: Exception) -> Response:
-    return error_response(405, f"{request.method} is not allowed on {request.url.path}")
+async def _not_allowed(request: Request, exc: Exception) -> Response:
+    headers = getattr(exc, "headers", None)  # Starlette's 405 carries the Allow header
+    return error_response(
+        405, f"{request.method} is not allowed on {request.url.path}", None, headers
+    )
 
 
 async def _internal(_: Request, exc: Exception) -> Response:
@@ -114,7 +118,7 @@ class _Guard:
         path = scope["path"]
         if self.key is not None and path not in OPEN_PATHS and not self._authorized(scope):
             response = error_response(401, "invalid or missing API key (Authorization: Bearer)")
-            self.metrics.observe_request(path, 401)
+            self.metrics.observe_request(_endpoint(path), 401)
             await response(scope, receive, send)
             return
         status: dict[str, Any] = {}

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from m3serve.api.choice import ChoiceOutput, Delta
 from m3serve.api.errors import APIError, decode, read_body
@@ -18,6 +18,7 @@ from m3serve.api.parsers.reasoning import ReasoningParser
 from m3serve.api.parsers.tools import ToolCallParser
 from m3serve.api.protocol import ChatCompletionRequest, Message
 from m3serve.api.responses import (
+    EventStream,
     finish_reason,
     logprobs_content,
     sse,
@@ -28,7 +29,9 @@ from m3serve.api.serving import (
     ClientGone,
     ServerState,
     Timing,
+    check_n,
     collect,
+    log_exchange,
     merged,
     observe_finished,
     sampling_params,
@@ -57,21 +60,24 @@ class Plan:
 
 async def chat_completions(request: Request) -> Response:
     state: ServerState = request.app.state.server
-    body = decode(await read_body(request, state.args.max_request_bytes), ChatCompletionRequest)
+    raw = await read_body(request, state.args.max_request_bytes)
+    body = decode(raw, ChatCompletionRequest)
     plan = _plan(body, state)
     rid = "chatcmpl-" + uuid.uuid4().hex
+    log_exchange(state, rid, "request", raw.decode(errors="replace"))
     timing = Timing()
     streams = await start(state.engine, plan.reqs)
     outputs = [_choice_output(plan, state) for _ in plan.reqs]
     if body.stream:
-        events = _stream(rid, plan, state, streams, outputs, timing)
-        return StreamingResponse(events, media_type="text/event-stream")
+        return EventStream(_stream(rid, plan, state, streams, outputs, timing))
     try:
         chunks = await until_disconnect(request, collect(streams))
     except ClientGone:
         state.metrics.observe_aborted()
         return Response(status_code=499)
-    return JSONResponse(_completion(rid, plan, state, outputs, chunks, timing))
+    response = _completion(rid, plan, state, outputs, chunks, timing)
+    log_exchange(state, rid, "response", response["choices"])
+    return JSONResponse(response)
 
 
 # ---------------------------------------------------------------------- validation
@@ -80,6 +86,7 @@ async def chat_completions(request: Request) -> Response:
 def _plan(body: ChatCompletionRequest, state: ServerState) -> Plan:
     if not body.messages:
         raise APIError(400, "messages must not be empty", "messages")
+    check_n(body)
     _check_content(body.messages)
     try:
         thinking, effort = resolve_thinking(
@@ -88,7 +95,8 @@ def _plan(body: ChatCompletionRequest, state: ServerState) -> Plan:
             body.chat_template_kwargs,
         )
     except ThinkingInvalid as exc:
-        raise APIError(400, str(exc), "thinking") from exc
+        param = "reasoning_effort" if str(exc).startswith("reasoning_effort") else "thinking"
+        raise APIError(400, str(exc), param) from exc
     tools = [to_builtins(t) for t in body.tools] if body.tools else None
     forced = ""
     if tools and body.tool_choice not in (None, "auto", "none"):
@@ -112,7 +120,7 @@ def _plan(body: ChatCompletionRequest, state: ServerState) -> Plan:
             sampling=sampling_params(
                 body,
                 state,
-                body.max_completion_tokens or body.max_tokens,
+                _max_tokens(body),
                 logprobs=body.logprobs,
                 top_logprobs=body.top_logprobs or 0,
                 # The parsers need the <mm:think> and tool-call tokens in the text.
@@ -128,6 +136,13 @@ def _plan(body: ChatCompletionRequest, state: ServerState) -> Plan:
         for i in range(body.n)
     ]
     return Plan(reqs, thinking, tools, forced, body)
+
+
+def _max_tokens(body: ChatCompletionRequest) -> int | None:
+    # max_completion_tokens replaces max_tokens; an explicit 0 must be refused, not ignored.
+    if body.max_completion_tokens is not None:
+        return body.max_completion_tokens
+    return body.max_tokens
 
 
 def _check_content(messages: list[Message]) -> None:
@@ -180,7 +195,7 @@ def _completion(
     choices = []
     for index, (output, pieces) in enumerate(zip(outputs, chunks, strict=True)):
         for chunk in pieces:
-            output.feed(chunk.text)
+            output.feed(chunk.text, len(chunk.output_ids))
         output.finish()
         calls = output.calls
         message: dict[str, Any] = {"role": "assistant", "content": output.text.content or None}
@@ -213,7 +228,7 @@ def _completion(
         "created": int(time.time()),
         "model": state.model_name,
         "choices": choices,
-        "usage": usage_dict(state, chunks, plan.thinking if outputs[0].reasoning else None),
+        "usage": usage_dict(chunks, _reasoning_counts(outputs)),
     }
 
 
@@ -240,7 +255,7 @@ async def _stream(
             timing.token()
             finished[index].append(chunk)
             output = outputs[index]
-            delta = output.feed(chunk.text)
+            delta = output.feed(chunk.text, len(chunk.output_ids))
             if chunk.finish is not None:
                 tail = output.finish()
                 delta = Delta(
@@ -258,9 +273,10 @@ async def _stream(
                 observe_finished(state, finished[index], timing)
             if body or reason or logprobs:
                 yield sse({**head, "choices": [_choice(index, body, reason, logprobs)]})
+        log_exchange(state, rid, "streamed", [o.text for o in outputs])
         if include_usage:
-            thinking = plan.thinking if outputs[0].reasoning else None
-            yield sse({**head, "choices": [], "usage": usage_dict(state, finished, thinking)})
+            usage = usage_dict(finished, _reasoning_counts(outputs))
+            yield sse({**head, "choices": [], "usage": usage})
     except (RequestError, EngineDeadError) as exc:  # failed mid-stream: tell the client in-band
         code = getattr(exc, "code", 503)
         yield sse({"error": {"message": str(exc), "type": "server_error", "code": code}})
@@ -268,6 +284,12 @@ async def _stream(
         if not all(pieces and pieces[-1].finish for pieces in finished):
             state.metrics.observe_aborted()
     yield sse_done()
+
+
+def _reasoning_counts(outputs: list[ChoiceOutput]) -> list[int] | None:
+    if outputs[0].reasoning is None:
+        return None
+    return [o.reasoning_tokens for o in outputs]
 
 
 def _choice(

@@ -32,22 +32,40 @@ class ChoiceOutput:
         self.tools = tools
         self.parallel = parallel_tool_calls
         self.text = Delta()  # everything emitted so far, for the non-streaming message
+        self.reasoning_tokens = 0
+        self._pending = Delta()
         if forced_prefix:
             # The prompt already holds the start of a tool call; the parsers must see it as
-            # output so that they are in the state the model continues from.
-            self.feed(forced_prefix)
+            # output so that they are in the state the model continues from. What that yields
+            # (the call's id and name) goes out with the first real delta.
+            self._pending = self.feed(forced_prefix, tokens=0)
 
-    def feed(self, text: str) -> Delta:
+    def feed(self, text: str, tokens: int = 1) -> Delta:
+        """The next piece of model output, worth `tokens` tokens (for the reasoning count)."""
         if self.reasoning is None:
-            return self._route("", text)
+            return self._with_pending(self._route("", text))
+        was_reasoning = self.reasoning.in_reasoning
         step = self.reasoning.feed(text)
-        return self._route(step.reasoning, step.content)
+        if was_reasoning or self.reasoning.in_reasoning:
+            # The tokens that open, fill or close the trace are reasoning tokens.
+            self.reasoning_tokens += tokens
+        return self._with_pending(self._route(step.reasoning, step.content))
+
+    def _with_pending(self, delta: Delta) -> Delta:
+        if not self._pending:
+            return delta
+        pending, self._pending = self._pending, Delta()
+        return Delta(
+            pending.reasoning + delta.reasoning,
+            pending.content + delta.content,
+            pending.calls + delta.calls,
+        )
 
     def finish(self) -> Delta:
         if self.reasoning is None:
-            return self._route("", "", final=True)
+            return self._with_pending(self._route("", "", final=True))
         step = self.reasoning.finish()
-        return self._route(step.reasoning, step.content, final=True)
+        return self._with_pending(self._route(step.reasoning, step.content, final=True))
 
     @property
     def calls(self) -> list[ToolCall]:

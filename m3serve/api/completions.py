@@ -9,16 +9,25 @@ from typing import Any
 
 import numpy as np
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from m3serve.api.errors import APIError, decode, read_body
 from m3serve.api.protocol import CompletionRequest
-from m3serve.api.responses import completion_logprobs, finish_reason, sse, sse_done, usage_dict
+from m3serve.api.responses import (
+    EventStream,
+    completion_logprobs,
+    finish_reason,
+    sse,
+    sse_done,
+    usage_dict,
+)
 from m3serve.api.serving import (
     ClientGone,
     ServerState,
     Timing,
+    check_n,
     collect,
+    log_exchange,
     merged,
     observe_finished,
     sampling_params,
@@ -34,17 +43,18 @@ MAX_LOGPROBS = 5
 
 async def completions(request: Request) -> Response:
     state: ServerState = request.app.state.server
-    body = decode(await read_body(request, state.args.max_request_bytes), CompletionRequest)
+    raw = await read_body(request, state.args.max_request_bytes)
+    body = decode(raw, CompletionRequest)
     prompts = _prompts(body)
+    check_n(body)
     reqs = _requests(body, prompts, state)
     rid = "cmpl-" + uuid.uuid4().hex
+    log_exchange(state, rid, "request", raw.decode(errors="replace"))
     timing = Timing()
     streams = await start(state.engine, reqs)
     echoes = [_echo_text(state, p) if body.echo else "" for p in prompts for _ in range(body.n)]
     if body.stream:
-        return StreamingResponse(
-            _stream(rid, body, state, streams, echoes, timing), media_type="text/event-stream"
-        )
+        return EventStream(_stream(rid, body, state, streams, echoes, timing))
     try:
         chunks = await until_disconnect(request, collect(streams))
     except ClientGone:
@@ -65,6 +75,7 @@ async def completions(request: Request) -> Response:
     ]
     for pieces in chunks:
         observe_finished(state, pieces, timing)
+    log_exchange(state, rid, "response", choices)
     return JSONResponse(
         {
             "id": rid,
@@ -89,6 +100,10 @@ def _prompts(body: CompletionRequest) -> list[str | list[int]]:
         raise APIError(400, "prompt mixes strings, token ids and id lists", "prompt")
     if not prompts or any(len(p) == 0 for p in prompts):
         raise APIError(400, "prompt must not be empty", "prompt")
+    for p in prompts:
+        if not isinstance(p, str) and any(not 0 <= t < 2**31 for t in p):
+            bad = next(t for t in p if not 0 <= t < 2**31)
+            raise APIError(400, f"token id {bad} is outside the vocabulary", "prompt")
     if body.suffix:
         raise APIError(400, "suffix is not supported", "suffix")
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
@@ -129,7 +144,7 @@ def _echo_text(state: ServerState, prompt: str | list[int]) -> str:
 
 def _usage(state: ServerState, chunks: list[list[Chunk]], n: int) -> dict[str, Any]:
     """Choices are prompt-major (n per prompt): each prompt's tokens count once."""
-    usage = usage_dict(state, chunks)
+    usage = usage_dict(chunks)
     firsts = [pieces for k, pieces in enumerate(chunks) if k % n == 0 and pieces]
     usage["prompt_tokens"] = sum(p[-1].usage.prompt_tokens for p in firsts)
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]

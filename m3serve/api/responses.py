@@ -3,15 +3,34 @@ with cached and reasoning tokens, logprobs."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from m3serve.api.serving import ServerState
 from m3serve.runtime.engine import Chunk
 from m3serve.runtime.messages import Finish, TokenLogprob
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}
+
+
+class EventStream(StreamingResponse):
+    """SSE response that closes its generator as soon as the response ends, also when the
+    client hung up: the generator's cleanup aborts the engine requests, so the KV is freed now
+    rather than whenever the garbage collector finalizes the generator."""
+
+    def __init__(self, events: AsyncIterator[bytes]) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self._events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()  # type: ignore[attr-defined]
 
 
 def sse(payload: dict[str, Any]) -> bytes:
@@ -30,10 +49,9 @@ def finish_reason(finish: Finish | None, called_tools: bool) -> str | None:
     return _FINISH[finish.reason]
 
 
-def usage_dict(
-    state: ServerState, chunks: list[list[Chunk]], thinking: str | None = None
-) -> dict[str, Any]:
-    """Usage over all choices: the prompt counts once, completions add up."""
+def usage_dict(chunks: list[list[Chunk]], reasoning_tokens: list[int] | None = None) -> dict:
+    """Usage over all choices: the prompt counts once, completions add up. Reasoning tokens
+    are those of the text the reasoning parser put in reasoning_content."""
     finals = [pieces[-1].usage for pieces in chunks if pieces]
     prompt = finals[0].prompt_tokens if finals else 0
     completion = sum(u.completion_tokens for u in finals)
@@ -43,22 +61,9 @@ def usage_dict(
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": finals[0].cached_tokens if finals else 0},
     }
-    if thinking is not None:
-        reasoning = sum(_reasoning_tokens(state, pieces, thinking) for pieces in chunks)
-        out["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": sum(reasoning_tokens)}
     return out
-
-
-def _reasoning_tokens(state: ServerState, pieces: list[Chunk], thinking: str) -> int:
-    """Tokens up to and including `</mm:think>`; all of them if thinking never closed."""
-    ids = [i for chunk in pieces for i in chunk.output_ids]
-    end = state.special_ids.get("think_end")
-    if end is not None and end in ids:
-        return ids.index(end) + 1
-    if thinking == "enabled":
-        return len(ids)
-    start = state.special_ids.get("think_start")
-    return len(ids) if start is not None and start in ids[:1] else 0
 
 
 def token_text(state: ServerState, token_id: int) -> str:

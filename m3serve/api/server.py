@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 from m3serve.api.app import create_app
@@ -30,4 +31,6 @@ def serve(args: ServerArgs) -> None:
     )
     server = uvicorn.Server(config)
     log.info("starting m3serve on http://%s:%d", args.api.host, args.api.port)
-    server.run()
+    # uvicorn re-raises the Ctrl-C it already handled with a graceful shutdown.
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()

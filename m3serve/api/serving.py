@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from m3serve.runtime.config import ApiArgs
 from m3serve.runtime.engine import AsyncEngine, Chunk, EngineDeadError, RequestError
 from m3serve.runtime.messages import GenerateReq, SamplingParams
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 MAX_N = 16
 
@@ -37,7 +39,6 @@ class ServerState:
     tokenizer: Any = None  # tokenizers.Tokenizer, for logprob token strings and /v1/tokenize
     chat_template: str | None = None
     defaults: dict[str, float] = field(default_factory=dict)  # from generation_config.json
-    special_ids: dict[str, int] = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
@@ -52,7 +53,6 @@ class ServerState:
             model_name=args.served_model_name or str(engine.args.model.model_path or path.name),
             context_length=int(engine.info.get("context_length", 0)),
             defaults=_generation_defaults(path),
-            special_ids=dict(engine.info.get("special_ids") or {}),
         )
         if (path / "tokenizer.json").is_file() and not engine.args.runtime.skip_tokenizer_init:
             from tokenizers import Tokenizer
@@ -105,14 +105,18 @@ def sampling_params(
         top_logprobs=top_logprobs,
         skip_special_tokens=skip_special_tokens,
     )
-    problems = params.problems()
+    # OpenAI's field names in the messages, not the engine's.
+    problems = [p.replace("max_new_tokens", "max_tokens") for p in params.problems()]
     if params.temperature > 2.0:
         problems.append("temperature must be <= 2")
-    if not 1 <= req.n <= MAX_N:
-        problems.append(f"n must be in 1..{MAX_N}")
     if problems:
         raise APIError(400, "; ".join(problems), _param_of(problems[0]))
     return params
+
+
+def check_n(req: SamplingFields) -> None:
+    if not 1 <= req.n <= MAX_N:
+        raise APIError(400, f"n must be in 1..{MAX_N}", "n")
 
 
 def _param_of(problem: str) -> str | None:
@@ -255,6 +259,12 @@ class Timing:
     @property
     def e2e(self) -> float:
         return time.monotonic() - self.started
+
+
+def log_exchange(state: ServerState, rid: str, kind: str, payload: Any) -> None:
+    """Prompts and outputs are user data: logged only with --log-requests."""
+    if state.args.log_requests:
+        log.info("%s %s: %s", rid, kind, payload)
 
 
 def observe_finished(state: ServerState, pieces: list[Chunk], timing: Timing) -> None:

@@ -310,6 +310,8 @@ def _requests(
         if isinstance(item, str):
             req.prompt = item
         else:
+            if any(not 0 <= t < 2**31 for t in item):
+                raise RequestError(f"token id outside the vocabulary in {item[:8]}...")
             req.input_ids = TokenIds(len(item), np.asarray(item, dtype=np.int32))
         reqs.append(req)
     return reqs, single

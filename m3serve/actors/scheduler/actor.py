@@ -113,6 +113,10 @@ class SchedulerActor(Actor):
             await self.tokenizers[msg.worker].send(Error(msg.rid, str(exc), 503))
         except ValueError as exc:
             await self.tokenizers[msg.worker].send(Error(msg.rid, str(exc), 400))
+        except Exception as exc:
+            # A request the scheduler cannot take fails alone; the engine keeps serving.
+            log.exception("request %s refused", msg.rid)
+            await self.tokenizers[msg.worker].send(Error(msg.rid, repr(exc), 500))
 
     @handles(Abort)
     def on_abort(self, msg: Abort) -> None:

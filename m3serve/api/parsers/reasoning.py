@@ -34,10 +34,10 @@ import enum
 from dataclasses import dataclass
 
 from m3serve.actors.detokenize import held_back_length
+from m3serve.model.thinking import THINKING_MODES
 
 THINK_START = "<mm:think>"
 THINK_END = "</mm:think>"
-THINKING_MODES = ("enabled", "disabled", "adaptive")
 LINE_BREAKS = "\r\n"
 
 # Tags that may open the output in each mode (after whitespace), and where each one leads.
@@ -76,6 +76,13 @@ class ReasoningParser:
         self._buffer = ""
         # The next text directly follows a think tag, so its leading line breaks are dropped.
         self._after_tag = False
+
+    @property
+    def in_reasoning(self) -> bool:
+        """Inside the reasoning trace (or, in enabled mode, about to be)."""
+        return self._phase is _Phase.REASONING or (
+            self._phase is _Phase.START and self._mode == "enabled"
+        )
 
     def feed(self, text: str) -> ReasoningDelta:
         """Take the next piece of output; return what can be classified now."""

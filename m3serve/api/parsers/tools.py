@@ -161,7 +161,7 @@ class ToolCallParser:
         return content, parser.calls
 
     def _take(self) -> ToolDelta:
-        # One entry per call and piece: a client expects a call's index once per chunk.
+        # A call's pieces from one feed become one entry: clients expect an index once per chunk.
         merged: list[ToolCallDelta] = []
         for delta in self._deltas:
             if merged and merged[-1].index == delta.index:

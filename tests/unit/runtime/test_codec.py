@@ -50,7 +50,7 @@ token_ids = st.one_of(
 )
 sampling = st.builds(
     m.SamplingParams,
-    max_new_tokens=small_ints,
+    max_new_tokens=st.none() | small_ints,
     temperature=floats,
     top_p=floats,
     top_k=small_ints,
@@ -97,6 +97,7 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
         thinking=st.none() | texts,
         reasoning_effort=st.none() | texts,
         chat_template_kwargs=st.none() | json_dicts,
+        assistant_prefix=st.none() | texts,
     ),
     m.Abort: st.builds(m.Abort, texts),
     m.Tokenized: st.builds(
@@ -105,6 +106,8 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
         input_ids=token_ids,
         sampling=sampling,
         stop_token_ids=token_lists,
+        max_new_tokens=small_ints,
+        fit_to_pool=st.booleans(),
         worker=small_ints,
         arrival=floats,
     ),
@@ -130,12 +133,14 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
     m.Ready: st.builds(m.Ready, texts, small_ints, json_dicts),
     m.Error: st.builds(m.Error, st.none() | texts, texts, small_ints),
     m.Shutdown: st.just(m.Shutdown()),
+    m.Stats: st.builds(m.Stats, *(small_ints,) * 6),
     m.StepPlan: st.builds(
         m.StepPlan,
         step=small_ints,
         seqs=st.lists(seq_steps, max_size=3),
         sampling=st.dictionaries(small_ints, sampling, max_size=2),
         prompt_ids=st.dictionaries(small_ints, token_lists, max_size=2),
+        output_ids=st.dictionaries(small_ints, token_lists, max_size=2),
     ),
     m.StepResult: st.builds(
         m.StepResult,
@@ -169,6 +174,8 @@ def tokenized(ids: np.ndarray) -> m.Tokenized:
         input_ids=m.TokenIds(count=ids.size, array=ids),
         sampling=m.SamplingParams(),
         stop_token_ids=[2],
+        max_new_tokens=16,
+        fit_to_pool=False,
         worker=0,
         arrival=0.0,
     )

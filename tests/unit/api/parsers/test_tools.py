@@ -125,10 +125,9 @@ def render_block(
 
 # Strategies.
 
-names = st.from_regex(r"[a-z][a-z0-9_]{0,7}", fullmatch=True).filter(
-    # Parameters named like the block's own tags cannot be told apart from them.
-    lambda s: s not in ("invoke", "tool_call")
-)
+# Parameters named like the block's own tags (invoke, tool_call) could not be told apart from
+# them; "item" is fine where a schema says the parent is an object.
+names = st.sampled_from(["location", "unit", "a", "b_2", "x", "item", "query", "n", "días", "k-9"])
 STRING_PIECES = ["<", ">", "</a>", "<b>", "]", "]<]", "]<]minimax[>", "[>[", '"', "\\", "{}"]
 STRING_PIECES += ["[1]", "\n", " ", "日本", "😀", "null", "true", "1", "&amp;", "<item>"]
 strings = (
@@ -265,7 +264,7 @@ def pipeline(mode: str, tools: Any, pieces: list[str]) -> tuple[str, str, list[T
     return "".join(reasoning), "".join(d.content for d in deltas), calling.calls
 
 
-@settings(max_examples=250, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(model_outputs(), st.integers(0, 2**32), st.lists(st.integers(0, 10**6), max_size=10))
 def test_model_outputs_parse_the_same_in_any_chunking(
     case: dict[str, Any], seed: int, points: list[int]
@@ -315,7 +314,9 @@ def test_renderer_matches_the_chat_template(calls: list[tuple[str, dict[str, Any
             {"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls
         ],
     }
-    prompt = render_chat(TEMPLATE, [{"role": "user", "content": "hi"}, message])
+    prompt = render_chat(
+        TEMPLATE, [{"role": "user", "content": "hi"}, message], add_generation_prompt=False
+    )
     turn = prompt.split("]~b]ai\n</mm:think>", 1)[1].removesuffix("[e~[\n")
     assert turn == "On it." + (render_block(calls) if calls else "")
 

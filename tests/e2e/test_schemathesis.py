@@ -1,0 +1,144 @@
+"""Property-based API testing: schemathesis generates requests (valid and invalid) for every
+operation in `/openapi.json` and sends them to the app in-process, around the real engine in
+single-process mode with the tiny checkpoint. Whatever it sends, the server must not answer 5xx.
+
+Generated bodies are clamped (at most 8 new tokens, 2 choices, 3 prompts) so the CPU model keeps
+the run short; everything else reaches the server as generated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+from schemathesis.python import asgi
+from starlette.applications import Starlette
+
+from m3serve.api.admin import openapi_document
+from m3serve.api.app import create_app
+from m3serve.runtime.config import ApiArgs, ServerArgs
+from m3serve.runtime.engine import AsyncEngine
+
+MAX_NEW_TOKENS = 8
+MAX_N = 2
+MAX_PROMPTS = 3
+GENERATING = ("/v1/chat/completions", "/v1/completions")
+CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+
+
+def make_app(model_path: Path) -> Starlette:
+    """The server as `m3serve serve` builds it: its lifespan starts and stops the engine."""
+    args = ServerArgs.from_kwargs(
+        model_path=str(model_path), single_process=True, max_total_tokens=8192
+    )
+    parsers = ApiArgs(reasoning_parser="minimax-m3", tool_call_parser="minimax-m3")
+    return create_app(AsyncEngine(args), parsers, own_engine=True)
+
+
+@pytest.fixture(scope="module")
+def app(model_path: Path) -> Iterator[Starlette]:
+    app = make_app(model_path)
+    # Schemathesis' ASGI client runs the lifespan (so the engine) in its own event-loop thread,
+    # where every generated request is then served.
+    with asgi.get_client(app) as client:
+        served = client.get("/openapi.json").json()
+    assert app.state.server.engine.healthy
+    assert served == DOCUMENT  # what the cases are generated from is what the app serves
+    yield app
+    asgi.shutdown_lifespans()
+    assert not app.state.server.engine.healthy
+
+
+def clamp(path: str, body: Any) -> None:
+    """Keep generation short: bound new tokens, choices and prompts of a body that has them."""
+    if path not in GENERATING or not isinstance(body, dict):
+        return
+    limits = ("max_tokens", "max_completion_tokens")
+    for key in limits:
+        value = body.get(key)
+        if _is_int(value) and value > MAX_NEW_TOKENS:
+            body[key] = MAX_NEW_TOKENS
+    if not any(_is_int(body.get(key)) and body[key] > 0 for key in limits):
+        # No positive limit means "whatever the context allows"; a wrong type stays, to be refused.
+        for key in limits:
+            if body.get(key) is None or body[key] == 0:
+                body[key] = MAX_NEW_TOKENS
+    n = body.get("n")
+    if _is_int(n) and n > MAX_N:
+        body["n"] = MAX_N
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        body["prompt"] = prompt[:MAX_PROMPTS]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# The document `/openapi.json` serves (checked in the fixture). Built here, at collection time,
+# because the engine can start only once the tiny checkpoint exists (a fixture), and this
+# schemathesis' lazy `from_fixture` loader does not run under pytest 9.
+DOCUMENT = openapi_document("m3serve", api_key=False)
+schema = schemathesis.openapi.from_dict(DOCUMENT)
+
+
+@schema.parametrize()
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.filter_too_much,
+        HealthCheck.data_too_large,
+        HealthCheck.large_base_example,
+        HealthCheck.function_scoped_fixture,
+    ],
+)
+def test_no_request_makes_the_server_fail(app: Starlette, case: Any) -> None:
+    clamp(case.path, case.body)
+    response = case.call(app=app, timeout=60)
+    assert response.status_code < 500, (
+        f"{case.method} {case.path} -> {response.status_code}\n"
+        f"body: {case.body!r}\nresponse: {response.text[:2000]}"
+    )
+    if response.status_code >= 400:  # every refusal is OpenAI-shaped
+        error = response.json()["error"]
+        assert error["code"] == response.status_code
+        assert isinstance(error["message"], str)
+
+
+def test_the_engine_survives_the_run(app: Starlette) -> None:
+    with asgi.get_client(app) as client:
+        health = client.get("/health")
+        models = client.get("/v1/models")
+    assert health.status_code == 200, health.text
+    assert models.status_code == 200
+
+
+@pytest.mark.parametrize("name", ["messages", "tools", "template"])
+async def test_a_chat_template_kwarg_named_like_a_render_argument_is_refused(
+    model_path: Path, name: str
+) -> None:
+    # One request must not be able to take the server down: today the tokenizer actor dies on
+    # render_chat(..., **{"messages": ...}) ("got multiple values for argument") and every later
+    # request is a 503.
+    app = make_app(model_path)
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client,
+    ):
+        bad = await client.post(
+            "/v1/chat/completions",
+            json={**CHAT, "chat_template_kwargs": {name: [1, 2]}},
+        )
+        health = await client.get("/health")
+        after = await client.post("/v1/chat/completions", json=CHAT)
+    assert bad.status_code == 400, bad.text
+    assert health.status_code == 200, health.text
+    assert after.status_code == 200, after.text
