@@ -3,18 +3,14 @@ line breaks next to tags dropped, minimal hold-back, and the same result in any 
 
 from __future__ import annotations
 
-import itertools
-import random
-import re
-
 import pytest
+from helpers.chunking import all_chunkings, token_pieces
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from m3serve.api.parsers.reasoning import THINK_END, THINK_START, ReasoningDelta, ReasoningParser
 
 BREAKS = "\r\n"
-SPECIAL = re.compile(r"(<mm:think>|</mm:think>|\]<\]minimax\[>\[)")
 
 
 def stream(mode: str, pieces: list[str]) -> ReasoningDelta:
@@ -22,30 +18,6 @@ def stream(mode: str, pieces: list[str]) -> ReasoningDelta:
     parser = ReasoningParser(mode)
     deltas = [parser.feed(piece) for piece in pieces] + [parser.finish()]
     return ReasoningDelta("".join(d.reasoning for d in deltas), "".join(d.content for d in deltas))
-
-
-def token_pieces(text: str, seed: int) -> list[str]:
-    """Roughly how a detokenizer delivers text: special tokens whole, other text 1-4 chars."""
-    rng = random.Random(seed)
-    pieces: list[str] = []
-    for part in SPECIAL.split(text):
-        if SPECIAL.fullmatch(part):
-            pieces.append(part)
-            continue
-        while part:
-            size = rng.randint(1, 4)
-            pieces.append(part[:size])
-            part = part[size:]
-    return pieces
-
-
-def cut(text: str, points: list[int]) -> list[str]:
-    bounds = [0, *sorted({p % (len(text) + 1) for p in points}), len(text)]
-    return [text[a:b] for a, b in itertools.pairwise(bounds)]
-
-
-def all_chunkings(text: str, seed: int, points: list[int]) -> list[list[str]]:
-    return [[text], list(text), token_pieces(text, seed), cut(text, points)]
 
 
 # Text with no complete think tag, rich in what could be mistaken for one.

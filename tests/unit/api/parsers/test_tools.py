@@ -4,13 +4,12 @@ JSON, typed by schema; any chunking gives the one-shot result; malformed blocks 
 from __future__ import annotations
 
 import importlib.resources
-import itertools
 import json
-import random
 import re
 from typing import Any
 
 import pytest
+from helpers.chunking import all_chunkings, token_pieces
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,7 +26,6 @@ from m3serve.model.chat_template import render_chat
 
 N = NAMESPACE
 BREAKS = "\r\n"
-SPECIAL = re.compile(r"(<mm:think>|</mm:think>|\]<\]minimax\[>\[)")
 CALL_ID = re.compile(r"call_[0-9a-f]{24}")
 TEMPLATE = (
     importlib.resources.files("m3serve.model.tiny")
@@ -45,29 +43,6 @@ WEATHER = tool("get_weather", {"location": {"type": "string"}, "unit": {"type": 
 
 
 # Chunkings: whole, char by char, token-like (special tokens whole), random cuts.
-
-
-def token_pieces(text: str, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    pieces: list[str] = []
-    for part in SPECIAL.split(text):
-        if SPECIAL.fullmatch(part):
-            pieces.append(part)
-            continue
-        while part:
-            size = rng.randint(1, 4)
-            pieces.append(part[:size])
-            part = part[size:]
-    return pieces
-
-
-def cut(text: str, points: list[int]) -> list[str]:
-    bounds = [0, *sorted({p % (len(text) + 1) for p in points}), len(text)]
-    return [text[a:b] for a, b in itertools.pairwise(bounds)]
-
-
-def all_chunkings(text: str, seed: int, points: list[int]) -> list[list[str]]:
-    return [[text], list(text), token_pieces(text, seed), cut(text, points)]
 
 
 def stream(parser: ToolCallParser, pieces: list[str]) -> tuple[str, list[ToolCallDelta]]:
