@@ -22,7 +22,7 @@ from m3serve.api.responses import (
     finish_reason,
     logprobs_content,
     sse,
-    sse_done,
+    sse_events,
     usage_dict,
 )
 from m3serve.api.serving import (
@@ -40,7 +40,7 @@ from m3serve.api.serving import (
     until_disconnect,
 )
 from m3serve.model.thinking import ThinkingInvalid, resolve_thinking
-from m3serve.runtime.engine import Chunk, EngineDeadError, RequestError
+from m3serve.runtime.engine import Chunk
 from m3serve.runtime.messages import GenerateReq
 
 NAMESPACE = "]<]minimax[>["
@@ -69,7 +69,9 @@ async def chat_completions(request: Request) -> Response:
     streams = await start(state.engine, plan.reqs)
     outputs = [_choice_output(plan, state) for _ in plan.reqs]
     if body.stream:
-        return EventStream(_stream(rid, plan, state, streams, outputs, timing))
+        finished: list[list[Chunk]] = [[] for _ in streams]
+        events = _stream(rid, plan, state, streams, outputs, timing, finished)
+        return EventStream(sse_events(events, state, finished))
     try:
         chunks = await until_disconnect(request, collect(streams))
     except ClientGone:
@@ -242,48 +244,41 @@ async def _stream(
     streams: list[AsyncIterator[Chunk]],
     outputs: list[ChoiceOutput],
     timing: Timing,
+    finished: list[list[Chunk]],
 ) -> AsyncIterator[bytes]:
+    """The response's SSE events; `finished` collects each choice's chunks as they pass."""
     created = int(time.time())
     head = {"id": rid, "object": "chat.completion.chunk", "created": created}
     head["model"] = state.model_name
-    finished: list[list[Chunk]] = [[] for _ in streams]
     include_usage = bool(plan.body.stream_options and plan.body.stream_options.include_usage)
-    try:
-        for index in range(len(streams)):
-            yield sse({**head, "choices": [_choice(index, {"role": "assistant", "content": ""})]})
-        async for index, chunk in merged(streams):
-            timing.token()
-            finished[index].append(chunk)
-            output = outputs[index]
-            delta = output.feed(chunk.text, len(chunk.output_ids))
-            if chunk.finish is not None:
-                tail = output.finish()
-                delta = Delta(
-                    delta.reasoning + tail.reasoning,
-                    delta.content + tail.content,
-                    delta.calls + tail.calls,
-                )
-            body = _delta_dict(delta)
-            logprobs = None
-            if plan.body.logprobs and chunk.logprobs:
-                logprobs = logprobs_content(state, [chunk])
-            reason = None
-            if chunk.finish is not None:
-                reason = finish_reason(chunk.finish, bool(output.calls))
-                observe_finished(state, finished[index], timing)
-            if body or reason or logprobs:
-                yield sse({**head, "choices": [_choice(index, body, reason, logprobs)]})
-        log_exchange(state, rid, "streamed", [o.text for o in outputs])
-        if include_usage:
-            usage = usage_dict(finished, _reasoning_counts(outputs))
-            yield sse({**head, "choices": [], "usage": usage})
-    except (RequestError, EngineDeadError) as exc:  # failed mid-stream: tell the client in-band
-        code = getattr(exc, "code", 503)
-        yield sse({"error": {"message": str(exc), "type": "server_error", "code": code}})
-    finally:
-        if not all(pieces and pieces[-1].finish for pieces in finished):
-            state.metrics.observe_aborted()
-    yield sse_done()
+    for index in range(len(streams)):
+        yield sse({**head, "choices": [_choice(index, {"role": "assistant", "content": ""})]})
+    async for index, chunk in merged(streams):
+        timing.token()
+        finished[index].append(chunk)
+        output = outputs[index]
+        delta = output.feed(chunk.text, len(chunk.output_ids))
+        if chunk.finish is not None:
+            tail = output.finish()
+            delta = Delta(
+                delta.reasoning + tail.reasoning,
+                delta.content + tail.content,
+                delta.calls + tail.calls,
+            )
+        body = _delta_dict(delta)
+        logprobs = None
+        if plan.body.logprobs and chunk.logprobs:
+            logprobs = logprobs_content(state, [chunk])
+        reason = None
+        if chunk.finish is not None:
+            reason = finish_reason(chunk.finish, bool(output.calls))
+            observe_finished(state, finished[index], timing)
+        if body or reason or logprobs:
+            yield sse({**head, "choices": [_choice(index, body, reason, logprobs)]})
+    log_exchange(state, rid, "streamed", [o.text for o in outputs])
+    if include_usage:
+        usage = usage_dict(finished, _reasoning_counts(outputs))
+        yield sse({**head, "choices": [], "usage": usage})
 
 
 def _reasoning_counts(outputs: list[ChoiceOutput]) -> list[int] | None:

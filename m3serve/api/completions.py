@@ -18,7 +18,7 @@ from m3serve.api.responses import (
     completion_logprobs,
     finish_reason,
     sse,
-    sse_done,
+    sse_events,
     usage_dict,
 )
 from m3serve.api.serving import (
@@ -34,7 +34,7 @@ from m3serve.api.serving import (
     start,
     until_disconnect,
 )
-from m3serve.runtime.engine import Chunk, EngineDeadError, RequestError
+from m3serve.runtime.engine import Chunk
 from m3serve.runtime.messages import GenerateReq, TokenIds
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
@@ -54,7 +54,9 @@ async def completions(request: Request) -> Response:
     streams = await start(state.engine, reqs)
     echoes = [_echo_text(state, p) if body.echo else "" for p in prompts for _ in range(body.n)]
     if body.stream:
-        return EventStream(_stream(rid, body, state, streams, echoes, timing))
+        finished: list[list[Chunk]] = [[] for _ in streams]
+        events = _stream(rid, body, state, streams, echoes, timing, finished)
+        return EventStream(sse_events(events, state, finished))
     try:
         chunks = await until_disconnect(request, collect(streams))
     except ClientGone:
@@ -158,31 +160,24 @@ async def _stream(
     streams: list[AsyncIterator[Chunk]],
     echoes: list[str],
     timing: Timing,
+    finished: list[list[Chunk]],
 ) -> AsyncIterator[bytes]:
+    """The response's SSE events; `finished` collects each choice's chunks as they pass."""
     head = {"id": rid, "object": "text_completion", "created": int(time.time())}
     head["model"] = state.model_name
-    finished: list[list[Chunk]] = [[] for _ in streams]
     sent_echo = [False] * len(streams)
-    try:
-        async for index, chunk in merged(streams):
-            timing.token()
-            finished[index].append(chunk)
-            text = chunk.text if sent_echo[index] else echoes[index] + chunk.text
-            sent_echo[index] = True
-            logprobs = None
-            if body.logprobs is not None:
-                logprobs = completion_logprobs(state, [chunk], 0)
-            reason = finish_reason(chunk.finish, False)
-            if chunk.finish is not None:
-                observe_finished(state, finished[index], timing)
-            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
-            yield sse({**head, "choices": [choice]})
-        if body.stream_options and body.stream_options.include_usage:
-            yield sse({**head, "choices": [], "usage": _usage(state, finished, body.n)})
-    except (RequestError, EngineDeadError) as exc:
-        code = getattr(exc, "code", 503)
-        yield sse({"error": {"message": str(exc), "type": "server_error", "code": code}})
-    finally:
-        if not all(pieces and pieces[-1].finish for pieces in finished):
-            state.metrics.observe_aborted()
-    yield sse_done()
+    async for index, chunk in merged(streams):
+        timing.token()
+        finished[index].append(chunk)
+        text = chunk.text if sent_echo[index] else echoes[index] + chunk.text
+        sent_echo[index] = True
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = completion_logprobs(state, [chunk], 0)
+        reason = finish_reason(chunk.finish, False)
+        if chunk.finish is not None:
+            observe_finished(state, finished[index], timing)
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        yield sse({**head, "choices": [choice]})
+    if body.stream_options and body.stream_options.include_usage:
+        yield sse({**head, "choices": [], "usage": _usage(state, finished, body.n)})

@@ -11,7 +11,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from m3serve.api.serving import ServerState
-from m3serve.runtime.engine import Chunk
+from m3serve.runtime.engine import Chunk, EngineDeadError, RequestError
 from m3serve.runtime.messages import Finish, TokenLogprob
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}
@@ -31,6 +31,23 @@ class EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self._events.aclose()  # type: ignore[attr-defined]
+
+
+async def sse_events(
+    events: AsyncIterator[bytes], state: ServerState, finished: list[list[Chunk]]
+) -> AsyncIterator[bytes]:
+    """The frame around a handler's events: an engine failure mid-stream is reported in-band
+    (the status code is long sent), unfinished choices count as aborted, `[DONE]` ends it."""
+    try:
+        async for event in events:
+            yield event
+    except (RequestError, EngineDeadError) as exc:
+        code = getattr(exc, "code", 503)
+        yield sse({"error": {"message": str(exc), "type": "server_error", "code": code}})
+    finally:
+        if not all(pieces and pieces[-1].finish for pieces in finished):
+            state.metrics.observe_aborted()
+    yield sse_done()
 
 
 def sse(payload: dict[str, Any]) -> bytes:
