@@ -33,6 +33,10 @@ class ForwardBatch:
     extend_lens: list[int]  # per request, new tokens in this step
     logit_rows: torch.Tensor  # [N] rows of T whose logits the step returns
     page_size: int
+    # The same per-request metadata as device tensors, for kernels (no host lists on the GPU).
+    seq_lens_t: torch.Tensor | None = None  # [B] int32
+    extend_starts: torch.Tensor | None = None  # [B + 1] int32, request b owns rows [s[b], s[b+1])
+    max_extend: int = 0  # the longest extend_len in the batch
 
     @property
     def num_tokens(self) -> int:
@@ -64,15 +68,23 @@ class ForwardBatch:
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
 
+        seq_lens = [c.start + len(c.token_ids) for c in chunks]
+        extend_lens = [len(c.token_ids) for c in chunks]
+        starts = [0]
+        for ext in extend_lens:
+            starts.append(starts[-1] + ext)
         return cls(
             input_ids=tensor(ids, torch.int64),
             positions=tensor(positions, torch.int64),
             out_slots=tensor(slots, torch.int64),
             page_table=tensor(table, torch.int32),
-            seq_lens=[c.start + len(c.token_ids) for c in chunks],
-            extend_lens=[len(c.token_ids) for c in chunks],
+            seq_lens=seq_lens,
+            extend_lens=extend_lens,
             logit_rows=tensor(logit_rows, torch.int64),
             page_size=page_size,
+            seq_lens_t=tensor(seq_lens, torch.int32),
+            extend_starts=tensor(starts, torch.int32),
+            max_extend=max(extend_lens),
         )
 
 
