@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import os
+
+import torch
+
+# Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors; the variable must be
+# set before triton is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 
 from m3serve.model.tiny.checkpoint import TinySpec, make_tiny
 
