@@ -37,14 +37,21 @@ class Backend(Protocol):
         """Per-head RMSNorm of x [T, H, D], then partial RoPE at positions."""
         ...
 
-    def write_kv(
+    def store_kv(
         self,
         layer: LayerKV,
         batch: ForwardBatch,
         k: torch.Tensor,
         v: torch.Tensor,
+        k_norm: torch.Tensor,
         index_k: torch.Tensor | None,
-    ) -> None: ...
+        index_k_norm: torch.Tensor | None,
+        eps: float,
+        inv_freq: torch.Tensor,
+    ) -> None:
+        """Per-head norm + RoPE of the raw keys k [T, Hkv, D] and index keys [T, Di], then
+        write k, v and the index keys to the cache slots of the batch's new tokens."""
+        ...
 
     def index_topk(
         self,

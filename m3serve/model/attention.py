@@ -45,15 +45,26 @@ class Attention(nn.Module):
         cfg, be = self.cfg, self.backend
         n = x.shape[0]
         q = self._project(x, self.q_proj, self.q_norm, cfg.num_heads, batch, inv_freq)
-        k = self._project(x, self.k_proj, self.k_norm, cfg.num_kv_heads, batch, inv_freq)
+        # Keys are normalized, rotated and written to the cache in one backend op.
+        k = be.linear(x, self.k_proj.weight).view(n, cfg.num_kv_heads, cfg.head_dim)
         v = be.linear(x, self.v_proj.weight).view(n, cfg.num_kv_heads, cfg.head_dim)
         block_ids = None
         if self.sparse:
             iq = self._project(
                 x, self.index_q_proj, self.index_q_norm, cfg.index_n_heads, batch, inv_freq
             )
-            ik = self._project(x, self.index_k_proj, self.index_k_norm, 1, batch, inv_freq)
-            be.write_kv(kv, batch, k, v, ik.view(n, cfg.index_head_dim))
+            ik = be.linear(x, self.index_k_proj.weight)
+            be.store_kv(
+                kv,
+                batch,
+                k,
+                v,
+                self.k_norm.weight,
+                ik,
+                self.index_k_norm.weight,
+                self.k_norm.eps,
+                inv_freq,
+            )
             block_ids = be.index_topk(
                 iq,
                 kv,
@@ -63,7 +74,7 @@ class Attention(nn.Module):
                 cfg.index_init_blocks,
             )
         else:
-            be.write_kv(kv, batch, k, v, None)
+            be.store_kv(kv, batch, k, v, self.k_norm.weight, None, None, self.k_norm.eps, inv_freq)
         out = be.attention(q, kv, batch, cfg.head_dim**-0.5, block_ids)
         return be.linear(out.reshape(n, cfg.q_size), self.o_proj.weight)
 

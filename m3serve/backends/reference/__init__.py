@@ -46,19 +46,25 @@ class ReferenceBackend:
         cos, sin = rope_cos_sin(positions, inv_freq)
         return apply_rope(gemma_rms_norm(x.float(), weight, eps), cos, sin).to(x.dtype)
 
-    def write_kv(
+    def store_kv(
         self,
         layer: LayerKV,
         batch: ForwardBatch,
         k: torch.Tensor,
         v: torch.Tensor,
+        k_norm: torch.Tensor,
         index_k: torch.Tensor | None,
+        index_k_norm: torch.Tensor | None,
+        eps: float,
+        inv_freq: torch.Tensor,
     ) -> None:
+        k = self.head_norm_rope(k, k_norm, eps, batch.positions, inv_freq)
         layer.k[batch.out_slots] = k.to(layer.k.dtype)
         layer.v[batch.out_slots] = v.to(layer.v.dtype)
         if index_k is not None:
-            assert layer.index_k is not None
-            layer.index_k[batch.out_slots] = index_k.to(layer.index_k.dtype)
+            assert layer.index_k is not None and index_k_norm is not None
+            ik = self.head_norm_rope(index_k[:, None], index_k_norm, eps, batch.positions, inv_freq)
+            layer.index_k[batch.out_slots] = ik[:, 0].to(layer.index_k.dtype)
 
     def index_topk(
         self,
