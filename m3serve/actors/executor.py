@@ -75,14 +75,31 @@ def leave_a_core_for_the_scheduler() -> None:
 
 class Executor:
     def __init__(
-        self, loaded: LoadedModel, budget: KVBudget, max_slots: int, kv_dtype: torch.dtype
+        self,
+        loaded: LoadedModel,
+        budget: KVBudget,
+        max_slots: int,
+        kv_dtype: torch.dtype,
+        graph_max_bs: int = 0,
+        context_length: int | None = None,
     ) -> None:
         self.model = loaded.model
         self.device = loaded.device
         cfg = self.model.cfg
-        self.kv = KVCache.allocate(cfg, budget.num_pages, kv_dtype, self.device)
+        # One page past the pool is scratch: CUDA-graph padding rows write there.
+        self.kv = KVCache.allocate(cfg, budget.num_pages + 1, kv_dtype, self.device)
         self.sampler = Sampler(max_slots, cfg.vocab_size, self.device)
         self.last_tokens = torch.zeros(max_slots, dtype=torch.int64, device=self.device)
+        self.graphs = None
+        if graph_max_bs > 0 and loaded.backend.name == "hopper":
+            from m3serve.backends.hopper.graphs import DecodeGraphs
+
+            context = context_length or cfg.max_position_embeddings
+            max_pages = min(-(-context // cfg.page_size), budget.num_pages)
+            self.graphs = DecodeGraphs(
+                self.model, self.kv, budget.num_pages, min(graph_max_bs, max_slots), max_pages
+            )
+            self.graphs.capture()
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepResult:
@@ -99,12 +116,15 @@ class Executor:
         ]
         batch = ForwardBatch.build(chunks, self.model.cfg.page_size, self.device)
         self._fill_slot_tokens(plan, batch)
-        hidden = self.model.hidden_states(batch, self.kv)
         rows = [i for i, seq in enumerate(plan.seqs) if seq.sample]
-        if not rows:
-            return StepResult(step=plan.step, slots=[], tokens=[])
+        if self.graphs is not None and len(rows) == len(plan.seqs) and self.graphs.fits(batch):
+            logits = self.graphs.run(batch)
+        else:
+            hidden = self.model.hidden_states(batch, self.kv)
+            if not rows:
+                return StepResult(step=plan.step, slots=[], tokens=[])
+            logits = self.model.compute_logits(hidden[batch.logit_rows[rows]])
         slots = [plan.seqs[i].slot for i in rows]
-        logits = self.model.compute_logits(hidden[batch.logit_rows[rows]])
         tokens, logprobs = self.sampler.sample(logits, slots)
         self.last_tokens[torch.tensor(slots, device=self.device)] = tokens
         return StepResult(step=plan.step, slots=slots, tokens=tokens.tolist(), logprobs=logprobs)

@@ -9,17 +9,27 @@ from __future__ import annotations
 import torch
 
 from m3serve.backends.base import Backend, BackendUnavailable
+from m3serve.backends.hopper import HopperBackend, check_hopper
 from m3serve.backends.reference import ReferenceBackend
 
 # Names accepted by --backend; those mapped to None are planned but not built yet.
 _BACKENDS: dict[str, type[Backend] | None] = {
     "reference": ReferenceBackend,
-    "hopper": None,
+    "hopper": HopperBackend,
     "blackwell": None,
     "rocm": None,
 }
 
 BACKEND_NAMES = ("auto", *_BACKENDS)
+
+
+def auto_backend(device: torch.device) -> str:
+    """Hopper where it can run (an sm_90+ GPU with triton), else the reference backend."""
+    try:
+        check_hopper(device)
+    except BackendUnavailable:
+        return "reference"
+    return "hopper"
 
 
 def backend_class(name: str) -> type[Backend]:
@@ -37,8 +47,26 @@ def backend_class(name: str) -> type[Backend]:
     return cls
 
 
+def check_backend(name: str, device: torch.device) -> str:
+    """The backend name `name` resolves to on `device`; BackendUnavailable if it cannot run."""
+    resolved = auto_backend(device) if name == "auto" else name
+    backend_class(resolved)
+    if resolved == "hopper":
+        check_hopper(device)
+    return resolved
+
+
 def create_backend(name: str, device: torch.device) -> Backend:
+    if name == "auto":
+        name = auto_backend(device)
     return backend_class(name)(device)
 
 
-__all__ = ["BACKEND_NAMES", "Backend", "BackendUnavailable", "backend_class", "create_backend"]
+__all__ = [
+    "BACKEND_NAMES",
+    "Backend",
+    "BackendUnavailable",
+    "backend_class",
+    "check_backend",
+    "create_backend",
+]

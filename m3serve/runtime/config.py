@@ -196,7 +196,9 @@ class HiCacheArgs:
 @dataclass(frozen=True)
 class KernelArgs:
     disable_cuda_graph: bool = option(False, "run decode eagerly")
-    cuda_graph_max_bs_decode: int | None = option(None, "largest CUDA-graph decode batch")
+    cuda_graph_max_bs_decode: int | None = option(
+        None, "largest decode batch replayed from a CUDA graph (hopper backend; default 128)"
+    )
     cuda_graph_max_bs_prefill: int | None = option(None, "largest CUDA-graph prefill tokens")
     cuda_graph_backend_prefill: str | None = option(None, "prefill graph backend")
     moe_runner_backend: str = option("auto", "MoE kernel backend")
@@ -242,10 +244,8 @@ class ServerArgs:
                 value = getattr(getattr(self, _attr_of[section]), f.name)
                 if value != f.default and f.name not in _HONOURED:
                     problems.append(f"{_flag(f)}{_shown(value)} ({reason})")
-        if self.cache.kv_cache_dtype.startswith("fp8"):
-            problems.append(
-                f"--kv-cache-dtype {self.cache.kv_cache_dtype} (needs the Hopper backend)"
-            )
+        if self.cache.kv_cache_dtype == "fp8_e5m2":
+            problems.append("--kv-cache-dtype fp8_e5m2 (only fp8_e4m3 is built)")
         return problems
 
     def check_supported(self) -> None:
@@ -300,7 +300,7 @@ _PLANNED: tuple[tuple[type, str], ...] = (
     (KernelArgs, "needs the Hopper backend, not built yet"),
 )
 # Planned-section settings that already hold in this build (nothing to refuse).
-_HONOURED = frozenset({"disable_cuda_graph"})
+_HONOURED = frozenset({"disable_cuda_graph", "cuda_graph_max_bs_decode"})
 
 
 def _flag(f: dataclasses.Field[Any]) -> str:

@@ -101,7 +101,8 @@ class AsyncEngine:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        from m3serve.backends import backend_class
+        from m3serve.backends import check_backend
+        from m3serve.model.build import resolve_device
         from m3serve.model.config import load_model_config
         from m3serve.model.locate import resolve_model_path
         from m3serve.model.tiny.default import default_model_path
@@ -120,7 +121,9 @@ class AsyncEngine:
                 f"--page-size {page_size}: this model's KV page is its sparse block, "
                 f"{config.text.page_size} tokens"
             )
-        backend_class(self.args.backend.backend)
+        backend = check_backend(self.args.backend.backend, resolve_device(self.args.backend.device))
+        if self.args.cache.kv_cache_dtype == "fp8_e4m3" and backend != "hopper":
+            raise ConfigInvalid("--kv-cache-dtype fp8_e4m3 needs the hopper backend")
         session = new_session_id()
         run_dir = Path(tempfile.mkdtemp(prefix=f"m3s-{session}-"))
         self._supervisor = Supervisor(session, run_dir)

@@ -51,11 +51,14 @@ def test_greedy_generate_is_deterministic(tmp_path: Path) -> None:
     assert first.stdout == second.stdout
 
 
-def test_unbuilt_backend_refuses_with_a_clear_message(tmp_path: Path) -> None:
+def test_a_backend_that_cannot_run_here_refuses_with_a_clear_message(tmp_path: Path) -> None:
     env = {"XDG_CACHE_HOME": str(tmp_path)}
-    gen = run_cli("generate", "--backend", "hopper", env=env)
+    gen = run_cli("generate", "--backend", "blackwell", env=env)
     assert gen.returncode == 2
-    assert "backend 'hopper' is not built yet" in gen.stderr
+    assert "backend 'blackwell' is not built yet" in gen.stderr
+    gen = run_cli("generate", "--backend", "hopper", "--device", "cpu", env=env)
+    assert gen.returncode == 2
+    assert "backend 'hopper' needs a CUDA device" in gen.stderr
 
 
 def test_make_tiny_flags_come_from_the_spec_fields() -> None:

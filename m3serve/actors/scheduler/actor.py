@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from m3serve.actors.executor import (
     Executor,
     ExecutorThread,
@@ -70,13 +72,18 @@ class SchedulerActor(Actor):
         if loaded.device.type == "cpu":
             leave_a_core_for_the_scheduler()
         kv_dtype = loaded.dtype
-        if args.cache.kv_cache_dtype != "auto":
+        if args.cache.kv_cache_dtype == "fp8_e4m3":
+            kv_dtype = torch.float8_e4m3fn  # scale 1.0: written saturated, read by casting
+        elif args.cache.kv_cache_dtype != "auto":
             kv_dtype = DTYPES[args.cache.kv_cache_dtype]
         budget = plan_kv_budget(
             loaded, args.cache.max_total_tokens, args.cache.mem_fraction_static, kv_dtype
         )
         slots = args.sched.max_running_requests
-        self.executor = ExecutorThread(Executor(loaded, budget, slots, kv_dtype))
+        kernel = args.kernel
+        graph_bs = 0 if kernel.disable_cuda_graph else (kernel.cuda_graph_max_bs_decode or 128)
+        executor = Executor(loaded, budget, slots, kv_dtype, graph_bs, args.runtime.context_length)
+        self.executor = ExecutorThread(executor)
         self.scheduler = Scheduler(
             args.sched, budget.num_pages, budget.page_size, not args.cache.disable_radix_cache
         )
@@ -87,6 +94,7 @@ class SchedulerActor(Actor):
             "backend": loaded.backend.name,
             "dtype": str(loaded.dtype).removeprefix("torch."),
             "device": str(loaded.device),
+            "cuda_graph_bs": executor.graphs.sizes if executor.graphs else [],
         }
 
     async def on_stop(self) -> None:

@@ -48,7 +48,7 @@ def test_every_unsupported_setting_is_listed_in_one_message() -> None:
         "--enable-hierarchical-cache",
         "--hicache-size 192",
         "--moe-runner-backend flashinfer_trtllm_routed",
-        "--cuda-graph-max-bs-decode 128",
+        "--cuda-graph-backend-prefill breakable",
     ):
         assert flag in listed
     with pytest.raises(ConfigInvalid, match=r"this build cannot honour: .*--tp 4.*DSPARK"):

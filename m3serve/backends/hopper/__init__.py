@@ -1,0 +1,166 @@
+"""The Hopper (sm_90) backend: Triton kernels for norms, fused norm/RoPE/KV writes, the
+lightning indexer and sparse paged attention; bf16 torch matmuls for the projections and the
+experts (the quantized-weight kernels are the next step); CUDA graphs for decode (`graphs.py`).
+
+Nothing here reads the batch's host-side lists, so a decode step can be captured and replayed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from m3serve.backends.base import BackendUnavailable
+from m3serve.backends.hopper.moe import (
+    grouped_mm_available,
+    moe_experts_grouped,
+    moe_experts_masked,
+)
+from m3serve.kernels.activation import swiglu_oai
+from m3serve.kernels.moe import route_topk
+from m3serve.model.batch import ForwardBatch
+from m3serve.model.kv_cache import LayerKV
+
+
+def check_hopper(device: torch.device) -> None:
+    """Raise BackendUnavailable listing why this machine cannot run the Hopper backend."""
+    problems = []
+    if device.type != "cuda" or not torch.cuda.is_available():
+        problems.append("needs a CUDA device")
+    elif torch.cuda.get_device_capability(device)[0] < 9:
+        name = torch.cuda.get_device_name(device)
+        problems.append(f"needs compute capability >= 9.0 ({name} is below)")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        problems.append("needs the triton package")
+    if problems:
+        raise BackendUnavailable("backend 'hopper' " + "; ".join(problems))
+
+
+class HopperBackend:
+    name = "hopper"
+
+    def __init__(self, device: torch.device) -> None:
+        check_hopper(device)
+        from m3serve.kernels.triton import attention, indexer, norm, rope_kv
+
+        self.device = device
+        self._attention = attention
+        self._indexer = indexer
+        self._norm = norm
+        self._rope_kv = rope_kv
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, weight)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self._norm.rms_norm(x, weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._norm.add_rms_norm(x, residual, weight, eps)
+
+    def head_norm_rope(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        positions: torch.Tensor,
+        inv_freq: torch.Tensor,
+    ) -> torch.Tensor:
+        return self._rope_kv.norm_rope(x, weight, eps, positions, inv_freq)
+
+    def store_kv(
+        self,
+        layer: LayerKV,
+        batch: ForwardBatch,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_norm: torch.Tensor,
+        index_k: torch.Tensor | None,
+        index_k_norm: torch.Tensor | None,
+        eps: float,
+        inv_freq: torch.Tensor,
+    ) -> None:
+        rk = self._rope_kv
+        rk.norm_rope_write_kv(
+            k, v, k_norm, eps, batch.positions, inv_freq, batch.out_slots, layer.k, layer.v
+        )
+        if index_k is not None:
+            assert layer.index_k is not None and index_k_norm is not None
+            rk.norm_rope_write_index_k(
+                index_k,
+                index_k_norm,
+                eps,
+                batch.positions,
+                inv_freq,
+                batch.out_slots,
+                layer.index_k,
+            )
+
+    def index_topk(
+        self,
+        index_q: torch.Tensor,
+        layer: LayerKV,
+        batch: ForwardBatch,
+        topk: int,
+        local_blocks: int,
+        init_blocks: int,
+    ) -> torch.Tensor:
+        assert layer.index_k is not None and batch.seq_lens_t is not None
+        return self._indexer.index_topk(
+            index_q,
+            layer.index_k,
+            batch.page_table,
+            batch.seq_lens_t,
+            batch.extend_starts,
+            batch.positions,
+            batch.page_size,
+            topk,
+            local_blocks,
+            init_blocks,
+            batch.page_table.shape[1],
+        )
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        layer: LayerKV,
+        batch: ForwardBatch,
+        scale: float,
+        block_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        assert batch.seq_lens_t is not None
+        return self._attention.paged_attention(
+            q,
+            layer.k,
+            layer.v,
+            batch.page_table,
+            batch.seq_lens_t,
+            batch.extend_starts,
+            batch.positions,
+            batch.page_size,
+            scale,
+            block_ids,
+            batch.max_extend,
+        )
+
+    def swiglu(self, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+        return swiglu_oai(gate_up, alpha, limit)
+
+    def moe(
+        self,
+        x: torch.Tensor,
+        router_weight: torch.Tensor,
+        bias: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        top_k: int,
+        alpha: float,
+        limit: float,
+    ) -> torch.Tensor:
+        weights, ids = route_topk(x, router_weight, bias, top_k)
+        if grouped_mm_available(x.device, x.dtype):
+            return moe_experts_grouped(x, weights, ids, w13, w2, alpha, limit)
+        return moe_experts_masked(x, weights, ids, w13, w2, alpha, limit)
