@@ -44,8 +44,10 @@ def plan_kv_budget(
     max_total_tokens: int | None,
     mem_fraction_static: float,
     kv_dtype: torch.dtype,
+    max_useful_tokens: int | None = None,
 ) -> KVBudget:
-    """How many KV pages to allocate: an explicit token count, else what fits on the device."""
+    """How many KV pages to allocate: an explicit token count, else what fits on the device,
+    but never more than `max_useful_tokens` (every running request at full context)."""
     cfg = loaded.model.cfg
     page = cfg.page_size
     if max_total_tokens is not None:
@@ -56,6 +58,9 @@ def plan_kv_budget(
     # Weights are already resident; the KV pool takes what the static fraction leaves.
     budget = free - total * (1.0 - mem_fraction_static)
     pages = int(budget // KVCache.bytes_per_page(cfg, kv_dtype))
+    if max_useful_tokens is not None:
+        # A small model on a big GPU would otherwise get a pool of tens of millions of pages.
+        pages = min(pages, -(-max_useful_tokens // page))
     if pages < 2:
         raise RuntimeError(
             f"no memory left for the KV cache ({free / 2**30:.1f} GiB free of "
@@ -170,3 +175,7 @@ class ExecutorThread:
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=30)
+        # Drop the model and KV now: an embedding process may start another engine next.
+        del self.executor
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

@@ -7,6 +7,7 @@ step's logits at once, each row's token independent of the rows beside it.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -69,6 +70,7 @@ def sample_token(
 # ------------------------------------------------------------------------- batched sampling
 
 _SEED_MASK = (1 << 64) - 1  # torch generators take a 64-bit seed; a request may send any int
+_SEED_MASK_63 = (1 << 63) - 1  # the Triton kernel takes the seed as an int64
 # Below this, logits / temperature can overflow to inf and softmax to NaN; the draw is already
 # the argmax there (vLLM uses the same floor).
 _MIN_TEMPERATURE = 1e-5
@@ -133,6 +135,14 @@ def _has_penalty(params: SamplingParams) -> bool:
     )
 
 
+def _triton_sampler():
+    try:
+        from m3serve.kernels.triton.sampling import sample
+    except ImportError:
+        return None
+    return sample
+
+
 class Sampler:
     """Sampling state for up to `max_slots` concurrent requests, and batched sampling.
 
@@ -157,6 +167,11 @@ class Sampler:
         self._params: list[SamplingParams | None] = [None] * max_slots
         self._generators: list[torch.Generator | None] = [None] * max_slots
         self._shared_generator = torch.Generator(device=self.device)
+        # On a GPU, draws run in one Triton kernel keyed by (seed, step): no sort of the vocab,
+        # and a request's stream depends only on its own seed and step count.
+        self._device_draw = _triton_sampler() if self.device.type == "cuda" else None
+        self._seeds = [0] * max_slots
+        self._steps = [0] * max_slots
         if seed is None:
             self._shared_generator.seed()
         else:
@@ -191,6 +206,10 @@ class Sampler:
                 row = torch.empty(self.vocab_size, device=self.device)
                 for _ in range(len(output_ids)):
                     row.exponential_(generator=generator)
+        self._seeds[slot] = (
+            params.seed & _SEED_MASK_63 if params.seed is not None else secrets.randbits(62)
+        )
+        self._steps[slot] = len(output_ids)
         self._counts[slot].zero_()
         self._seen[slot].zero_()
         if len(prompt_ids) > 0:  # len, not truth: prompt ids may come as a numpy array
@@ -304,6 +323,8 @@ class Sampler:
         self, logits: torch.Tensor, slots: list[int], params: list[SamplingParams]
     ) -> torch.Tensor:
         """Temperature, top-k / min-p / top-p, then the exponential race, for non-greedy rows."""
+        if self._device_draw is not None:
+            return self._draw_on_device(logits, slots, params)
         vocab = self.vocab_size
         top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         # One upload for all knobs; top_k rides as a float, exact for any vocab below 2**24.
@@ -320,6 +341,30 @@ class Sampler:
             probs = filter_probs_batch(probs, knobs[:, 3].long(), knobs[:, 1], knobs[:, 2])
         # argmax(p / E) with E ~ Exp(1) is a draw from p / sum(p): no renormalizing, no cumsum.
         return torch.argmax(probs / self._race_noise(probs, slots), dim=-1)
+
+    def _draw_on_device(
+        self, logits: torch.Tensor, slots: list[int], params: list[SamplingParams]
+    ) -> torch.Tensor:
+        assert self._device_draw is not None
+        floats = self._upload([[p.temperature, p.top_p, p.min_p] for p in params], torch.float32)
+        ints = self._upload(
+            [
+                [p.top_k if p.top_k > 0 else 0, self._seeds[s], self._steps[s]]
+                for p, s in zip(params, slots, strict=True)
+            ],
+            torch.int64,
+        )
+        for slot in slots:
+            self._steps[slot] += 1
+        return self._device_draw(
+            logits.contiguous(),
+            floats[:, 0].contiguous(),
+            ints[:, 0].to(torch.int32),
+            floats[:, 1].contiguous(),
+            floats[:, 2].contiguous(),
+            ints[:, 1].contiguous(),
+            ints[:, 2].contiguous(),
+        )
 
     def _race_noise(self, probs: torch.Tensor, slots: list[int]) -> torch.Tensor:
         """Exp(1) noise shaped like probs [n, V]. A seeded slot fills its row from its own

@@ -233,6 +233,7 @@ class AsyncEngine:
         if self._in_process:
             await asyncio.wait(self._in_process, timeout=30)
             self._in_process = None
+        self.actors = []
         if self._supervisor is not None:
             await self._supervisor.shutdown()
             self._supervisor = None

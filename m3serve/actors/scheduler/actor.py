@@ -76,8 +76,13 @@ class SchedulerActor(Actor):
             kv_dtype = torch.float8_e4m3fn  # scale 1.0: written saturated, read by casting
         elif args.cache.kv_cache_dtype != "auto":
             kv_dtype = DTYPES[args.cache.kv_cache_dtype]
+        context = args.runtime.context_length or loaded.model.cfg.max_position_embeddings
         budget = plan_kv_budget(
-            loaded, args.cache.max_total_tokens, args.cache.mem_fraction_static, kv_dtype
+            loaded,
+            args.cache.max_total_tokens,
+            args.cache.mem_fraction_static,
+            kv_dtype,
+            max_useful_tokens=context * args.sched.max_running_requests,
         )
         slots = args.sched.max_running_requests
         kernel = args.kernel
@@ -100,6 +105,7 @@ class SchedulerActor(Actor):
     async def on_stop(self) -> None:
         if self.executor is not None:
             self.executor.close()
+            self.executor = None
 
     # ------------------------------------------------------------------ messages
 

@@ -31,7 +31,9 @@ def moe_experts_grouped(
     tokens, top_k = ids.shape
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w13.shape[0])
+    # bincount reads the max back to the host; a scatter-add of ones does not.
+    counts = torch.zeros(w13.shape[0], dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
     rows = order // top_k
     hidden = _grouped_mm(x[rows], w13.transpose(1, 2), offs=offsets)
