@@ -1,14 +1,23 @@
 """Sparse decode attention (Triton) on the GPU: time vs the bandwidth floor and vs dense attention.
 
-Real shapes (Hq 64, Hkv 4, D 128, page 128, top-16 pages incl. the local one, bf16 KV), one decode
-token per request at 8K, 32K and 128K context, batch 1 and 32. For each point:
+Real shapes (Hq 64, Hkv 4, D 128, page 128, top-16 pages incl. the local one, 4 index heads over
+one 128-wide index-K head), one decode token per request at 8K, 32K and 128K context, batch 1 and
+32. Two measurements per point:
 
-* sparse: `paged_attention` with random selections, timed as CUDA-graph replay (the engine's
-  decode mode) and eagerly (triton.testing.do_bench: L2 flushed, host launch cost included);
-* floor: bytes the step must move (selected K/V pages + q + out) / device copy bandwidth measured
-  in the same run (a large device-to-device copy, read + write bytes);
-* dense: the same tokens attending to their whole context, with torch SDPA (flash, the GQA group
-  folded into the query length) and with this module's dense path.
+* attention: `paged_attention` alone with random selections (bf16 KV), timed as CUDA-graph replay
+  (the engine's decode mode) and eagerly (triton.testing.do_bench: L2 flushed, host launch cost
+  included); its floor is the selected K/V pages + q + out;
+* MSA decode: the whole sparse step of one layer — indexer page scores over the context, block
+  top-k, then sparse attention over the chosen pages — for bf16 and fp8_e4m3 caches (KV and
+  index-K share the dtype, as in the engine); its floor adds the index-K the indexer scans and
+  the score round trip.
+
+Floors are bytes / bandwidth measured in the same run, two ways: the issue's definition (a large
+device-to-device copy, read + write bytes counted) and a stricter one (a Triton kernel that only
+reads, which reaches more of HBM's bandwidth than a copy). Dense: the same tokens attending to
+their whole bf16 context, with torch SDPA (flash, the GQA group folded into the query length) and
+with this module's dense path. At batch 1 the step moves only a few MB and is latency-bound; the
+run also times an empty kernel in a graph, the per-launch cost the floors leave out.
 
 Graph replays rotate through several input sets (queries, selections, outputs) so repeated calls do
 not find their pages in L2 (50 MB on H200); at 8K the whole context fits L2 anyway.
@@ -38,6 +47,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
+import triton.language as tl
 import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -47,6 +57,7 @@ from m3serve.kernels.triton.attention import (
     decode_num_splits,
     paged_attention,
 )
+from m3serve.kernels.triton.indexer import index_topk
 
 NUM_Q, NUM_KV, NUM_IDX, HEAD_DIM, PAGE, TOPK = 64, 4, 4, 128, 128, 16
 GROUP = NUM_Q // NUM_KV
@@ -98,6 +109,36 @@ def eager_us(fn: Callable[[], object]) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
 
 
+@triton.jit
+def _read_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for off in range(tl.program_id(0) * BLOCK, n, tl.num_programs(0) * BLOCK):
+        acc += tl.load(x_ptr + off + tl.arange(0, BLOCK)).to(tl.float32)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(acc, 0))
+
+
+@triton.jit
+def _empty_kernel(x_ptr):
+    pass
+
+
+def read_bandwidth() -> float:
+    """Device read bandwidth in bytes/s: a streaming sum over 4 GiB."""
+    src = torch.ones(2**31, dtype=torch.bfloat16, device="cuda")
+    programs = 8 * torch.cuda.get_device_properties(0).multi_processor_count
+    out = torch.empty(programs, device="cuda")
+    us = graph_us(
+        [lambda: _read_kernel[(programs,)](src, out, src.numel(), BLOCK=4096, num_warps=8)], 200.0
+    )
+    return src.numel() * 2 / (us * 1e-6)
+
+
+def launch_us() -> float:
+    """Per-launch cost of an empty 128-program kernel replayed from a graph."""
+    x = torch.empty(1, device="cuda")
+    return graph_us([lambda: _empty_kernel[(128,)](x)] * 8)
+
+
 def copy_bandwidth() -> float:
     """Device copy bandwidth in bytes/s, counting the bytes read and written."""
     size = 2 * 2**30
@@ -120,10 +161,18 @@ class Context:
         gen = torch.Generator(device="cuda").manual_seed(0)
         self.k = torch.empty(slots, NUM_KV, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         self.v = torch.empty_like(self.k)
-        for t in (self.k, self.v):  # in slices: no fp32 temporary the size of the cache
+        self.index_k = torch.empty(slots, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        for t in (self.k, self.v, self.index_k):  # in slices: no fp32 temporary of cache size
             for part in t.split(2**18):
                 part.copy_(torch.randn(part.shape, device="cuda", generator=gen))
+        fp8 = torch.float8_e4m3fn
+        self.fp8 = {"k": self.k.to(fp8), "v": self.v.to(fp8), "index_k": self.index_k.to(fp8)}
         self.max_ctx = max_ctx
+
+    def caches(self, dtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if dtype == "fp8_e4m3":
+            return self.fp8["k"], self.fp8["v"], self.fp8["index_k"]
+        return self.k, self.v, self.index_k
 
     def table(self, batch: int, ctx: int) -> torch.Tensor:
         first = torch.arange(batch, device="cuda")[:, None] * self.pages_per_req
@@ -175,8 +224,17 @@ def decode_steps(
 # --------------------------------------------------------------------------------- benchmark
 
 
+@dataclasses.dataclass(frozen=True)
+class Bandwidth:
+    copy: float  # bytes/s, read + write bytes of a device copy (the issue's floor)
+    read: float  # bytes/s of a read-only stream
+
+    def floors(self, nbytes: float) -> dict[str, float]:
+        return {"floor_us": nbytes / self.copy * 1e6, "read_floor_us": nbytes / self.read * 1e6}
+
+
 def decode_point(
-    kv: Context, batch: int, ctx: int, bandwidth: float, config: AttentionConfig | None = None
+    kv: Context, batch: int, ctx: int, bandwidth: Bandwidth, config: AttentionConfig | None = None
 ) -> dict[str, float | int]:
     selected_bytes = batch * NUM_KV * TOPK * PAGE * HEAD_DIM * 2 * 2
     # Enough distinct steps that their selected pages overflow L2 between visits.
@@ -194,8 +252,9 @@ def decode_point(
     row["sparse_graph_us"] = graph_us([sparse(s) for s in steps])
     row["sparse_eager_us"] = eager_us(sparse(steps[0]))
     io_bytes = 2 * batch * NUM_Q * HEAD_DIM * 2
-    row["floor_us"] = (selected_bytes + io_bytes) / bandwidth * 1e6
+    row.update(bandwidth.floors(selected_bytes + io_bytes))
     row["floor_fraction"] = row["floor_us"] / row["sparse_graph_us"]
+    row["read_floor_fraction"] = row["read_floor_us"] / row["sparse_graph_us"]
     row["splits"] = decode_num_splits(
         batch, NUM_KV, TOPK * -(-PAGE // (config or DEFAULT_CONFIG).decode_block_n),
         torch.device("cuda"), config or DEFAULT_CONFIG,
@@ -223,14 +282,76 @@ def decode_point(
     sparse(steps[0], ids=False)()
     err = (steps[0].out.float() - reference.float()).norm() / reference.float().norm()
     row["dense_paths_rel_diff"] = float(err)  # sanity: both dense timings compute the same thing
-    row["dense_floor_us"] = (batch * NUM_KV * ctx * HEAD_DIM * 2 * 2 + io_bytes) / bandwidth * 1e6
+    dense_bytes = batch * NUM_KV * ctx * HEAD_DIM * 2 * 2 + io_bytes
+    row["dense_floor_us"] = dense_bytes / bandwidth.copy * 1e6
     row["speedup_vs_sdpa"] = row["sdpa_dense_us"] / row["sparse_graph_us"]
     row["speedup_vs_triton_dense"] = row["triton_dense_us"] / row["sparse_graph_us"]
     return row
 
 
+@dataclasses.dataclass
+class MsaStep:
+    q: torch.Tensor  # [B, Hq, D]
+    index_q: torch.Tensor  # [B, H_idx, D]
+    scores: torch.Tensor  # [B, H_idx, blocks] fp32
+    block_ids: torch.Tensor  # [B, H_idx, TOPK] int32
+    out: torch.Tensor
+
+
+def msa_point(
+    kv: Context, batch: int, ctx: int, bandwidth: Bandwidth, dtype: str, dense_us: float
+) -> dict[str, float | int | str]:
+    """Indexer scores + block top-k + sparse attention for one decode token per request."""
+    k_cache, v_cache, index_k = kv.caches(dtype)
+    itemsize = k_cache.element_size()
+    blocks = ctx // PAGE
+    index_bytes = batch * ctx * HEAD_DIM * itemsize
+    selected_bytes = batch * NUM_KV * TOPK * PAGE * HEAD_DIM * 2 * itemsize
+    score_bytes = 2 * batch * NUM_IDX * blocks * 4  # written by the scorer, read by the top-k
+    io_bytes = 2 * batch * NUM_Q * HEAD_DIM * 2 + batch * NUM_IDX * HEAD_DIM * 2
+    total = index_bytes + selected_bytes + score_bytes + io_bytes
+    sets = max(1, min(16, -(-3 * L2_BYTES // total)))
+    gen = torch.Generator(device="cuda").manual_seed(ctx + batch + 11)
+    positions = torch.full((batch,), ctx - 1, dtype=torch.int64, device="cuda")
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    starts = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    table = kv.table(batch, ctx)
+
+    def new_step() -> MsaStep:
+        q = torch.randn(batch, NUM_Q, HEAD_DIM, device="cuda", generator=gen).bfloat16()
+        iq = torch.randn(batch, NUM_IDX, HEAD_DIM, device="cuda", generator=gen).bfloat16()
+        scores = torch.empty(batch, NUM_IDX, blocks, device="cuda")
+        ids = torch.empty(batch, NUM_IDX, TOPK, dtype=torch.int32, device="cuda")
+        return MsaStep(q, iq, scores, ids, torch.empty_like(q))
+
+    def call(step: MsaStep) -> Callable[[], object]:
+        def run() -> None:
+            index_topk(
+                step.index_q, index_k, table, seq_lens, starts, positions, PAGE, TOPK, 1, 0,
+                blocks, scores=step.scores, out=step.block_ids,
+            )  # fmt: skip
+            paged_attention(
+                step.q, k_cache, v_cache, table, seq_lens, starts, positions, PAGE, SCALE,
+                step.block_ids, 1, out=step.out,
+            )  # fmt: skip
+
+        return run
+
+    steps = [new_step() for _ in range(sets)]
+    row: dict[str, float | int | str] = {"context": ctx, "batch": batch, "kv_dtype": dtype}
+    row["msa_graph_us"] = graph_us([call(st) for st in steps])
+    row.update(bandwidth.floors(total))
+    row["floor_fraction"] = row["floor_us"] / row["msa_graph_us"]
+    row["read_floor_fraction"] = row["read_floor_us"] / row["msa_graph_us"]
+    row["bytes"] = total
+    row["sdpa_dense_bf16_us"] = dense_us
+    row["speedup_vs_sdpa"] = dense_us / row["msa_graph_us"]
+    return row
+
+
 SWEEP = {
     "default": DEFAULT_CONFIG,
+    "no_pdl": dataclasses.replace(DEFAULT_CONFIG, decode_pdl=False),
     "block_n128": dataclasses.replace(DEFAULT_CONFIG, decode_block_n=128),
     "stages3": dataclasses.replace(DEFAULT_CONFIG, decode_num_stages=3),
     "warps8": dataclasses.replace(DEFAULT_CONFIG, decode_num_warps=8),
@@ -276,25 +397,48 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
 
-    bandwidth = copy_bandwidth()
-    print(f"device copy bandwidth: {bandwidth / 1e12:.2f} TB/s (read + write)")
+    bandwidth = Bandwidth(copy=copy_bandwidth(), read=read_bandwidth())
+    launch = launch_us()
+    print(
+        f"device bandwidth: copy {bandwidth.copy / 1e12:.2f} TB/s (read + write), "
+        f"read-only {bandwidth.read / 1e12:.2f} TB/s; "
+        f"empty-kernel launch in a graph {launch:.2f} µs"
+    )
     kv = Context(max(batches), max(contexts))
 
     rows = []
-    head = (
-        f"{'ctx':>7} {'B':>3} {'sparse µs':>9} {'eager µs':>9} {'floor µs':>8} {'%floor':>6} "
-        f"{'splits':>6} {'sdpa µs':>9} {'tri-dense µs':>12} {'×sdpa':>6} {'×tri':>6}"
+    print("\nsparse attention alone (bf16 KV, random selections); floors: copy bw / read bw")
+    print(
+        f"{'ctx':>7} {'B':>3} {'graph µs':>9} {'eager µs':>9} {'floor µs':>8} {'%floor':>6} "
+        f"{'%read':>6} {'splits':>6} {'sdpa µs':>9} {'tri-dense µs':>12} {'×sdpa':>6} {'×tri':>6}"
     )
-    print(head)
     for ctx in contexts:
         for batch in batches:
             r = decode_point(kv, batch, ctx, bandwidth)
             rows.append(r)
             print(
                 f"{ctx:>7} {batch:>3} {r['sparse_graph_us']:>9.2f} {r['sparse_eager_us']:>9.2f} "
-                f"{r['floor_us']:>8.2f} {100 * r['floor_fraction']:>5.1f}% {r['splits']:>6} "
+                f"{r['floor_us']:>8.2f} {100 * r['floor_fraction']:>5.1f}% "
+                f"{100 * r['read_floor_fraction']:>5.1f}% {r['splits']:>6} "
                 f"{r['sdpa_dense_us']:>9.1f} {r['triton_dense_us']:>12.1f} "
                 f"{r['speedup_vs_sdpa']:>6.1f} {r['speedup_vs_triton_dense']:>6.1f}"
+            )
+
+    msa = []
+    print("\nMSA decode step (index scores + top-k + sparse attention), vs bf16 dense SDPA")
+    print(
+        f"{'ctx':>7} {'B':>3} {'kv':>8} {'graph µs':>9} {'MB':>7} {'floor µs':>8} {'%floor':>6} "
+        f"{'%read':>6} {'×sdpa':>6}"
+    )
+    for r0 in rows:
+        for dtype in ("bf16", "fp8_e4m3"):
+            r = msa_point(kv, r0["batch"], r0["context"], bandwidth, dtype, r0["sdpa_dense_us"])
+            msa.append(r)
+            print(
+                f"{r['context']:>7} {r['batch']:>3} {dtype:>8} {r['msa_graph_us']:>9.2f} "
+                f"{r['bytes'] / 1e6:>7.1f} {r['floor_us']:>8.2f} "
+                f"{100 * r['floor_fraction']:>5.1f}% {100 * r['read_floor_fraction']:>5.1f}% "
+                f"{r['speedup_vs_sdpa']:>6.1f}"
             )
 
     sweep = []
@@ -326,9 +470,12 @@ def main() -> None:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "python": platform.python_version(),
-        "copy_bandwidth_bytes_per_s": bandwidth,
+        "copy_bandwidth_bytes_per_s": bandwidth.copy,
+        "read_bandwidth_bytes_per_s": bandwidth.read,
+        "empty_kernel_launch_us": launch,
         "config": dataclasses.asdict(DEFAULT_CONFIG),
         "decode": rows,
+        "msa_decode": msa,
         "sweep": sweep,
         "prefill": prefill,
     }

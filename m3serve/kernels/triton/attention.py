@@ -62,6 +62,9 @@ class AttentionConfig:
     prefill_block_n: int = 64
     prefill_num_warps: int = 8
     prefill_num_stages: int = 2
+    # Programmatic dependent launch (sm_90+): the merge kernel is launched while the split
+    # kernel still runs and waits on the device, hiding one launch latency per call.
+    decode_pdl: bool = True
 
 
 DEFAULT_CONFIG = AttentionConfig()
@@ -114,7 +117,10 @@ def _decode_split_kernel(
     DIRECT: tl.constexpr,
     DOT_F32: tl.constexpr,
     PREC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # let the merge kernel start launching now; it waits for this grid on the device
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -218,11 +224,14 @@ def _decode_merge_kernel(
     stride_oh,
     D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     t = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, D)
+    if PDL:  # launched early (programmatic dependent launch): the partials are not written yet
+        tl.extra.cuda.gdc_wait()
     rows = (t * num_q_heads + head).to(tl.int64) * num_splits + s
     lse = tl.load(part_lse_ptr + rows, mask=s < num_splits, other=float("-inf"))
     m = tl.max(lse, 0)
@@ -449,6 +458,15 @@ def _interpreted(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@cache
+def _sm90(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def _pdl_supported(t: torch.Tensor) -> bool:
+    return not _interpreted(t) and _sm90(t.device.index or 0)
+
+
 def decode_num_splits(
     num_tokens: int,
     num_kv_heads: int,
@@ -592,6 +610,7 @@ def _decode(
         num_tokens, num_kv_heads, pages_per_token * chunks_per_page, q.device, cfg
     )
     direct = splits == 1
+    pdl = cfg.decode_pdl and not direct and _pdl_supported(q)
     if direct:
         part_o = part_lse = out  # unused: the split kernel normalizes and writes out itself
     else:
@@ -605,13 +624,14 @@ def _decode(
         q, k_cache, v_cache, table, seq_lens, extend_starts, positions, ids, out,
         part_o, part_lse, num_reqs, num_q_heads, splits, topk, heads_per_idx,
         G=group, BLOCK_G=max(16, _pow2(group)), BLOCK_N=block_n, CPP=chunks_per_page,
-        DIRECT=direct, num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages,
-        **common,
+        DIRECT=direct, PDL=pdl, num_warps=cfg.decode_num_warps,
+        num_stages=cfg.decode_num_stages, **common,
     )  # fmt: skip
     if not direct:
         _decode_merge_kernel[(num_tokens, num_q_heads)](
             part_o, part_lse, out, num_q_heads, splits, out.stride(0), out.stride(1),
-            D=head_dim, BLOCK_S=max(2, _pow2(splits)), num_warps=4,
+            D=head_dim, BLOCK_S=max(2, _pow2(splits)), PDL=pdl, num_warps=4,
+            **({"launch_pdl": True} if pdl else {}),
         )  # fmt: skip
 
 

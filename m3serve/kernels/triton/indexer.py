@@ -14,11 +14,10 @@ accumulate, no scale); pages wholly in the query's future or beyond the request 
 
 `select_blocks` -> [T, H_idx, topk] int32. A program holds whole (token, head) rows in registers:
 one row of up to 8192 blocks (1M tokens), or several short rows. Scores map to order-preserving
-uint32 keys,
-forced blocks (local, init) get the largest key, -inf gets 0; a 32-step bitwise search finds the
-k-th largest key (the threshold), then blocks above it and the lowest-id blocks equal to it fill
-exactly k slots. Output: ascending block ids, -1 padding, no duplicates. Ties at the threshold go
-to the lower block id, so the result is deterministic.
+uint32 keys, forced blocks (local, init) get the largest key, -inf gets 0; a 16-step search, two
+bits a step, finds the k-th largest key (the threshold), then blocks above it and the lowest-id
+blocks equal to it fill exactly k slots. Output: ascending block ids, -1 padding, no duplicates.
+Ties at the threshold go to the lower block id, so the result is deterministic.
 
 Index-K may be bf16, fp16, fp32 or float8_e4m3fn (scale 1.0: dequantized by a cast, which is
 exact into bf16/fp16).
@@ -173,6 +172,7 @@ def _select_blocks_kernel(
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    RADIX: tl.constexpr,
 ):
     # ROWS (token, head) rows per program, each reduced along axis 1: short rows are packed so a
     # program has enough elements, long rows (thousands of blocks) take a program each.
@@ -203,13 +203,19 @@ def _select_blocks_kernel(
 
     n_valid = tl.sum((key > 0).to(tl.int32), 1)
     k_eff = tl.minimum(n_valid, topk)
-    # Largest threshold with at least k_eff keys >= it, built from the top bit down: it is the
-    # k_eff-th largest key. 32 fixed passes over the register-resident rows, no sort.
+    # Largest threshold with at least k_eff keys >= it, built digit by digit from the top: it is
+    # the k_eff-th largest key. 32 / RADIX fixed passes over the register-resident rows, no sort;
+    # a pass counts the keys at or above each of the 2^RADIX candidate digits at once (the
+    # counts fall with the digit, so the digit is how many candidates keep k_eff keys, minus the
+    # zero digit, which always does). Each pass is one latency-bound reduction, so fewer, wider
+    # passes finish sooner.
     thr = tl.zeros([ROWS], tl.uint32)
-    for bit in tl.static_range(32):
-        cand = thr | (tl.full([ROWS], 1, tl.uint32) << (31 - bit))
-        count = tl.sum((key >= cand[:, None]).to(tl.int32), 1)
-        thr = tl.where(count >= k_eff, cand, thr)
+    digits = tl.arange(0, 1 << RADIX).to(tl.uint32)
+    for p in tl.static_range(32 // RADIX):
+        cand = thr[:, None] | (digits[None, :] << (32 - RADIX * (p + 1)))
+        count = tl.sum((key[:, None, :] >= cand[:, :, None]).to(tl.int32), 2)
+        digit = tl.sum((count >= k_eff[:, None]).to(tl.uint32), 1) - 1
+        thr = thr | (digit << (32 - RADIX * (p + 1)))
     above = key > thr[:, None]
     tied = (key == thr[:, None]).to(tl.int32)
     room = k_eff - tl.sum(above.to(tl.int32), 1)
@@ -253,6 +259,16 @@ def _rows_per_program(num_rows: int, block_n: int, device: torch.device) -> int:
     if device.type == "cuda":
         cap = min(cap, max(num_rows // _TOPK_MIN_PROGRAMS, 1))
     return min(triton.next_power_of_2(cap + 1) // 2, triton.next_power_of_2(num_rows))
+
+
+def _select_warps(rows: int, block_n: int) -> int:
+    """Warps of a top-k program. One row (decode): ~4 elements per thread, since each of its
+    serial reductions costs a cross-warp step per warp (H200: 64 blocks 3.1 µs on one warp vs
+    9.1 µs on four; 1024 blocks 7.8 µs on eight; 8192 blocks 24 µs on sixteen). Packed short
+    rows (prefill): ~16-32 elements per thread, at least four warps."""
+    if rows == 1:
+        return min(triton.next_power_of_2(max(block_n // 128, 1)), 16)
+    return min(max(rows * block_n // 512, 4), 16)
 
 
 def _pages_per_program(num_tiles: int, max_blocks: int) -> int:
@@ -347,14 +363,19 @@ def select_blocks(
     local_blocks: int,
     init_blocks: int = 0,
     out: torch.Tensor | None = None,
+    radix_bits: int = 2,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Block ids [T, H_idx, topk] int32 from scores [T, H_idx, num_blocks] (fp32, -inf = not
     selectable). The local blocks (the `local_blocks` blocks ending at positions // page_size)
     and the init blocks 0..init_blocks-1 that are not in the query's future are always taken;
     the rest of the topk slots go to the highest scores. Valid ids come first in ascending
     order, then -1; no duplicates; ties at the k-th score go to the lower block id.
+    radix_bits (bits settled per search step, dividing 32) and num_warps are tuning knobs.
     """
     num_tokens, num_heads, num_blocks = scores.shape
+    if radix_bits not in (1, 2, 4, 8):
+        raise ValueError(f"radix_bits must be 1, 2, 4 or 8, got {radix_bits}")
     if scores.dtype != torch.float32:
         raise ValueError(f"scores must be fp32, got {scores.dtype}")
     if positions.shape != (num_tokens,) or topk < 1 or page_size < 1:
@@ -384,8 +405,8 @@ def select_blocks(
         ROWS=rows,
         BLOCK_N=block_n,
         BLOCK_K=max(triton.next_power_of_2(topk), 2),
-        # ~16-32 elements per thread: rows of 8192 blocks (1M tokens) use 16 warps.
-        num_warps=min(max(rows * block_n // 512, 4), 16),
+        RADIX=radix_bits,
+        num_warps=num_warps or _select_warps(rows, block_n),
     )
     return out
 

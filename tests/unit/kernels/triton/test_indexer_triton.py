@@ -260,7 +260,8 @@ def test_prefill_selection_with_more_slots_than_blocks_pads_minus_one() -> None:
     assert ids[0, 0].tolist() == [0, -1, -1, -1, -1]
 
 
-def test_select_blocks_matches_reference_on_random_rows() -> None:
+@pytest.mark.parametrize("radix_bits", [1, 2, 4, 8])
+def test_select_blocks_matches_reference_on_random_rows(radix_bits: int) -> None:
     gen = torch.Generator().manual_seed(30)
     tokens, num_blocks = 24, 40
     positions = torch.randint(0, num_blocks * PAGE, (tokens,), generator=gen)
@@ -269,8 +270,9 @@ def test_select_blocks_matches_reference_on_random_rows() -> None:
     scores = scores.masked_fill(future[:, None, :], NEG_INF)
     for topk, local_blocks, init_blocks in [(3, 1, 0), (6, 2, 1), (1, 1, 0)]:
         got = select_blocks(
-            scores.to(DEVICE), positions.to(DEVICE), PAGE, topk, local_blocks, init_blocks
-        ).cpu()
+            scores.to(DEVICE), positions.to(DEVICE), PAGE, topk, local_blocks, init_blocks,
+            radix_bits=radix_bits,
+        ).cpu()  # fmt: skip
         expected = ref.select_blocks(
             scores.permute(1, 0, 2), positions, PAGE, topk, local_blocks, init_blocks
         )
@@ -290,12 +292,15 @@ def test_forced_blocks_win_over_higher_scores() -> None:
     assert got[0, 0].tolist() == [1, 6, 7]
 
 
-def test_exact_ties_go_to_the_lowest_block_ids() -> None:
+@pytest.mark.parametrize("radix_bits", [1, 2, 4])
+def test_exact_ties_go_to_the_lowest_block_ids(radix_bits: int) -> None:
     # Blocks 2, 3, 5 tie for the last two free slots: the two lowest ids win, every time.
     scores = torch.tensor([[[1.0, 9.0, 4.0, 4.0, 0.5, 4.0, 2.0]]])
     positions = torch.tensor([27])
     for _ in range(2):
-        got = select_blocks(scores.to(DEVICE), positions.to(DEVICE), PAGE, 4, 1, 0).cpu()
+        got = select_blocks(
+            scores.to(DEVICE), positions.to(DEVICE), PAGE, 4, 1, 0, radix_bits=radix_bits
+        ).cpu()
         assert got[0, 0].tolist() == [1, 2, 3, 6]
 
 
