@@ -166,6 +166,9 @@ async def _stream(
     head = {"id": rid, "object": "text_completion", "created": int(time.time())}
     head["model"] = state.model_name
     sent_echo = [False] * len(streams)
+    # Each choice's text_offset runs on across its chunks, from the end of its echoed prompt,
+    # so the streamed logprobs equal the non-streamed ones.
+    offsets = [len(echo) for echo in echoes]
     async for index, chunk in merged(streams):
         timing.token()
         finished[index].append(chunk)
@@ -173,7 +176,8 @@ async def _stream(
         sent_echo[index] = True
         logprobs = None
         if body.logprobs is not None:
-            logprobs = completion_logprobs(state, [chunk], 0)
+            logprobs = completion_logprobs(state, [chunk], offsets[index])
+            offsets[index] += sum(len(token) for token in logprobs["tokens"])
         reason = finish_reason(chunk.finish, False)
         if chunk.finish is not None:
             observe_finished(state, finished[index], timing)

@@ -271,6 +271,28 @@ def test_completions_stream_agrees_with_non_stream_and_echo_prepends_the_prompt(
     assert "".join(c.choices[0].text for c in echoed_stream) == prompt + choice.text
 
 
+@pytest.mark.parametrize("echo", [False, True])
+def test_completions_logprob_offsets_run_on_across_stream_chunks(
+    client: openai.OpenAI, server: Server, echo: bool
+) -> None:
+    prompt = "Sparse attention keeps"
+    request = {
+        "model": server.model, "prompt": prompt, "temperature": 0, "max_tokens": 8,
+        "logprobs": 2, "echo": echo,
+    }  # fmt: skip
+    whole = client.completions.create(**request).choices[0].logprobs
+    assert whole is not None and len(whole.tokens) > 1
+    start = len(prompt) if echo else 0
+    ends = [start + sum(len(t) for t in whole.tokens[:i]) for i in range(len(whole.tokens))]
+    assert whole.text_offset == ends
+
+    streamed: list[int] = []
+    for chunk in client.completions.create(**request, stream=True):
+        piece = chunk.choices[0].logprobs
+        streamed += piece.text_offset if piece is not None else []
+    assert streamed == whole.text_offset
+
+
 # ---------------------------------------------------------------------- thinking controls
 
 
