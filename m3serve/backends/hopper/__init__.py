@@ -1,6 +1,7 @@
 """The Hopper (sm_90) backend: Triton kernels for norms, fused norm/RoPE/KV writes, the
-lightning indexer and sparse paged attention; bf16 torch matmuls for the projections and the
-experts (the quantized-weight kernels are the next step); CUDA graphs for decode (`graphs.py`).
+lightning indexer and sparse paged attention; grouped bf16 matmuls for the experts; the
+projections and the activation are the reference backend's torch ops (the quantized-weight
+kernels are the next step); CUDA graphs for decode (`graphs.py`).
 
 Nothing here reads the batch's host-side lists, so a decode step can be captured and replayed.
 """
@@ -15,7 +16,7 @@ from m3serve.backends.hopper.moe import (
     moe_experts_grouped,
     moe_experts_masked,
 )
-from m3serve.kernels.activation import swiglu_oai
+from m3serve.backends.reference import ReferenceBackend
 from m3serve.kernels.moe import route_topk
 from m3serve.model.batch import ForwardBatch
 from m3serve.model.kv_cache import LayerKV
@@ -37,21 +38,20 @@ def check_hopper(device: torch.device) -> None:
         raise BackendUnavailable("backend 'hopper' " + "; ".join(problems))
 
 
-class HopperBackend:
+class HopperBackend(ReferenceBackend):
+    """Overrides the reference ops it has kernels for; inherits the rest."""
+
     name = "hopper"
 
     def __init__(self, device: torch.device) -> None:
         check_hopper(device)
         from m3serve.kernels.triton import attention, indexer, norm, rope_kv
 
-        self.device = device
+        super().__init__(device)
         self._attention = attention
         self._indexer = indexer
         self._norm = norm
         self._rope_kv = rope_kv
-
-    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, weight)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self._norm.rms_norm(x, weight, eps)
@@ -145,9 +145,6 @@ class HopperBackend:
             block_ids,
             batch.max_extend,
         )
-
-    def swiglu(self, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-        return swiglu_oai(gate_up, alpha, limit)
 
     def moe(
         self,
