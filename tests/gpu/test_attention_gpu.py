@@ -15,12 +15,12 @@ the torch reference, q·k logits of std ≈ 2), so the bound is 1e-1, not 6e-2.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
+
+from helpers.attention_batch import AttentionBatch
 
 from m3serve.kernels.attention import paged_attention as reference
 from m3serve.kernels.triton.attention import AttentionConfig, paged_attention
@@ -30,41 +30,6 @@ SCALE = HEAD_DIM**-0.5
 BF16_TOL = 1e-2
 FP8_VS_BF16 = 1e-1
 REF_ROWS = 128  # reference query rows per call: keeps its [H, rows, S] fp32 scores ≤ ~2 GB
-
-
-@dataclass
-class Batch:
-    q: torch.Tensor
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    page_table: torch.Tensor
-    seq_lens: list[int]
-    extend_lens: list[int]
-    positions: torch.Tensor
-    block_ids: torch.Tensor | None
-
-    @property
-    def seq_lens_t(self) -> torch.Tensor:
-        return torch.tensor(self.seq_lens, dtype=torch.int32, device="cuda")
-
-    @property
-    def extend_starts(self) -> torch.Tensor:
-        starts = [0]
-        for ext in self.extend_lens:
-            starts.append(starts[-1] + ext)
-        return torch.tensor(starts, dtype=torch.int32, device="cuda")
-
-    def as_fp8(self) -> Batch:
-        return Batch(
-            self.q,
-            self.k_cache.to(torch.float8_e4m3fn),
-            self.v_cache.to(torch.float8_e4m3fn),
-            self.page_table,
-            self.seq_lens,
-            self.extend_lens,
-            self.positions,
-            self.block_ids,
-        )
 
 
 def random_selection(positions: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -89,7 +54,7 @@ def random_selection(positions: torch.Tensor, gen: torch.Generator) -> torch.Ten
 
 def make_batch(
     requests: list[tuple[int, int]], *, sparse: bool, seed: int, owned_extra: int = 0
-) -> Batch:
+) -> AttentionBatch:
     """requests: (seq_len, extend_len). Slots past seq_len + owned_extra are NaN."""
     cpu = torch.Generator().manual_seed(seed)
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -118,10 +83,12 @@ def make_batch(
         2 * torch.randn(positions.shape[0], NUM_Q, HEAD_DIM, device="cuda", generator=gen)
     ).bfloat16()
     ids = random_selection(positions, gen) if sparse else None
-    return Batch(q, k_cache, v_cache, table.to("cuda"), seq_lens, extend_lens, positions, ids)
+    return AttentionBatch(
+        q, k_cache, v_cache, table.to("cuda"), seq_lens, extend_lens, positions, ids
+    )
 
 
-def run(batch: Batch, config: AttentionConfig | None = None) -> torch.Tensor:
+def run(batch: AttentionBatch, config: AttentionConfig | None = None) -> torch.Tensor:
     out = torch.full_like(batch.q, float("nan"))
     paged_attention(
         batch.q,
@@ -143,7 +110,7 @@ def run(batch: Batch, config: AttentionConfig | None = None) -> torch.Tensor:
     return out
 
 
-def expected(batch: Batch, rows: torch.Tensor | None = None) -> torch.Tensor:
+def expected(batch: AttentionBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
     """The reference in fp32, request by request on compact copies of its pages, REF_ROWS query
     rows per call. rows: the subset of rows to compute (all when None), in order."""
     starts = batch.extend_starts.tolist()
@@ -177,7 +144,7 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want).norm() / want.norm())
 
 
-def check(batch: Batch, config: AttentionConfig | None = None, fp8: bool = False) -> None:
+def check(batch: AttentionBatch, config: AttentionConfig | None = None, fp8: bool = False) -> None:
     want_bf16 = expected(batch)
     if fp8:
         batch = batch.as_fp8()

@@ -8,13 +8,12 @@ buffer (an unwritten element fails the test).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+from helpers.attention_batch import AttentionBatch
 from helpers.devices import DEVICE
 
 from m3serve.kernels.attention import paged_attention as reference
@@ -29,29 +28,6 @@ SCALE = HEAD_DIM**-0.5
 TOL = {torch.float32: 1e-3, torch.bfloat16: 2e-2}
 
 
-@dataclass
-class Batch:
-    q: torch.Tensor
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    page_table: torch.Tensor
-    seq_lens: list[int]
-    extend_lens: list[int]
-    positions: torch.Tensor
-    block_ids: torch.Tensor | None
-
-    @property
-    def seq_lens_t(self) -> torch.Tensor:
-        return torch.tensor(self.seq_lens, dtype=torch.int32, device=DEVICE)
-
-    @property
-    def extend_starts(self) -> torch.Tensor:
-        starts = [0]
-        for ext in self.extend_lens:
-            starts.append(starts[-1] + ext)
-        return torch.tensor(starts, dtype=torch.int32, device=DEVICE)
-
-
 def make_batch(
     requests: list[tuple[int, int]],
     *,
@@ -61,7 +37,7 @@ def make_batch(
     num_idx_heads: int = NUM_KV,
     topk: int = TOPK,
     seed: int = 0,
-) -> Batch:
+) -> AttentionBatch:
     """requests: (seq_len, extend_len) pairs; the new tokens are the last extend_len of each."""
     gen = torch.Generator().manual_seed(seed)
     kv_dtype = kv_dtype or q_dtype
@@ -97,7 +73,7 @@ def make_batch(
                 perm = torch.randperm(len(chosen), generator=gen).tolist()
                 chosen = [chosen[i] for i in perm]
                 block_ids[t, h, : len(chosen)] = torch.tensor(chosen, dtype=torch.int32)
-    return Batch(
+    return AttentionBatch(
         q=q.to(q_dtype).to(DEVICE),
         k_cache=k_cache.to(kv_dtype).to(DEVICE),
         v_cache=v_cache.to(kv_dtype).to(DEVICE),
@@ -109,7 +85,7 @@ def make_batch(
     )
 
 
-def run(batch: Batch, config: AttentionConfig | None = None) -> torch.Tensor:
+def run(batch: AttentionBatch, config: AttentionConfig | None = None) -> torch.Tensor:
     out = torch.full_like(batch.q, float("nan"))
     got = paged_attention(
         batch.q,
@@ -131,7 +107,7 @@ def run(batch: Batch, config: AttentionConfig | None = None) -> torch.Tensor:
     return out
 
 
-def expected(batch: Batch) -> torch.Tensor:
+def expected(batch: AttentionBatch) -> torch.Tensor:
     """The torch reference in fp32 on the same (dequantized) values."""
     return reference(
         batch.q.float(),
@@ -147,7 +123,7 @@ def expected(batch: Batch) -> torch.Tensor:
     )
 
 
-def check(batch: Batch, config: AttentionConfig | None = None) -> None:
+def check(batch: AttentionBatch, config: AttentionConfig | None = None) -> None:
     tol = TOL[batch.q.dtype]
     torch.testing.assert_close(run(batch, config).float(), expected(batch), rtol=tol, atol=tol)
 
