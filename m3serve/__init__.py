@@ -1,12 +1,11 @@
 """m3serve: a production LLM server for MiniMax-M3.1-Flash.
 
 The library surface: `Engine` (SGLang-style offline engine), `AsyncEngine` (inside an event
-loop), `SamplingParams`.
+loop), `SamplingParams`, and `RequestOutput` (what `AsyncEngine.stream` yields).
 """
 
-from m3serve.runtime.engine import AsyncEngine, EngineDeadError, RequestError
-from m3serve.runtime.messages import SamplingParams
-from m3serve.runtime.offline import Engine
+from m3serve.engine import AsyncEngine, Engine, EngineDeadError, RequestError
+from m3serve.runtime.messages import RequestOutput, SamplingParams
 
 __version__ = "0.1.0"
 
@@ -15,6 +14,7 @@ __all__ = [
     "Engine",
     "EngineDeadError",
     "RequestError",
+    "RequestOutput",
     "SamplingParams",
     "__version__",
 ]

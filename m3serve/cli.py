@@ -77,7 +77,7 @@ def _make_tiny(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from m3serve.runtime.offline import Engine
+    from m3serve.engine.offline import Engine
 
     sampling = {
         "max_new_tokens": args.max_new_tokens,

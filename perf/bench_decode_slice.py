@@ -21,11 +21,12 @@ from typing import Any
 import torch
 
 from m3serve.backends.hopper import HopperBackend
-from m3serve.backends.hopper.graphs import DecodeGraphs
-from m3serve.model.batch import ForwardBatch, SeqChunk
+from m3serve.core.graphs import DecodeGraphs
+from m3serve.model.batch import ForwardBatch
 from m3serve.model.config import TextConfig
 from m3serve.model.kv_cache import KVCache
 from m3serve.model.m3 import M3ForCausalLM
+from m3serve.runtime.messages import SeqStep
 
 LAYERS = 4
 
@@ -62,7 +63,7 @@ def decode_batch(batch_size: int, context: int, page: int, device: torch.device)
     chunks = []
     for b in range(batch_size):
         pages = order[b * pages_each : (b + 1) * pages_each].tolist()
-        chunks.append(SeqChunk([7], context, pages))
+        chunks.append(SeqStep([7], context, pages))
     return ForwardBatch.build(chunks, page, device)
 
 

@@ -18,10 +18,12 @@ from pathlib import Path
 
 import torch
 
-from m3serve.model.batch import ForwardBatch, SeqChunk
+from m3serve.backends.reference import ReferenceBackend
+from m3serve.model.batch import ForwardBatch
 from m3serve.model.build import load_model
 from m3serve.model.kv_cache import KVCache
 from m3serve.model.m3 import M3ForCausalLM
+from m3serve.runtime.messages import SeqStep
 
 
 def timed(fn: Callable[[], object], repeats: int = 3) -> float:
@@ -46,7 +48,7 @@ def ours_prefill(model: M3ForCausalLM, ids: list[list[int]]) -> None:
     per_req = -(-len(ids[0]) // page_size)
     kv = KVCache.allocate(model.cfg, per_req * len(ids), model.dtype, model.device)
     chunks = [
-        SeqChunk(seq, 0, list(range(i * per_req, (i + 1) * per_req))) for i, seq in enumerate(ids)
+        SeqStep(seq, 0, list(range(i * per_req, (i + 1) * per_req))) for i, seq in enumerate(ids)
     ]
     model(ForwardBatch.build(chunks, page_size, model.device), kv)
 
@@ -62,7 +64,7 @@ def ours_decode(model: M3ForCausalLM, ids: list[list[int]], steps: int) -> None:
     news = seqs
     for _ in range(steps + 1):
         starts = [len(s) - len(n) for s, n in zip(seqs, news, strict=True)]
-        chunks = [SeqChunk(n, st, p) for n, st, p in zip(news, starts, pages, strict=True)]
+        chunks = [SeqStep(n, st, p) for n, st, p in zip(news, starts, pages, strict=True)]
         logits = model(ForwardBatch.build(chunks, page_size, model.device), kv)
         next_ids = logits.argmax(-1).tolist()
         for seq, token in zip(seqs, next_ids, strict=True):
@@ -107,7 +109,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model(args.model_path, "reference", "float32", "cpu", progress=False)
+    loaded = load_model(
+        args.model_path, ReferenceBackend(torch.device("cpu")), "float32", progress=False
+    )
     model = loaded.model
     hf = load_hf(loaded.path)
     vocab, steps = model.cfg.vocab_size, args.decode_steps

@@ -3,12 +3,13 @@
 Part 1 (CPU per step): the real `Scheduler` with N running decode requests and a no-op
 executor; the time of `schedule()` + `process()` per step, at 64 and 256 running requests.
 
-Part 2 (overlap): the real `SchedulerActor` step loop, overlap schedule on and off, with an
-executor thread whose step takes a fixed "device" time (a sleep that releases the GIL, as a GPU
-step would). Part 3: the same with the real executor on the CPU reference backend (the built-in
-tiny model), where "device" time is the measured time inside the executor. Without overlap a
-step costs device time + the host work around it (plan, hand-off, process, emit); hidden share
-= 1 - (step_overlap - device) / (step_no_overlap - device). Prints a table and writes JSON.
+Part 2 (overlap): the real `SchedulerActor` step loop around an `EngineCore`, overlap schedule
+on and off, whose `run` takes a fixed "device" time (a sleep that releases the GIL, as a GPU
+step would). Part 3: the same with the real engine core on the CPU reference backend (the
+built-in tiny model), where "device" time is the measured time inside `EngineCore.run`.
+Without overlap a step costs device time + the host work around it (plan, hand-off, process,
+emit); hidden share = 1 - (step_overlap - device) / (step_no_overlap - device). Prints a table
+and writes JSON.
 
     python perf/bench_scheduler.py [--steps 200] [--device-ms 4] [--out perf/results/...json]
 """
@@ -23,10 +24,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from m3serve.actors.executor import ExecutorThread
-from m3serve.actors.scheduler.actor import SchedulerActor
-from m3serve.actors.scheduler.req import Req
-from m3serve.actors.scheduler.scheduler import Scheduler
+from m3serve.actors.scheduler import SchedulerActor
+from m3serve.core.engine_core import EngineCore
+from m3serve.core.executor import Executor
+from m3serve.core.req import Req
+from m3serve.core.scheduler import Scheduler
 from m3serve.runtime.config import ServerArgs
 from m3serve.runtime.messages import SamplingParams, StepPlan, StepResult
 from m3serve.runtime.transport import InProcChannel
@@ -48,15 +50,50 @@ class NoOpExecutor:
         return StepResult(step=plan.step, slots=slots, tokens=[11] * len(slots))
 
 
+def requests(running: int, prompt_len: int) -> list[Req]:
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=4000)
+    return [
+        Req(f"r{i}", [(i * 7 + j) % 400 for j in range(prompt_len)], sampling, frozenset(), 0, 0.0)
+        for i in range(running)
+    ]
+
+
 def make_scheduler(running: int, prompt_len: int = PROMPT, page: int = PAGE) -> Scheduler:
     args = ServerArgs.from_kwargs(max_running_requests=running, max_prefill_tokens=1 << 20)
     pages = running * ((prompt_len + 4096) // page + 1)
     scheduler = Scheduler(args.sched, pages, page, radix=True)
-    for i in range(running):
-        sampling = SamplingParams(temperature=0.0, max_new_tokens=4000)
-        prompt = [(i * 7 + j) % 400 for j in range(prompt_len)]
-        scheduler.add(Req(f"r{i}", prompt, sampling, frozenset(), worker=0, arrival=0.0))
+    for req in requests(running, prompt_len):
+        scheduler.add(req)
     return scheduler
+
+
+class NoOpCore(EngineCore):
+    """The engine core's step loop without a model: `run` returns a token for every sampled
+    row after a fixed "device" time."""
+
+    def __init__(self, scheduler: Scheduler, device_s: float) -> None:
+        self.scheduler = scheduler
+        self.runner = NoOpExecutor(device_s)
+        self.executor = Executor(self.run)
+        self._in_flight = None
+
+    def run(self, plan: StepPlan) -> StepResult:
+        return self.runner.run(plan)
+
+    def close(self) -> None:
+        self.executor.close()
+
+
+class TimedCore(EngineCore):
+    """The real engine core, keeping the seconds spent inside `run` per step."""
+
+    seconds: list[float]
+
+    def run(self, plan: StepPlan) -> StepResult:
+        started = time.perf_counter()
+        result = super().run(plan)
+        self.seconds.append(time.perf_counter() - started)
+        return result
 
 
 def cpu_per_step(running: int, steps: int) -> dict[str, Any]:
@@ -82,34 +119,12 @@ def cpu_per_step(running: int, steps: int) -> dict[str, Any]:
     }
 
 
-class TimedExecutor:
-    """Wraps an executor and keeps the seconds spent inside `run` per step."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.seconds: list[float] = []
-
-    def run(self, plan: StepPlan) -> StepResult:
-        started = time.perf_counter()
-        result = self.inner.run(plan)
-        self.seconds.append(time.perf_counter() - started)
-        return result
-
-
-async def actor_step_time(
-    running: int,
-    steps: int,
-    executor: Any,
-    overlap: bool,
-    prompt_len: int = PROMPT,
-    page: int = PAGE,
-) -> float:
-    """Wall seconds per decode step of the real SchedulerActor loop."""
+async def actor_step_time(core: EngineCore, steps: int, overlap: bool) -> float:
+    """Wall seconds per decode step of the real SchedulerActor loop around `core`."""
     args = ServerArgs.from_kwargs(disable_overlap_schedule=not overlap)
     inbox, outputs = InProcChannel(), InProcChannel()
     actor = SchedulerActor(inbox.inbox(), [outputs.outbox()], None, args, Path("."))
-    actor.scheduler = make_scheduler(running, prompt_len, page)
-    actor.executor = ExecutorThread(executor)
+    actor.core = core
     counted: list[float] = []
 
     async def drain() -> None:
@@ -127,7 +142,7 @@ async def actor_step_time(
     drainer = asyncio.create_task(drain())
     await actor.loop()
     await drainer
-    actor.executor.close()
+    core.close()
     window = counted[50:]  # skip admission and prefill
     return (window[-1] - window[0]) / (len(window) - 1)
 
@@ -139,21 +154,17 @@ def _share(on: float, off: float, device: float) -> float:
 
 
 def reference_backend_rows(steps: int) -> list[dict[str, Any]]:
-    from m3serve.actors.executor import Executor, KVBudget, leave_a_core_for_the_scheduler
-    from m3serve.model.build import load_model
-
-    loaded = load_model(None, "reference", "float32", "cpu", progress=False)
-    leave_a_core_for_the_scheduler()  # what the engine does on CPU
-    page = loaded.model.cfg.page_size
     rows = []
     for running in (16, 64):
         times = {}
         for overlap in (True, False):
-            budget = KVBudget(running * (64 + steps + 200) // page, page)
-            timed = TimedExecutor(Executor(loaded, budget, running, loaded.dtype))
             # Short prompts, so the measured window is decode steps.
-            step = asyncio.run(actor_step_time(running, steps, timed, overlap, 64, page))
-            times[overlap] = (step, sum(timed.seconds[-steps:]) / steps)
+            core = TimedCore(ServerArgs.from_kwargs(max_running_requests=running), None)
+            core.seconds = []
+            for req in requests(running, 64):
+                core.add(req)
+            step = asyncio.run(actor_step_time(core, steps, overlap))
+            times[overlap] = (step, sum(core.seconds[-steps:]) / steps)
         (on, device_on), (off, device_off) = times[True], times[False]
         device = min(device_on, device_off)
         rows.append(
@@ -178,9 +189,12 @@ def main() -> None:
     for running in (64, 256):
         row = cpu_per_step(running, args.steps)
         device_s = args.device_ms / 1000
-        stub = NoOpExecutor(device_s)
-        on = asyncio.run(actor_step_time(running, args.steps, stub, overlap=True))
-        off = asyncio.run(actor_step_time(running, args.steps, stub, overlap=False))
+        on = asyncio.run(
+            actor_step_time(NoOpCore(make_scheduler(running), device_s), args.steps, True)
+        )
+        off = asyncio.run(
+            actor_step_time(NoOpCore(make_scheduler(running), device_s), args.steps, False)
+        )
         row.update(
             device_ms=args.device_ms,
             step_ms_overlap=on * 1e3,
@@ -200,7 +214,7 @@ def main() -> None:
             f"{r['cpu_us_per_request']:7.1f} {r['device_ms']:9.1f} {r['step_ms_overlap']:18.2f} "
             f"{r['step_ms_no_overlap']:15.2f} {r['hidden_share']:7.0%}"
         )
-    print("\nreal executor, reference backend on CPU, built-in tiny model (decode steps)")
+    print("\nreal engine core, reference backend on CPU, built-in tiny model (decode steps)")
     print(
         f"{'running':>7} {'executor ms':>12} {'step ms (overlap)':>18} {'step ms (none)':>15} "
         f"{'hidden':>7}"

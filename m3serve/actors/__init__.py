@@ -1,1 +1,3 @@
-"""Actors: tokenizer, scheduler, KV-cache metadata, executor, host cache, draft."""
+"""The actors: message I/O around the work. `TokenizerActor` (chat template, tokenize,
+incremental detokenize; N worker processes) and `SchedulerActor` (the engine process's loop
+around its `EngineCore`)."""

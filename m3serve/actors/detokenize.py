@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from m3serve.text import find_stop, held_back_length
+
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded ahead of the first generated one, as in vLLM: enough for a leading space
 # or a character split over byte tokens to decode the way it does inside the whole text.
@@ -30,31 +32,6 @@ class TokenDecoder(Protocol):
     """What the detokenizer needs of a tokenizer; ``tokenizers.Tokenizer`` is one."""
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
-
-
-def find_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
-    """Where the first stop string to complete in ``text`` starts, and which one it is.
-
-    "First" means the earliest end, so the answer is the same however the text arrived in
-    pieces and a stop is reported as soon as it is complete; of stop strings ending at the same
-    place the longest (earliest-starting) one wins.
-    """
-    hits = [(start + len(s), -len(s), start, s) for s in stops if (start := text.find(s)) >= 0]
-    if not hits:
-        return None
-    _, _, start, stop = min(hits)
-    return start, stop
-
-
-def held_back_length(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of some stop string."""
-    longest = 0
-    for stop in stops:
-        for size in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:size]):
-                longest = size
-                break
-    return longest
 
 
 class StopFilter:

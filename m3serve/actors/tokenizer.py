@@ -16,6 +16,7 @@ from typing import Any
 
 from m3serve.actors.detokenize import IncrementalDetokenizer
 from m3serve.model.chat_template import ChatTemplateError, load_chat_template, render_chat
+from m3serve.model.special_tokens import THINK_END, THINK_START
 from m3serve.model.thinking import ThinkingInvalid, resolve_thinking
 from m3serve.runtime.actor import Actor, handles
 from m3serve.runtime.messages import (
@@ -23,6 +24,7 @@ from m3serve.runtime.messages import (
     Error,
     Finish,
     GenerateReq,
+    RequestOutput,
     SamplingParams,
     TextBatch,
     TokenBatch,
@@ -123,7 +125,7 @@ class TokenizerActor(Actor):
             "eos_ids": list(self.facts.eos_ids),
         }
         if self.tokenizer is not None:
-            specials = {"think_start": "<mm:think>", "think_end": "</mm:think>"}
+            specials = {"think_start": THINK_START, "think_end": THINK_END}
             info["special_ids"] = {
                 name: self.tokenizer.token_to_id(token) for name, token in specials.items()
             }
@@ -238,9 +240,7 @@ class TokenizerActor(Actor):
 
     @handles(TokenBatch)
     async def on_tokens(self, batch: TokenBatch) -> None:
-        out = TextBatch(rids=[], deltas=[], new_ids=[], finish=[], usage=[])
-        if batch.logprobs is not None:
-            out.logprobs = []
+        outputs: list[RequestOutput] = []
         aborts = []
         for i, rid in enumerate(batch.rids):
             state = self.pending.get(rid)
@@ -249,29 +249,24 @@ class TokenizerActor(Actor):
             new_ids, finish = batch.new_ids[i], batch.finish[i]
             state.completion_tokens += len(new_ids)
             state.cached_tokens = batch.cached_tokens[i]
-            delta = ""
+            text = ""
             if state.detok is not None:
                 # A matched stop token ends the output but is not part of its text.
                 stopped_by_token = finish is not None and isinstance(finish.matched, int)
-                delta = state.detok.push(new_ids[:-1] if stopped_by_token else new_ids)
+                text = state.detok.push(new_ids[:-1] if stopped_by_token else new_ids)
                 if state.detok.stopped is not None and (finish is None or finish.reason != "stop"):
                     finish = Finish("stop", state.detok.stopped)
                     state.stopped = True
                     aborts.append(Abort(rid))
                 elif finish is not None:
-                    delta += state.detok.finish()
-            out.rids.append(rid)
-            out.deltas.append(delta)
-            out.new_ids.append(new_ids)
-            out.finish.append(finish)
+                    text += state.detok.finish()
             usage = Usage(state.prompt_tokens, state.completion_tokens, state.cached_tokens)
-            out.usage.append(usage)
-            if out.logprobs is not None and batch.logprobs is not None:
-                out.logprobs.append(batch.logprobs[i])
+            logprobs = batch.logprobs[i] if batch.logprobs is not None else []
+            outputs.append(RequestOutput(rid, text, new_ids, finish, usage, logprobs))
             if finish is not None:
                 self.pending.pop(rid, None)
-        if out.rids:
-            await self.api.send(out)
+        if outputs:
+            await self.api.send(TextBatch(outputs))
         for abort in aborts:
             await self.scheduler.send(abort)
 

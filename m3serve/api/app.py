@@ -25,8 +25,8 @@ from m3serve.api.completions import completions
 from m3serve.api.errors import APIError, error_response
 from m3serve.api.metrics import ServerMetrics
 from m3serve.api.serving import ServerState
+from m3serve.engine.async_engine import AsyncEngine
 from m3serve.runtime.config import ApiArgs
-from m3serve.runtime.engine import AsyncEngine
 
 log = logging.getLogger(__name__)
 

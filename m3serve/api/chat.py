@@ -39,11 +39,10 @@ from m3serve.api.serving import (
     to_builtins,
     until_disconnect,
 )
+from m3serve.model.special_tokens import THINK_END, TOOL_CALL_START, TOOL_NAMESPACE
 from m3serve.model.thinking import ThinkingInvalid, resolve_thinking
-from m3serve.runtime.engine import Chunk
-from m3serve.runtime.messages import GenerateReq
+from m3serve.runtime.messages import GenerateReq, RequestOutput
 
-NAMESPACE = "]<]minimax[>["
 MEDIA_PARTS = ("image_url", "image", "video_url", "video", "input_audio")
 
 
@@ -69,7 +68,7 @@ async def chat_completions(request: Request) -> Response:
     streams = await start(state.engine, plan.reqs)
     outputs = [_choice_output(plan, state) for _ in plan.reqs]
     if body.stream:
-        finished: list[list[Chunk]] = [[] for _ in streams]
+        finished: list[list[RequestOutput]] = [[] for _ in streams]
         events = _stream(rid, plan, state, streams, outputs, timing, finished)
         return EventStream(sse_events(events, state, finished))
     try:
@@ -133,7 +132,7 @@ def _plan(body: ChatCompletionRequest, state: ServerState) -> Plan:
             thinking=thinking,
             reasoning_effort=effort,
             chat_template_kwargs=template_kwargs or None,
-            assistant_prefix=(("</mm:think>" if forced else "") + forced) or None,
+            assistant_prefix=((THINK_END if forced else "") + forced) or None,
         )
         for i in range(body.n)
     ]
@@ -164,7 +163,7 @@ def _check_content(messages: list[Message]) -> None:
 
 def _forced_call(body: ChatCompletionRequest, tools: list[dict[str, Any]]) -> str:
     """The start of the tool call the model must continue (tool_choice required / named)."""
-    opening = f'{NAMESPACE}<tool_call>\n{NAMESPACE}<invoke name="'
+    opening = f'{TOOL_CALL_START}\n{TOOL_NAMESPACE}<invoke name="'
     if body.tool_choice == "required":
         return opening
     name = body.tool_choice.function.name  # type: ignore[union-attr]
@@ -191,7 +190,7 @@ def _completion(
     plan: Plan,
     state: ServerState,
     outputs: list[ChoiceOutput],
-    chunks: list[list[Chunk]],
+    chunks: list[list[RequestOutput]],
     timing: Timing,
 ) -> dict[str, Any]:
     choices = []
@@ -241,10 +240,10 @@ async def _stream(
     rid: str,
     plan: Plan,
     state: ServerState,
-    streams: list[AsyncIterator[Chunk]],
+    streams: list[AsyncIterator[RequestOutput]],
     outputs: list[ChoiceOutput],
     timing: Timing,
-    finished: list[list[Chunk]],
+    finished: list[list[RequestOutput]],
 ) -> AsyncIterator[bytes]:
     """The response's SSE events; `finished` collects each choice's chunks as they pass."""
     created = int(time.time())

@@ -34,8 +34,7 @@ from m3serve.api.serving import (
     start,
     until_disconnect,
 )
-from m3serve.runtime.engine import Chunk
-from m3serve.runtime.messages import GenerateReq, TokenIds
+from m3serve.runtime.messages import GenerateReq, RequestOutput, TokenIds
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 MAX_LOGPROBS = 5
@@ -54,7 +53,7 @@ async def completions(request: Request) -> Response:
     streams = await start(state.engine, reqs)
     echoes = [_echo_text(state, p) if body.echo else "" for p in prompts for _ in range(body.n)]
     if body.stream:
-        finished: list[list[Chunk]] = [[] for _ in streams]
+        finished: list[list[RequestOutput]] = [[] for _ in streams]
         events = _stream(rid, body, state, streams, echoes, timing, finished)
         return EventStream(sse_events(events, state, finished))
     try:
@@ -144,7 +143,7 @@ def _echo_text(state: ServerState, prompt: str | list[int]) -> str:
     return state.tokenizer.decode(prompt, skip_special_tokens=False)
 
 
-def _usage(state: ServerState, chunks: list[list[Chunk]], n: int) -> dict[str, Any]:
+def _usage(state: ServerState, chunks: list[list[RequestOutput]], n: int) -> dict[str, Any]:
     """Choices are prompt-major (n per prompt): each prompt's tokens count once."""
     usage = usage_dict(chunks)
     firsts = [pieces for k, pieces in enumerate(chunks) if k % n == 0 and pieces]
@@ -157,10 +156,10 @@ async def _stream(
     rid: str,
     body: CompletionRequest,
     state: ServerState,
-    streams: list[AsyncIterator[Chunk]],
+    streams: list[AsyncIterator[RequestOutput]],
     echoes: list[str],
     timing: Timing,
-    finished: list[list[Chunk]],
+    finished: list[list[RequestOutput]],
 ) -> AsyncIterator[bytes]:
     """The response's SSE events; `finished` collects each choice's chunks as they pass."""
     head = {"id": rid, "object": "text_completion", "created": int(time.time())}

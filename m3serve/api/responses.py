@@ -11,8 +11,8 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from m3serve.api.serving import ServerState
-from m3serve.runtime.engine import Chunk, EngineDeadError, RequestError
-from m3serve.runtime.messages import Finish, TokenLogprob
+from m3serve.engine import EngineDeadError, RequestError
+from m3serve.runtime.messages import Finish, RequestOutput, TokenLogprob
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}
 
@@ -34,7 +34,7 @@ class EventStream(StreamingResponse):
 
 
 async def sse_events(
-    events: AsyncIterator[bytes], state: ServerState, finished: list[list[Chunk]]
+    events: AsyncIterator[bytes], state: ServerState, finished: list[list[RequestOutput]]
 ) -> AsyncIterator[bytes]:
     """The frame around a handler's events: an engine failure mid-stream is reported in-band
     (the status code is long sent), unfinished choices count as aborted, `[DONE]` ends it."""
@@ -66,7 +66,9 @@ def finish_reason(finish: Finish | None, called_tools: bool) -> str | None:
     return _FINISH[finish.reason]
 
 
-def usage_dict(chunks: list[list[Chunk]], reasoning_tokens: list[int] | None = None) -> dict:
+def usage_dict(
+    chunks: list[list[RequestOutput]], reasoning_tokens: list[int] | None = None
+) -> dict:
     """Usage over all choices: the prompt counts once, completions add up. Reasoning tokens
     are those of the text the reasoning parser put in reasoning_content."""
     finals = [pieces[-1].usage for pieces in chunks if pieces]
@@ -94,7 +96,7 @@ def _entry(state: ServerState, token_id: int, logprob: float) -> dict[str, Any]:
     return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
-def logprobs_content(state: ServerState, pieces: list[Chunk]) -> dict[str, Any]:
+def logprobs_content(state: ServerState, pieces: list[RequestOutput]) -> dict[str, Any]:
     """Chat-completion logprobs: one entry per output token, with its top alternatives."""
     content = []
     for lp in _logprobs(pieces):
@@ -104,7 +106,9 @@ def logprobs_content(state: ServerState, pieces: list[Chunk]) -> dict[str, Any]:
     return {"content": content}
 
 
-def completion_logprobs(state: ServerState, pieces: list[Chunk], offset: int) -> dict[str, Any]:
+def completion_logprobs(
+    state: ServerState, pieces: list[RequestOutput], offset: int
+) -> dict[str, Any]:
     """Legacy completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
     tokens, values, tops, offsets = [], [], [], []
     for lp in _logprobs(pieces):
@@ -122,5 +126,5 @@ def completion_logprobs(state: ServerState, pieces: list[Chunk], offset: int) ->
     }
 
 
-def _logprobs(pieces: list[Chunk]) -> list[TokenLogprob]:
+def _logprobs(pieces: list[RequestOutput]) -> list[TokenLogprob]:
     return [lp for chunk in pieces for lp in chunk.logprobs]

@@ -6,8 +6,8 @@ import contextlib
 import logging
 
 from m3serve.api.app import create_app
+from m3serve.engine.async_engine import AsyncEngine
 from m3serve.runtime.config import ServerArgs
-from m3serve.runtime.engine import AsyncEngine
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ from starlette.requests import Request
 from m3serve.api.errors import APIError, overloaded
 from m3serve.api.metrics import ServerMetrics
 from m3serve.api.protocol import SamplingFields
+from m3serve.engine import AsyncEngine, EngineDeadError, RequestError
 from m3serve.runtime.config import ApiArgs
-from m3serve.runtime.engine import AsyncEngine, Chunk, EngineDeadError, RequestError
-from m3serve.runtime.messages import GenerateReq, SamplingParams
+from m3serve.runtime.messages import GenerateReq, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -132,7 +132,7 @@ def to_builtins(value: Any) -> Any:
 # ---------------------------------------------------------------------- running requests
 
 
-async def start(engine: AsyncEngine, reqs: list[GenerateReq]) -> list[AsyncIterator[Chunk]]:
+async def start(engine: AsyncEngine, reqs: list[GenerateReq]) -> list[AsyncIterator[RequestOutput]]:
     """Submit requests and wait for each one's first chunk, so that refusals (bad prompt,
     context overflow, overload) become HTTP errors before any response is started."""
     streams = [engine.stream(req) for req in reqs]
@@ -144,7 +144,7 @@ async def start(engine: AsyncEngine, reqs: list[GenerateReq]) -> list[AsyncItera
     return [_prepend(first, s) for first, s in zip(firsts, streams, strict=True)]
 
 
-async def anext_or_raise(stream: AsyncIterator[Chunk]) -> Chunk:
+async def anext_or_raise(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
     try:
         return await stream.__anext__()
     except RequestError as exc:
@@ -155,7 +155,9 @@ async def anext_or_raise(stream: AsyncIterator[Chunk]) -> Chunk:
         raise APIError(500, "the engine ended a request without output") from exc
 
 
-async def _prepend(first: Chunk, rest: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
+async def _prepend(
+    first: RequestOutput, rest: AsyncIterator[RequestOutput]
+) -> AsyncIterator[RequestOutput]:
     try:
         yield first
         if first.finish is None:
@@ -165,15 +167,17 @@ async def _prepend(first: Chunk, rest: AsyncIterator[Chunk]) -> AsyncIterator[Ch
         await rest.aclose()  # type: ignore[attr-defined]
 
 
-async def merged(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[int, Chunk]]:
+async def merged(
+    streams: list[AsyncIterator[RequestOutput]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Chunks of several choices as they arrive, tagged with their choice index."""
     if len(streams) == 1:
         async for chunk in streams[0]:
             yield 0, chunk
         return
-    queue: asyncio.Queue[tuple[int, Chunk | BaseException | None]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
-    async def pump(index: int, stream: AsyncIterator[Chunk]) -> None:
+    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
         try:
             async for chunk in stream:
                 await queue.put((index, chunk))
@@ -200,9 +204,9 @@ async def merged(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[int
         await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
 
 
-async def collect(streams: list[AsyncIterator[Chunk]]) -> list[list[Chunk]]:
+async def collect(streams: list[AsyncIterator[RequestOutput]]) -> list[list[RequestOutput]]:
     """Every chunk of every choice, for a non-streaming response."""
-    chunks: list[list[Chunk]] = [[] for _ in streams]
+    chunks: list[list[RequestOutput]] = [[] for _ in streams]
     async for index, chunk in merged(streams):
         chunks[index].append(chunk)
     return chunks
@@ -267,7 +271,7 @@ def log_exchange(state: ServerState, rid: str, kind: str, payload: Any) -> None:
         log.info("%s %s: %s", rid, kind, payload)
 
 
-def observe_finished(state: ServerState, pieces: list[Chunk], timing: Timing) -> None:
+def observe_finished(state: ServerState, pieces: list[RequestOutput], timing: Timing) -> None:
     """Record one finished choice in the server metrics."""
     last = pieces[-1]
     state.metrics.observe_finished(

@@ -1,21 +1,46 @@
-"""Hardware backends, chosen by name at start. A backend owns how every model op runs.
+"""Hardware backends, chosen by name at start: each implements the model's op contract
+(`m3serve.model.backend.Backend`) for one kind of device.
 
-`reference` (pure torch, exact, any device) is always available; faster backends register here
-and refuse to start, with a message naming what is missing, where they cannot run.
+`reference` (pure torch, exact, any device) is always available; `hopper` runs Triton kernels
+on sm_90+. A backend is imported only when it is asked for, and one that cannot run here refuses
+with a message naming what is missing.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from m3serve.backends.base import Backend, BackendUnavailable
-from m3serve.backends.hopper import HopperBackend, check_hopper
-from m3serve.backends.reference import ReferenceBackend
+from m3serve.model.backend import Backend
 
-# Names accepted by --backend; those mapped to None are planned but not built yet.
-_BACKENDS: dict[str, type[Backend] | None] = {
-    "reference": ReferenceBackend,
-    "hopper": HopperBackend,
+
+class BackendUnavailable(RuntimeError):
+    """The requested backend cannot run here; the message says why and what to use instead."""
+
+
+def _reference(device: torch.device) -> Backend:
+    from m3serve.backends.reference import ReferenceBackend
+
+    return ReferenceBackend(device)
+
+
+def _hopper(device: torch.device) -> Backend:
+    from m3serve.backends.hopper import HopperBackend
+
+    return HopperBackend(device)
+
+
+def _check_hopper(device: torch.device) -> None:
+    from m3serve.backends.hopper import check_hopper
+
+    check_hopper(device)
+
+
+# Names accepted by --backend; those mapped to None are registered but not built in this release.
+_BACKENDS: dict[str, Callable[[torch.device], Backend] | None] = {
+    "reference": _reference,
+    "hopper": _hopper,
     "blackwell": None,
     "rocm": None,
 }
@@ -26,47 +51,42 @@ BACKEND_NAMES = ("auto", *_BACKENDS)
 def auto_backend(device: torch.device) -> str:
     """Hopper where it can run (an sm_90+ GPU with triton), else the reference backend."""
     try:
-        check_hopper(device)
+        _check_hopper(device)
     except BackendUnavailable:
         return "reference"
     return "hopper"
 
 
-def backend_class(name: str) -> type[Backend]:
-    """The class behind a --backend name; raises BackendUnavailable with the reason."""
-    if name == "auto":
-        name = "reference"
-    if name not in _BACKENDS:
-        choices = ", ".join(BACKEND_NAMES)
-        raise BackendUnavailable(f"unknown backend {name!r} (choose from {choices})")
-    cls = _BACKENDS[name]
-    if cls is None:
-        raise BackendUnavailable(
-            f"backend {name!r} is not built yet in this release; use --backend reference"
-        )
-    return cls
-
-
 def check_backend(name: str, device: torch.device) -> str:
     """The backend name `name` resolves to on `device`; BackendUnavailable if it cannot run."""
     resolved = auto_backend(device) if name == "auto" else name
-    backend_class(resolved)
+    _factory(resolved)
     if resolved == "hopper":
-        check_hopper(device)
+        _check_hopper(device)
     return resolved
 
 
 def create_backend(name: str, device: torch.device) -> Backend:
-    if name == "auto":
-        name = auto_backend(device)
-    return backend_class(name)(device)
+    return _factory(check_backend(name, device))(device)
+
+
+def _factory(name: str) -> Callable[[torch.device], Backend]:
+    if name not in _BACKENDS:
+        choices = ", ".join(BACKEND_NAMES)
+        raise BackendUnavailable(f"unknown backend {name!r} (choose from {choices})")
+    factory = _BACKENDS[name]
+    if factory is None:
+        raise BackendUnavailable(
+            f"backend {name!r} is not built yet in this release; use --backend reference or hopper"
+        )
+    return factory
 
 
 __all__ = [
     "BACKEND_NAMES",
     "Backend",
     "BackendUnavailable",
-    "backend_class",
+    "auto_backend",
     "check_backend",
     "create_backend",
 ]

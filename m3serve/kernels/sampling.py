@@ -1,67 +1,48 @@
-"""Token sampling from logits: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+"""Token sampling from logits, as exact torch references: top-k, top-p and min-p filters, the
+exponential-race draw, and repetition / frequency / presence penalties.
 
-`sample_token` samples one row for the single-request generate loop; `Sampler` holds the
-per-request state (penalty counts, seeded generators) of the engine's batch and samples a whole
-step's logits at once, each row's token independent of the rows beside it.
+`draw_token` samples one row (the single-request generate loop); the batched functions serve the
+engine's `Sampler` (`m3serve.core.sampler`), which holds the per-request state. Which requests
+are greedy is the caller's rule (`SamplingParams.greedy`); these functions only draw.
 """
 
 from __future__ import annotations
 
-import secrets
-from collections.abc import Sequence
-from dataclasses import dataclass
-
 import torch
 
-from m3serve.runtime.messages import SamplingParams, TokenLogprob
 
+def filter_probs(
+    probs: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
+) -> torch.Tensor:
+    """Zero out tokens excluded by top-k, top-p and min-p (probs: [V], not renormalized).
 
-@dataclass(frozen=True)
-class SamplingConfig:
-    """What one request asks of the sampler. temperature 0 means greedy."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0 or self.top_k == 1
-
-
-def filter_probs(probs: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
-    """Zero out tokens excluded by top-k, top-p and min-p (probs: [V], not renormalized)."""
-    if cfg.top_k > 0 and cfg.top_k < probs.shape[-1]:
-        kth = torch.topk(probs, cfg.top_k).values[-1]
+    top_k <= 0 or >= V keeps every token; top_p 1 and min_p 0 are off.
+    """
+    if 0 < top_k < probs.shape[-1]:
+        kth = torch.topk(probs, top_k).values[-1]
         probs = probs.masked_fill(probs < kth, 0.0)
-    if cfg.min_p > 0.0:
-        probs = probs.masked_fill(probs < cfg.min_p * probs.max(), 0.0)
-    if cfg.top_p < 1.0:
+    if min_p > 0.0:
+        probs = probs.masked_fill(probs < min_p * probs.max(), 0.0)
+    if top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         mass_before = torch.cumsum(sorted_probs, 0) - sorted_probs
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        drop = mass_before >= cfg.top_p * sorted_probs.sum()
+        drop = mass_before >= top_p * sorted_probs.sum()
         probs = probs.scatter(0, order[drop], 0.0)
     return probs
 
 
-def sample_token(
-    logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None = None
+def draw_token(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    generator: torch.Generator | None = None,
 ) -> int:
-    """One token id from logits [V]."""
-    if cfg.greedy:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / cfg.temperature, dim=-1)
-    probs = filter_probs(probs, cfg)
+    """One token id drawn from softmax(logits [V] / temperature) after the filters."""
+    probs = torch.softmax(logits.float() / max(temperature, MIN_TEMPERATURE), dim=-1)
+    probs = filter_probs(probs, top_k, top_p, min_p)
     # Exponential race == sampling from probs / sum(probs), without a host round trip per row.
     race = torch.empty_like(probs).exponential_(generator=generator)
     return int(torch.argmax(probs / race))
@@ -69,11 +50,9 @@ def sample_token(
 
 # ------------------------------------------------------------------------- batched sampling
 
-_SEED_MASK = (1 << 64) - 1  # torch generators take a 64-bit seed; a request may send any int
-_SEED_MASK_63 = (1 << 63) - 1  # the Triton kernel takes the seed as an int64
 # Below this, logits / temperature can overflow to inf and softmax to NaN; the draw is already
 # the argmax there (vLLM uses the same floor).
-_MIN_TEMPERATURE = 1e-5
+MIN_TEMPERATURE = 1e-5
 
 
 def filter_probs_batch(
@@ -125,306 +104,3 @@ def apply_penalties(
     generated = counts.to(logits.dtype)
     appeared = (counts > 0).to(logits.dtype)
     return logits - frequency.unsqueeze(1) * generated - presence.unsqueeze(1) * appeared
-
-
-def _has_penalty(params: SamplingParams) -> bool:
-    return (
-        params.repetition_penalty != 1.0
-        or params.frequency_penalty != 0.0
-        or params.presence_penalty != 0.0
-    )
-
-
-def _triton_sampler():
-    try:
-        from m3serve.kernels.triton.sampling import sample
-    except ImportError:
-        return None
-    return sample
-
-
-class Sampler:
-    """Sampling state for up to `max_slots` concurrent requests, and batched sampling.
-
-    A slot is a request's row in the state tensors: `start` claims it, `release` frees it.
-    `sample` takes one step's logits for some slots and returns their tokens on the device.
-    """
-
-    def __init__(
-        self,
-        max_slots: int,
-        vocab_size: int,
-        device: torch.device | str,
-        *,
-        seed: int | None = None,
-    ) -> None:
-        """`seed` fixes the stream shared by unseeded requests (tests); by default it is random."""
-        self.device = torch.device(device)
-        self.vocab_size = vocab_size
-        # Output-token counts feed frequency / presence; prompt + output membership, repetition.
-        self._counts = torch.zeros(max_slots, vocab_size, dtype=torch.int32, device=self.device)
-        self._seen = torch.zeros(max_slots, vocab_size, dtype=torch.bool, device=self.device)
-        self._params: list[SamplingParams | None] = [None] * max_slots
-        self._generators: list[torch.Generator | None] = [None] * max_slots
-        self._shared_generator = torch.Generator(device=self.device)
-        # On a GPU, draws run in one Triton kernel keyed by (seed, step): no sort of the vocab,
-        # and a request's stream depends only on its own seed and step count.
-        self._device_draw = _triton_sampler() if self.device.type == "cuda" else None
-        self._seeds = [0] * max_slots
-        self._steps = [0] * max_slots
-        if seed is None:
-            self._shared_generator.seed()
-        else:
-            self._shared_generator.manual_seed(seed & _SEED_MASK)
-
-    @property
-    def max_slots(self) -> int:
-        return len(self._params)
-
-    # ------------------------------------------------------------------------ slot lifecycle
-
-    def start(
-        self,
-        slot: int,
-        params: SamplingParams,
-        prompt_ids: Sequence[int],
-        output_ids: Sequence[int] = (),
-    ) -> None:
-        """A new request in `slot`: fresh counts, its own generator if it has a seed.
-
-        `output_ids` resumes a request that was retracted and recomputed: its earlier tokens
-        count for the penalties again, and a seeded stream continues where it stopped.
-        """
-        self._check_slot(slot)
-        self._params[slot] = params
-        self._generators[slot] = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device)
-            self._generators[slot] = generator.manual_seed(params.seed & _SEED_MASK)
-            if not params.greedy:
-                # Each sampled step drew one noise row of the vocabulary's size.
-                row = torch.empty(self.vocab_size, device=self.device)
-                for _ in range(len(output_ids)):
-                    row.exponential_(generator=generator)
-        self._seeds[slot] = (
-            params.seed & _SEED_MASK_63 if params.seed is not None else secrets.randbits(62)
-        )
-        self._steps[slot] = len(output_ids)
-        self._counts[slot].zero_()
-        self._seen[slot].zero_()
-        if len(prompt_ids) > 0:  # len, not truth: prompt ids may come as a numpy array
-            self._seen[slot].index_fill_(0, self._upload(list(prompt_ids)), True)
-        if len(output_ids) > 0:
-            ids = self._upload(list(output_ids))
-            self._seen[slot].index_fill_(0, ids, True)
-            ones = torch.ones_like(ids, dtype=self._counts.dtype)
-            self._counts[slot].index_add_(0, ids, ones)
-
-    def release(self, slot: int) -> None:
-        """Free `slot`; its tensor rows are left as they are (`start` resets them)."""
-        self._check_slot(slot)
-        self._params[slot] = None
-        self._generators[slot] = None
-
-    def _check_slot(self, slot: int) -> None:
-        # Python lists accept negative indices; a negative slot is a caller bug, not row -1.
-        if not 0 <= slot < self.max_slots:
-            raise IndexError(f"slot {slot} is outside [0, {self.max_slots})")
-
-    def _active(self, slot: int) -> SamplingParams:
-        self._check_slot(slot)
-        params = self._params[slot]
-        if params is None:
-            raise ValueError(f"slot {slot} has no request (start it first)")
-        return params
-
-    # ------------------------------------------------------------------------------ sampling
-
-    def sample(
-        self, logits: torch.Tensor, slots: Sequence[int]
-    ) -> tuple[torch.Tensor, list[TokenLogprob | None]]:
-        """Tokens [B] (int64, on the device) for logits [B, V] whose row i belongs to slots[i],
-        plus a TokenLogprob for each row that asks for logprobs (None elsewhere).
-
-        Nothing here reads the device from the host unless some row wants logprobs.
-        """
-        params = self._batch_params(logits, slots)
-        if not params:
-            return torch.empty(0, dtype=torch.int64, device=self.device), []
-        logits = logits.float()
-        slots_t = self._upload(list(slots))
-        penalized = self._penalize(logits, slots_t, params)
-        if all(p.greedy for p in params):
-            tokens = torch.argmax(penalized, dim=-1)
-        else:
-            tokens = self._sample_mixed(penalized, list(slots), params)
-        logprobs = self._logprobs(logits, tokens, params)
-        self._record(slots_t, tokens)
-        return tokens, logprobs
-
-    def penalized(self, logits: torch.Tensor, slots: Sequence[int]) -> torch.Tensor:
-        """The logits [B, V] after each slot's penalties, as `sample` would use them."""
-        params = self._batch_params(logits, slots)
-        if not params:
-            return logits.float()
-        return self._penalize(logits.float(), self._upload(list(slots)), params)
-
-    def _batch_params(self, logits: torch.Tensor, slots: Sequence[int]) -> list[SamplingParams]:
-        if logits.dim() != 2 or logits.shape != (len(slots), self.vocab_size):
-            raise ValueError(
-                f"logits {tuple(logits.shape)} do not match {len(slots)} slots x "
-                f"vocab {self.vocab_size}"
-            )
-        if len(set(slots)) != len(slots):
-            raise ValueError(f"a slot appears twice in {list(slots)}")
-        return [self._active(slot) for slot in slots]
-
-    def _penalize(
-        self, logits: torch.Tensor, slots_t: torch.Tensor, params: list[SamplingParams]
-    ) -> torch.Tensor:
-        rows = [i for i, p in enumerate(params) if _has_penalty(p)]
-        if not rows:
-            return logits
-        penalties = [params[i] for i in rows]
-        knobs = self._upload(
-            [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in penalties],
-            torch.float32,
-        )
-        if len(rows) == len(params):
-            return self._penalize_rows(logits, slots_t, knobs)
-        # Only the penalized rows pay for gathering their [V] state.
-        rows_t = self._upload(rows)
-        penalized = self._penalize_rows(
-            logits.index_select(0, rows_t), slots_t.index_select(0, rows_t), knobs
-        )
-        return logits.index_copy(0, rows_t, penalized)
-
-    def _penalize_rows(
-        self, logits: torch.Tensor, slots_t: torch.Tensor, knobs: torch.Tensor
-    ) -> torch.Tensor:
-        seen = self._seen.index_select(0, slots_t)
-        counts = self._counts.index_select(0, slots_t)
-        return apply_penalties(logits, seen, counts, *knobs.unbind(1))
-
-    def _sample_mixed(
-        self, logits: torch.Tensor, slots: list[int], params: list[SamplingParams]
-    ) -> torch.Tensor:
-        """Greedy rows take the argmax, the others a draw."""
-        rows = [i for i, p in enumerate(params) if not p.greedy]
-        if len(rows) == len(params):
-            return self._draw(logits, slots, params)
-        rows_t = self._upload(rows)
-        drawn = self._draw(
-            logits.index_select(0, rows_t), [slots[i] for i in rows], [params[i] for i in rows]
-        )
-        return torch.argmax(logits, dim=-1).index_copy(0, rows_t, drawn)
-
-    def _draw(
-        self, logits: torch.Tensor, slots: list[int], params: list[SamplingParams]
-    ) -> torch.Tensor:
-        """Temperature, top-k / min-p / top-p, then the exponential race, for non-greedy rows."""
-        if self._device_draw is not None:
-            return self._draw_on_device(logits, slots, params)
-        vocab = self.vocab_size
-        top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-        # One upload for all knobs; top_k rides as a float, exact for any vocab below 2**24.
-        knobs = self._upload(
-            [
-                [max(p.temperature, _MIN_TEMPERATURE), p.top_p, p.min_p, k]
-                for p, k in zip(params, top_ks, strict=True)
-            ],
-            torch.float32,
-        )
-        probs = torch.softmax(logits / knobs[:, :1], dim=-1)
-        # Skip the sort when no row cuts anything.
-        if any(k < vocab for k in top_ks) or any(p.top_p < 1.0 or p.min_p > 0.0 for p in params):
-            probs = filter_probs_batch(probs, knobs[:, 3].long(), knobs[:, 1], knobs[:, 2])
-        # argmax(p / E) with E ~ Exp(1) is a draw from p / sum(p): no renormalizing, no cumsum.
-        return torch.argmax(probs / self._race_noise(probs, slots), dim=-1)
-
-    def _draw_on_device(
-        self, logits: torch.Tensor, slots: list[int], params: list[SamplingParams]
-    ) -> torch.Tensor:
-        assert self._device_draw is not None
-        floats = self._upload([[p.temperature, p.top_p, p.min_p] for p in params], torch.float32)
-        ints = self._upload(
-            [
-                [p.top_k if p.top_k > 0 else 0, self._seeds[s], self._steps[s]]
-                for p, s in zip(params, slots, strict=True)
-            ],
-            torch.int64,
-        )
-        for slot in slots:
-            self._steps[slot] += 1
-        return self._device_draw(
-            logits.contiguous(),
-            floats[:, 0].contiguous(),
-            ints[:, 0].to(torch.int32),
-            floats[:, 1].contiguous(),
-            floats[:, 2].contiguous(),
-            ints[:, 1].contiguous(),
-            ints[:, 2].contiguous(),
-        )
-
-    def _race_noise(self, probs: torch.Tensor, slots: list[int]) -> torch.Tensor:
-        """Exp(1) noise shaped like probs [n, V]. A seeded slot fills its row from its own
-        generator, one row per call, so its stream depends on nothing but its own steps."""
-        noise = torch.empty_like(probs)
-        shared = [i for i, slot in enumerate(slots) if self._generators[slot] is None]
-        if len(shared) == len(slots):
-            noise.exponential_(generator=self._shared_generator)
-        elif shared:
-            block = torch.empty((len(shared), probs.shape[1]), device=probs.device)
-            block.exponential_(generator=self._shared_generator)
-            noise.index_copy_(0, self._upload(shared), block)
-        for i, slot in enumerate(slots):
-            generator = self._generators[slot]
-            if generator is not None:
-                noise[i].exponential_(generator=generator)
-        # A zero draw would make 0 / 0 = NaN for a filtered-out token, and NaN wins argmax.
-        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-
-    # ------------------------------------------------------------------------------ logprobs
-
-    def _logprobs(
-        self, logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
-    ) -> list[TokenLogprob | None]:
-        """Raw logprobs (log_softmax before penalties and temperature) for rows that ask."""
-        out: list[TokenLogprob | None] = [None] * len(params)
-        rows = [i for i, p in enumerate(params) if p.logprobs]
-        if not rows:
-            return out
-        rows_t = self._upload(rows)
-        logprobs = torch.log_softmax(logits.index_select(0, rows_t), dim=-1)
-        chosen = tokens.index_select(0, rows_t).unsqueeze(1)
-        width = min(max(params[i].top_logprobs for i in rows), self.vocab_size)
-        top = torch.topk(logprobs, width, dim=-1)  # sorted, highest first
-        # One float64 matrix, so the host waits for a single copy; ids are exact below 2**53.
-        # Convert before cat: cat would promote the ids to float32, inexact past 2**24.
-        parts = [chosen, logprobs.gather(1, chosen), top.indices, top.values]
-        packed = torch.cat([part.to(torch.float64) for part in parts], dim=1)
-        for i, row in zip(rows, packed.tolist(), strict=True):
-            n = min(params[i].top_logprobs, width)
-            ids, values = row[2 : 2 + n], row[2 + width : 2 + width + n]
-            top_pairs = [(int(t), v) for t, v in zip(ids, values, strict=True)]
-            out[i] = TokenLogprob(int(row[0]), row[1], top_pairs)
-        return out
-
-    # ----------------------------------------------------------------------------- utilities
-
-    def _record(self, slots_t: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Count this step's tokens into their slots' state (one scatter each, on the device)."""
-        ones = torch.ones_like(tokens, dtype=torch.int32)
-        self._counts.index_put_((slots_t, tokens), ones, accumulate=True)
-        self._seen.index_put_((slots_t, tokens), torch.ones_like(tokens, dtype=torch.bool))
-
-    def _upload(
-        self, values: list[int] | list[list[float]], dtype: torch.dtype = torch.int64
-    ) -> torch.Tensor:
-        """A small host list as a device tensor, without syncing."""
-        if self.device.type != "cuda":
-            return torch.tensor(values, dtype=dtype, device=self.device)
-        # A blocking host-to-device copy waits for the stream (the forward pass) to drain;
-        # from pinned memory the copy can be queued behind it instead.
-        pinned = torch.tensor(values, dtype=dtype, pin_memory=True)
-        return pinned.to(self.device, non_blocking=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from m3serve.backends.base import Backend
+from m3serve.model.backend import Backend
 from m3serve.model.batch import ForwardBatch
 from m3serve.model.config import TextConfig
 from m3serve.model.kv_cache import LayerKV
@@ -42,31 +42,31 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, kv: LayerKV, inv_freq: torch.Tensor
     ) -> torch.Tensor:
-        cfg, be = self.cfg, self.backend
+        cfg, backend = self.cfg, self.backend
         n = x.shape[0]
         q = self._project(x, self.q_proj, self.q_norm, cfg.num_heads, batch, inv_freq)
         # Keys are normalized, rotated and written to the cache in one backend op.
-        k = be.linear(x, self.k_proj.weight).view(n, cfg.num_kv_heads, cfg.head_dim)
-        v = be.linear(x, self.v_proj.weight).view(n, cfg.num_kv_heads, cfg.head_dim)
+        k = backend.linear(x, self.k_proj.weight).view(n, cfg.num_kv_heads, cfg.head_dim)
+        v = backend.linear(x, self.v_proj.weight).view(n, cfg.num_kv_heads, cfg.head_dim)
         block_ids = None
         if self.sparse:
-            iq = self._project(
+            index_q = self._project(
                 x, self.index_q_proj, self.index_q_norm, cfg.index_n_heads, batch, inv_freq
             )
-            ik = be.linear(x, self.index_k_proj.weight)
-            be.store_kv(
+            index_k = backend.linear(x, self.index_k_proj.weight)
+            backend.store_kv(
                 kv,
                 batch,
                 k,
                 v,
                 self.k_norm.weight,
-                ik,
+                index_k,
                 self.index_k_norm.weight,
                 self.k_norm.eps,
                 inv_freq,
             )
-            block_ids = be.index_topk(
-                iq,
+            block_ids = backend.index_topk(
+                index_q,
                 kv,
                 batch,
                 cfg.index_topk_blocks,
@@ -74,9 +74,11 @@ class Attention(nn.Module):
                 cfg.index_init_blocks,
             )
         else:
-            be.store_kv(kv, batch, k, v, self.k_norm.weight, None, None, self.k_norm.eps, inv_freq)
-        out = be.attention(q, kv, batch, cfg.head_dim**-0.5, block_ids)
-        return be.linear(out.reshape(n, cfg.q_size), self.o_proj.weight)
+            backend.store_kv(
+                kv, batch, k, v, self.k_norm.weight, None, None, self.k_norm.eps, inv_freq
+            )
+        out = backend.attention(q, kv, batch, cfg.head_dim**-0.5, block_ids)
+        return backend.linear(out.reshape(n, cfg.q_size), self.o_proj.weight)
 
     def _project(
         self,

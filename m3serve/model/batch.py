@@ -1,8 +1,9 @@
 """The batch descriptor of one forward step over paged KV.
 
-Prefill chunks, decode steps and multi-token verify steps are the same call: each request
-contributes `extend_len` new tokens at positions [seq_len - extend_len, seq_len), whose KV is
-written to the slots its page table names; everything before is read from the cache.
+Prefill chunks, decode steps and multi-token verify steps are the same call: each request (a
+`SeqStep` of the scheduler's plan) contributes `extend_len` new tokens at positions
+[seq_len - extend_len, seq_len), whose KV is written to the slots its page table names;
+everything before is read from the cache.
 """
 
 from __future__ import annotations
@@ -12,15 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class SeqChunk:
-    """One request's part of a step: new token ids, where they start, and its pages."""
-
-    token_ids: Sequence[int]
-    start: int  # position of token_ids[0] == tokens already in the KV cache
-    pages: Sequence[int]  # physical pages covering positions [0, start + len(token_ids))
-    all_logits: bool = False  # logits for every new token (verify, parity tests) or just the last
+from m3serve.runtime.messages import SeqStep
 
 
 @dataclass(frozen=True)
@@ -44,32 +37,38 @@ class ForwardBatch:
 
     @classmethod
     def build(
-        cls, chunks: Sequence[SeqChunk], page_size: int, device: torch.device | str
+        cls,
+        seqs: Sequence[SeqStep],
+        page_size: int,
+        device: torch.device | str,
+        all_logits: bool = False,
     ) -> ForwardBatch:
-        if not chunks:
+        """The batch of `seqs`. Logits are for the last new token of each sampled seq, or with
+        `all_logits` for every new token (parity tests). A seq without input ids gets a
+        placeholder token its caller overwrites on the device."""
+        if not seqs:
             raise ValueError("a forward batch needs at least one request")
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         logit_rows: list[int] = []
-        for chunk in chunks:
-            _check_chunk(chunk, page_size)
+        for seq in seqs:
+            _check_seq(seq, page_size)
             first_row = len(ids)
-            for offset, token in enumerate(chunk.token_ids):
-                pos = chunk.start + offset
-                ids.append(int(token))
+            ids.extend([0] if seq.input_ids is None else seq.input_ids)
+            for pos in range(seq.start, seq.start + seq.extend):
                 positions.append(pos)
-                slots.append(chunk.pages[pos // page_size] * page_size + pos % page_size)
+                slots.append(seq.pages[pos // page_size] * page_size + pos % page_size)
             rows = range(first_row, len(ids))
-            logit_rows.extend(rows if chunk.all_logits else rows[-1:])
-        max_pages = max(len(c.pages) for c in chunks)
-        table = [list(c.pages) + [-1] * (max_pages - len(c.pages)) for c in chunks]
+            logit_rows.extend(rows if all_logits else rows[-1:] if seq.sample else ())
+        max_pages = max(len(s.pages) for s in seqs)
+        table = [list(s.pages) + [-1] * (max_pages - len(s.pages)) for s in seqs]
 
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
 
-        seq_lens = [c.start + len(c.token_ids) for c in chunks]
-        extend_lens = [len(c.token_ids) for c in chunks]
+        seq_lens = [s.start + s.extend for s in seqs]
+        extend_lens = [s.extend for s in seqs]
         starts = [0]
         for ext in extend_lens:
             starts.append(starts[-1] + ext)
@@ -88,10 +87,10 @@ class ForwardBatch:
         )
 
 
-def _check_chunk(chunk: SeqChunk, page_size: int) -> None:
-    if not chunk.token_ids:
+def _check_seq(seq: SeqStep, page_size: int) -> None:
+    if seq.extend == 0:
         raise ValueError("a request in a forward batch has no new tokens")
-    end = chunk.start + len(chunk.token_ids)
+    end = seq.start + seq.extend
     needed = -(-end // page_size)
-    if len(chunk.pages) < needed:
-        raise ValueError(f"{end} tokens need {needed} pages, the request has {len(chunk.pages)}")
+    if len(seq.pages) < needed:
+        raise ValueError(f"{end} tokens need {needed} pages, the request has {len(seq.pages)}")

@@ -1,4 +1,5 @@
-"""From a checkpoint directory (or the built-in tiny one) to a ready `M3ForCausalLM`."""
+"""From a checkpoint directory (or the built-in tiny one) to a ready `M3ForCausalLM` on a
+backend: the device and the compute dtype it runs in, the weights loaded."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from m3serve.backends import Backend, create_backend
+from m3serve.model.backend import Backend
 from m3serve.model.config import ModelConfig, load_model_config
 from m3serve.model.loader import load_weights
 from m3serve.model.m3 import M3ForCausalLM
@@ -47,31 +48,30 @@ def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dt
 
 
 def load_model(
-    model_path: str | Path | None = None,
-    backend: str = "auto",
+    model_path: str | Path | None,
+    backend: Backend,
     dtype: str = "auto",
-    device: str = "auto",
     progress: bool = True,
 ) -> LoadedModel:
+    """The model at `model_path` (None: the built-in tiny checkpoint) on `backend`'s device."""
     if model_path is None:
         from m3serve.model.tiny.default import default_model_path
 
         model_path = default_model_path()
     path = Path(model_path)
     config = load_model_config(path)
-    dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, config, dev)
-    be = create_backend(backend, dev)
+    device = backend.device
+    torch_dtype = resolve_dtype(dtype, config, device)
     started = time.monotonic()
-    model = M3ForCausalLM(config.text, be, torch_dtype, dev)
+    model = M3ForCausalLM(config.text, backend, torch_dtype, device)
     load_weights(model, path, config, progress=progress)
     model.eval()
     log.info(
         "loaded %s (%s, %s, backend %s) in %.1fs",
         path,
         str(torch_dtype).removeprefix("torch."),
-        dev,
-        be.name,
+        device,
+        backend.name,
         time.monotonic() - started,
     )
-    return LoadedModel(model, config, path, be, torch_dtype, dev)
+    return LoadedModel(model, config, path, backend, torch_dtype, device)

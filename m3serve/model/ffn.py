@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from m3serve.backends.base import Backend
+from m3serve.model.backend import Backend
 from m3serve.model.config import TextConfig
 from m3serve.model.params import Linear, weight
 
@@ -27,10 +27,10 @@ class DenseMLP(nn.Module):
         self.down_proj = Linear(width, cfg.hidden_size, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        be = self.backend
-        gate_up = be.linear(x, self.gate_up_proj.weight)
-        hidden = be.swiglu(gate_up, self.cfg.swiglu_alpha, self.cfg.swiglu_limit)
-        return be.linear(hidden, self.down_proj.weight)
+        backend = self.backend
+        gate_up = backend.linear(x, self.gate_up_proj.weight)
+        hidden = backend.swiglu(gate_up, self.cfg.swiglu_alpha, self.cfg.swiglu_limit)
+        return backend.linear(hidden, self.down_proj.weight)
 
 
 class Experts(nn.Module):

@@ -1,5 +1,6 @@
 """A minimal single-request generate loop over the paged forward: chunked prefill, then one
-token per step. Good for tests and `m3serve generate`; the engine's scheduler replaces it."""
+token per step. The oracle the engine's outputs are tested against; the engine core replaces it
+for serving."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from m3serve.kernels.sampling import SamplingConfig, sample_token
-from m3serve.model.batch import ForwardBatch, SeqChunk
+from m3serve.kernels.sampling import draw_token
+from m3serve.model.batch import ForwardBatch
 from m3serve.model.kv_cache import KVCache
 from m3serve.model.m3 import M3ForCausalLM
+from m3serve.runtime.messages import SamplingParams, SeqStep
+
+GREEDY = SamplingParams(temperature=0.0)
 
 
 @torch.inference_mode()
@@ -18,8 +22,7 @@ def stream_tokens(
     model: M3ForCausalLM,
     prompt_ids: Sequence[int],
     max_new_tokens: int,
-    sampling: SamplingConfig | None = None,
-    seed: int | None = None,
+    sampling: SamplingParams = GREEDY,
     stop_ids: Sequence[int] | None = None,
     prefill_chunk: int | None = None,
 ) -> Iterator[int]:
@@ -28,11 +31,10 @@ def stream_tokens(
         raise ValueError("the prompt is empty")
     if max_new_tokens <= 0:
         return
-    sampling = sampling or SamplingConfig()
     stop = set(model.cfg.eos_token_ids if stop_ids is None else stop_ids)
     generator = None
-    if seed is not None:
-        generator = torch.Generator(device=model.device).manual_seed(seed)
+    if sampling.seed is not None:
+        generator = torch.Generator(device=model.device).manual_seed(sampling.seed)
     page_size = model.cfg.page_size
     total = len(prompt_ids) + max_new_tokens
     kv = KVCache.allocate(model.cfg, -(-total // page_size), model.dtype, model.device)
@@ -42,27 +44,36 @@ def stream_tokens(
     start = 0
     while True:
         new = tokens[start : start + chunk] if start < len(prompt_ids) else tokens[-1:]
-        batch = ForwardBatch.build([SeqChunk(new, start, pages)], page_size, model.device)
-        logits = model(batch, kv)
+        prompt_done = start + len(new) >= len(prompt_ids)
+        seq = SeqStep(new, start, pages, sample=prompt_done)
+        logits = model(ForwardBatch.build([seq], page_size, model.device), kv)
         start += len(new)
-        if start < len(prompt_ids):
+        if not prompt_done:
             continue
-        token = sample_token(logits[-1], sampling, generator)
+        token = next_token(logits[-1], sampling, generator)
         tokens.append(token)
         yield token
         if token in stop or len(tokens) - len(prompt_ids) >= max_new_tokens:
             return
 
 
+def next_token(
+    logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None
+) -> int:
+    """The next token id from logits [V]: the argmax when `sampling` is greedy, else a draw."""
+    if sampling.greedy:
+        return int(torch.argmax(logits))
+    return draw_token(
+        logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, generator
+    )
+
+
 def generate(
     model: M3ForCausalLM,
     prompt_ids: Sequence[int],
     max_new_tokens: int,
-    sampling: SamplingConfig | None = None,
-    seed: int | None = None,
+    sampling: SamplingParams = GREEDY,
     stop_ids: Sequence[int] | None = None,
     prefill_chunk: int | None = None,
 ) -> list[int]:
-    return list(
-        stream_tokens(model, prompt_ids, max_new_tokens, sampling, seed, stop_ids, prefill_chunk)
-    )
+    return list(stream_tokens(model, prompt_ids, max_new_tokens, sampling, stop_ids, prefill_chunk))

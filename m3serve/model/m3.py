@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from m3serve.backends.base import Backend
 from m3serve.kernels.rope import rope_inv_freq
 from m3serve.model.attention import Attention
+from m3serve.model.backend import Backend
 from m3serve.model.batch import ForwardBatch
 from m3serve.model.config import TextConfig
 from m3serve.model.ffn import DenseMLP, MoE
@@ -45,12 +45,12 @@ class DecoderLayer(nn.Module):
         kv: KVCache,
         inv_freq: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        be = self.backend
+        backend = self.backend
         norm = self.input_layernorm
-        x, residual = be.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        x, residual = backend.add_rms_norm(hidden, residual, norm.weight, norm.eps)
         hidden = self.self_attn(x, batch, kv.layers[self.index], inv_freq)
         norm = self.post_attention_layernorm
-        x, residual = be.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        x, residual = backend.add_rms_norm(hidden, residual, norm.weight, norm.eps)
         ffn = self.block_sparse_moe if self.is_moe else self.mlp
         return ffn(x), residual
 
@@ -98,13 +98,13 @@ class M3ForCausalLM(nn.Module):
 
     def hidden_states(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """Final-normed hidden states of every new token [T, hidden]."""
-        be = self.backend
+        backend = self.backend
         hidden = self.model.embed_tokens.weight[batch.input_ids]
         residual: torch.Tensor | None = None
         for layer in self.model.layers:
             hidden, residual = layer(hidden, residual, batch, kv, self.inv_freq)
         norm = self.model.norm
-        return be.add_rms_norm(hidden, residual, norm.weight, norm.eps)[0]
+        return backend.add_rms_norm(hidden, residual, norm.weight, norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.backend.linear(hidden, self.lm_head.weight).float()

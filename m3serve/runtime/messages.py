@@ -1,7 +1,7 @@
 """Every message that crosses an actor boundary, as msgspec Structs, grouped by channel.
 
-Channels (design.md §3): API → tokenizer, tokenizer → scheduler, scheduler → tokenizer,
-tokenizer → API, scheduler ↔ executor (in-process), control (any actor → supervisor). Each
+Channels: API → tokenizer, tokenizer → scheduler, scheduler → tokenizer, tokenizer → API,
+scheduler ↔ executor (in-process), control (any actor → supervisor). Each
 channel has a tagged union type its receiver decodes. Request messages carry their `rid`; an
 `Error` with a rid fails that request, an `Error` without one means the sender is going down.
 """
@@ -75,7 +75,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """The one greedy rule: temperature 0 or top_k 1 takes the argmax."""
+        return self.temperature <= 0.0 or self.top_k == 1
 
 
 class Finish(msgspec.Struct, array_like=True, frozen=True):
@@ -151,13 +152,22 @@ class Usage(msgspec.Struct, array_like=True, frozen=True):
     cached_tokens: int
 
 
-class TextBatch(msgspec.Struct, tag=True, kw_only=True, array_like=True):
-    rids: list[str]
-    deltas: list[str]
-    new_ids: list[list[int]]
-    finish: list[Finish | None]
-    usage: list[Usage]
-    logprobs: list[list[TokenLogprob]] | None = None
+class RequestOutput(msgspec.Struct, array_like=True):
+    """A piece of one request's output: the text and token ids new since the last piece, and
+    `finish` on the last one. `AsyncEngine.stream` yields these as they arrive."""
+
+    rid: str
+    text: str
+    output_ids: list[int]
+    finish: Finish | None
+    usage: Usage
+    logprobs: list[TokenLogprob] = msgspec.field(default_factory=list)
+
+
+class TextBatch(msgspec.Struct, tag=True, array_like=True):
+    """One engine step's outputs for the requests of one tokenizer worker."""
+
+    outputs: list[RequestOutput]
 
 
 # ---------------------------------------------------------------- control
@@ -197,16 +207,23 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
 
 
 class SeqStep(msgspec.Struct, array_like=True):
-    """One request's part of a step. `input_ids` None means: read the token the executor
-    sampled for this slot last step (it may not have reached the CPU yet — overlap)."""
+    """One request's part of a step: new tokens at positions [start, start + extend), whose KV is
+    written to `pages` (the request's pages, covering every position up to the end).
 
-    slot: int
-    start: int  # tokens already in the KV cache
-    extend: int  # new tokens this step
-    pages: list[int]
+    `input_ids` None is one token: the one this slot sampled last step, which may not have
+    reached the CPU yet (overlap); the engine core reads it from its device-side token table.
+    """
+
     input_ids: list[int] | None
-    sample: bool  # False for a prefill chunk that does not end the prompt
-    new_request: bool  # first step of this slot: reset its sampling state
+    start: int  # tokens already in the KV cache
+    pages: list[int]
+    slot: int = 0
+    sample: bool = True  # False for a prefill chunk that does not end the prompt
+    new_request: bool = False  # first step of this slot: reset its sampling state
+
+    @property
+    def extend(self) -> int:
+        return 1 if self.input_ids is None else len(self.input_ids)
 
 
 class StepPlan(msgspec.Struct, tag=True, kw_only=True, array_like=True):

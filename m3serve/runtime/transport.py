@@ -1,7 +1,7 @@
 """Mailboxes: one send/recv interface over in-process queues and ZeroMQ `ipc://` sockets.
 
 An actor receives from one `Inbox` and sends through `Outbox`es; whether a peer shares its
-process decides only which kind it is handed (design.md §2).
+process decides only which kind it is handed.
 
 - `InProcChannel`: an asyncio.Queue; messages pass as objects, without encoding. Its mailboxes
   belong to actors that share one event loop (asyncio.Queue is neither thread- nor loop-safe).

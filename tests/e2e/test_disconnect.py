@@ -24,8 +24,8 @@ import pytest
 import uvicorn
 
 from m3serve.api.app import create_app
+from m3serve.engine.async_engine import AsyncEngine
 from m3serve.runtime.config import ServerArgs
-from m3serve.runtime.engine import AsyncEngine
 
 T = TypeVar("T")
 
@@ -55,7 +55,7 @@ class Live:
     @property
     def scheduler(self) -> Any:
         actor = next(a for a in self.engine.actors if type(a).__name__ == "SchedulerActor")
-        return actor.scheduler
+        return actor.core.scheduler
 
     async def on_server_loop(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the server's event loop, between the scheduler's steps."""

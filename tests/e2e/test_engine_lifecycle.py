@@ -33,9 +33,9 @@ def alive(pid: int) -> bool:
 
 def test_shutdown_leaves_no_process_socket_or_segment(model_path: Path) -> None:
     engine = Engine(str(model_path), tokenizer_worker_num=2)
-    pids = list(engine.engine.processes.values())
-    session = engine.engine._supervisor.session
-    run_dir = engine.engine._supervisor.run_dir
+    pids = list(engine.async_engine.processes.values())
+    session = engine.async_engine.supervisor.session
+    run_dir = engine.async_engine.supervisor.run_dir
     assert len(pids) == 3 and all(alive(pid) for pid in pids)
     engine.generate("hello", {"max_new_tokens": 4})
     engine.shutdown()
@@ -47,7 +47,7 @@ def test_shutdown_leaves_no_process_socket_or_segment(model_path: Path) -> None:
 def test_killing_the_engine_process_fails_pending_requests_fast(model_path: Path) -> None:
     engine = Engine(str(model_path))
     try:
-        pid = engine.engine.processes["engine"]
+        pid = engine.async_engine.processes["engine"]
         outcome: dict[str, object] = {}
 
         def run() -> None:
@@ -72,8 +72,8 @@ def test_killing_the_engine_process_fails_pending_requests_fast(model_path: Path
         with pytest.raises(EngineDeadError):
             engine.generate("after", {"max_new_tokens": 1})
     finally:
-        pids = list(engine.engine.processes.values())
-        session = engine.engine._supervisor.session
+        pids = list(engine.async_engine.processes.values())
+        session = engine.async_engine.supervisor.session
         engine.shutdown()
     assert not any(alive(pid) for pid in pids)
     assert list_session_segments(session) == []

@@ -11,7 +11,8 @@ import pytest
 from helpers.hf_oracle import random_prompt
 
 from m3serve import Engine
-from m3serve.actors.scheduler.actor import SchedulerActor
+from m3serve.actors.scheduler import SchedulerActor
+from m3serve.core.scheduler import Scheduler
 from m3serve.model.generate import generate
 from m3serve.model.m3 import M3ForCausalLM
 from m3serve.model.tiny.checkpoint import TinySpec
@@ -21,8 +22,10 @@ GREEDY = {"temperature": 0.0}
 VOCAB = SPEC.vocab_size - 64
 
 
-def scheduler_of(engine: Engine) -> SchedulerActor:
-    return next(a for a in engine.engine.actors if isinstance(a, SchedulerActor))
+def scheduler_of(engine: Engine) -> Scheduler:
+    actor = next(a for a in engine.async_engine.actors if isinstance(a, SchedulerActor))
+    assert actor.core is not None
+    return actor.core.scheduler
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
@@ -53,7 +56,7 @@ def test_requests_outgrowing_the_pool_are_retracted_and_complete(
         min_new_token_ratio=0.05,
     ) as engine:
         outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 24})
-        assert scheduler_of(engine).scheduler.retracted > 0
+        assert scheduler_of(engine).retracted > 0
     for ids, out in zip(prompts, outs, strict=True):
         assert out["output_ids"] == generate(model, ids, 24)
 
@@ -80,7 +83,7 @@ def test_seeded_sampling_survives_retraction(model_path: Path) -> None:
         min_new_token_ratio=0.05,
     ) as tight:
         outs = tight.generate(input_ids=prompts, sampling_params=params)
-        assert scheduler_of(tight).scheduler.retracted > 0
+        assert scheduler_of(tight).retracted > 0
     assert [o["output_ids"] for o in outs] == [e["output_ids"] for e in expected]
 
 
@@ -93,13 +96,13 @@ def test_eviction_under_a_small_pool_gives_correct_results(
         for ids in prompts:
             out = engine.generate(input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 8})
             assert out["output_ids"] == generate(model, ids, 8)
-        assert scheduler_of(engine).scheduler.cache.tree.cached_pages > 0
+        assert scheduler_of(engine).cache.tree.cached_pages > 0
 
 
 def test_pages_return_to_the_baseline_after_finishes_and_aborts(model_path: Path) -> None:
     rng = random.Random(5)
     with Engine(str(model_path), single_process=True, max_total_tokens=1024) as engine:
-        sched = scheduler_of(engine).scheduler
+        sched = scheduler_of(engine)
         baseline = sched.pool.num_free
         for round_ in range(3):
             prompts = [

@@ -13,10 +13,11 @@ from helpers.hf_oracle import full_logits, load_ours, random_prompt
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from m3serve.model.batch import ForwardBatch, SeqChunk
+from m3serve.model.batch import ForwardBatch
 from m3serve.model.kv_cache import KVCache
 from m3serve.model.m3 import M3ForCausalLM
 from m3serve.model.tiny.checkpoint import TinySpec
+from m3serve.runtime.messages import SeqStep
 
 SPEC = TinySpec(dtype="float32", seed=1)
 TOLERANCE = 1e-4
@@ -39,8 +40,8 @@ def stepwise_logits(
     kv = KVCache.allocate(model.cfg, len(pages), model.dtype, model.device)
     outputs, start = [], 0
     for size in steps:
-        chunk = SeqChunk(ids[start : start + size], start, pages, all_logits=True)
-        batch = ForwardBatch.build([chunk], model.cfg.page_size, "cpu")
+        chunk = SeqStep(ids[start : start + size], start, pages)
+        batch = ForwardBatch.build([chunk], model.cfg.page_size, "cpu", all_logits=True)
         outputs.append(model(batch, kv))
         start += size
     assert start == len(ids)
@@ -89,12 +90,12 @@ def test_mixed_batch_equals_each_request_alone(model: M3ForCausalLM) -> None:
     page_sets = [pool[0:20], pool[20:40], pool[40:60]]
     kv = KVCache.allocate(cfg, 60, model.dtype, model.device)
     for ids, cached, pages in zip(prompts, prefix, page_sets, strict=True):
-        model(ForwardBatch.build([SeqChunk(ids[:cached], 0, pages)], cfg.page_size, "cpu"), kv)
+        model(ForwardBatch.build([SeqStep(ids[:cached], 0, pages)], cfg.page_size, "cpu"), kv)
     chunks = [
-        SeqChunk(ids[cached:], cached, pages, all_logits=True)
+        SeqStep(ids[cached:], cached, pages)
         for ids, cached, pages in zip(prompts, prefix, page_sets, strict=True)
     ]
-    mixed = model(ForwardBatch.build(chunks, cfg.page_size, "cpu"), kv)
+    mixed = model(ForwardBatch.build(chunks, cfg.page_size, "cpu", all_logits=True), kv)
     expected = torch.cat(
         [full_logits(model, ids)[cached:] for ids, cached in zip(prompts, prefix, strict=True)]
     )
@@ -105,7 +106,7 @@ def test_mixed_batch_equals_each_request_alone(model: M3ForCausalLM) -> None:
 def test_last_token_logits_by_default(model: M3ForCausalLM) -> None:
     ids = random_prompt(9, 40, model.cfg.vocab_size)
     kv = KVCache.allocate(model.cfg, 12, model.dtype, model.device)
-    batch = ForwardBatch.build([SeqChunk(ids, 0, list(range(12)))], model.cfg.page_size, "cpu")
+    batch = ForwardBatch.build([SeqStep(ids, 0, list(range(12)))], model.cfg.page_size, "cpu")
     with torch.inference_mode():
         last = model(batch, kv)
     assert last.shape == (1, model.cfg.vocab_size)
@@ -114,4 +115,4 @@ def test_last_token_logits_by_default(model: M3ForCausalLM) -> None:
 
 def test_batch_rejects_too_few_pages() -> None:
     with pytest.raises(ValueError, match="need 3 pages"):
-        ForwardBatch.build([SeqChunk(list(range(10)), 0, [0, 1])], 4, "cpu")
+        ForwardBatch.build([SeqStep(list(range(10)), 0, [0, 1])], 4, "cpu")

@@ -17,14 +17,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers.devices import CPU_REFERENCE
 from helpers.param_names import destination, param_block
 from safetensors.torch import save_file
 
-from m3serve.model.batch import ForwardBatch, SeqChunk
+from m3serve.model.batch import ForwardBatch
 from m3serve.model.build import LoadedModel, load_model
 from m3serve.model.generate import generate
 from m3serve.model.kv_cache import KVCache
 from m3serve.model.tiny.checkpoint import TinySpec
+from m3serve.runtime.messages import SeqStep
 
 # Same value as conftest's QUANT_SPEC, so the session fixture hands out one shared checkpoint.
 QUANT_SPEC = TinySpec(dtype="bfloat16", seed=3, quant="modelopt-mixed")
@@ -163,7 +165,7 @@ def quant_dir(tiny_checkpoint: Callable[[TinySpec], Path]) -> Path:
 
 @pytest.fixture(scope="module")
 def loaded(quant_dir: Path) -> LoadedModel:
-    return load_model(quant_dir, backend="reference", dtype="float32", device="cpu", progress=False)
+    return load_model(quant_dir, CPU_REFERENCE, "float32", progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -216,8 +218,8 @@ def our_logits(model, ids: list[int]) -> torch.Tensor:
     pages = -(-len(ids) // cfg.page_size)
     with torch.inference_mode():
         kv = KVCache.allocate(cfg, pages, torch.float32, "cpu")
-        chunk = SeqChunk(ids, 0, list(range(pages)), all_logits=True)
-        batch = ForwardBatch.build([chunk], cfg.page_size, "cpu")
+        chunk = SeqStep(ids, 0, list(range(pages)))
+        batch = ForwardBatch.build([chunk], cfg.page_size, "cpu", all_logits=True)
         return model(batch, kv)
 
 

@@ -21,8 +21,8 @@ from starlette.applications import Starlette
 
 from m3serve.api.admin import openapi_document
 from m3serve.api.app import create_app
+from m3serve.engine.async_engine import AsyncEngine
 from m3serve.runtime.config import ApiArgs, ServerArgs
-from m3serve.runtime.engine import AsyncEngine
 
 MAX_NEW_TOKENS = 8
 MAX_N = 2

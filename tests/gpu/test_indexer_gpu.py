@@ -30,7 +30,8 @@ import triton.testing
 from m3serve.kernels import indexer as ref
 from m3serve.kernels.paged import sequence_slots
 from m3serve.kernels.triton.indexer import block_scores, index_topk, select_blocks
-from m3serve.model.batch import ForwardBatch, SeqChunk
+from m3serve.model.batch import ForwardBatch
+from m3serve.runtime.messages import SeqStep
 
 PAGE = 128
 DI = 128
@@ -105,7 +106,7 @@ def build(
         slots = sequence_slots(torch.tensor(pages, device="cuda"), seq_len, PAGE)
         bytes_view(cache)[slots] = bytes_view(keys.to(key_dtype))
         master.append(keys)
-        chunks.append(SeqChunk([0] * ext, seq_len - ext, pages))
+        chunks.append(SeqStep([0] * ext, seq_len - ext, pages))
     batch = ForwardBatch.build(chunks, PAGE, "cuda")
     q = torch.randn(batch.num_tokens, HEADS, DI, generator=gen, device="cuda").to(q_dtype)
     return Paged(q, cache, master, batch, max(counts))

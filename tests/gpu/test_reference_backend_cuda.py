@@ -10,26 +10,29 @@ import pytest
 import torch
 from helpers.hf_oracle import random_prompt
 
-from m3serve.model.batch import ForwardBatch, SeqChunk
+from m3serve.backends.reference import ReferenceBackend
+from m3serve.model.batch import ForwardBatch
 from m3serve.model.build import load_model
 from m3serve.model.generate import generate
 from m3serve.model.kv_cache import KVCache
 from m3serve.model.m3 import M3ForCausalLM
 from m3serve.model.tiny.checkpoint import TinySpec
+from m3serve.runtime.messages import SeqStep
 
 SPEC = TinySpec(dtype="float32", seed=1)
 
 
 def load(path: Path, device: str, dtype: str) -> M3ForCausalLM:
-    return load_model(path, "reference", dtype, device, progress=False).model
+    return load_model(path, ReferenceBackend(torch.device(device)), dtype, progress=False).model
 
 
 @torch.inference_mode()
 def logits(model: M3ForCausalLM, ids: list[int]) -> torch.Tensor:
     pages = -(-len(ids) // model.cfg.page_size)
     kv = KVCache.allocate(model.cfg, pages, model.dtype, model.device)
-    chunk = SeqChunk(ids, 0, list(range(pages))[::-1], all_logits=True)
-    return model(ForwardBatch.build([chunk], model.cfg.page_size, model.device), kv).cpu()
+    chunk = SeqStep(ids, 0, list(range(pages))[::-1])
+    batch = ForwardBatch.build([chunk], model.cfg.page_size, model.device, all_logits=True)
+    return model(batch, kv).cpu()
 
 
 @pytest.fixture(scope="module")

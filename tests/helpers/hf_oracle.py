@@ -6,16 +6,16 @@ from pathlib import Path
 
 import torch
 
-from m3serve.model.batch import ForwardBatch, SeqChunk
+from helpers.devices import CPU_REFERENCE
+from m3serve.model.batch import ForwardBatch
 from m3serve.model.build import load_model
 from m3serve.model.kv_cache import KVCache
 from m3serve.model.m3 import M3ForCausalLM
+from m3serve.runtime.messages import SeqStep
 
 
 def load_ours(path: Path) -> M3ForCausalLM:
-    return load_model(
-        path, backend="reference", dtype="float32", device="cpu", progress=False
-    ).model
+    return load_model(path, CPU_REFERENCE, "float32", progress=False).model
 
 
 def load_hf(path: Path) -> torch.nn.Module:
@@ -42,7 +42,7 @@ def full_logits(model: M3ForCausalLM, ids: list[int], shuffle_pages: bool = True
     pages = list(range(num_pages))
     if shuffle_pages:
         pages = torch.randperm(num_pages, generator=torch.Generator().manual_seed(7)).tolist()
-    batch = ForwardBatch.build([SeqChunk(ids, 0, pages, all_logits=True)], page_size, "cpu")
+    batch = ForwardBatch.build([SeqStep(ids, 0, pages)], page_size, "cpu", all_logits=True)
     return model(batch, kv)
 
 

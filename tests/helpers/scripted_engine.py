@@ -9,8 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from m3serve.runtime.config import ServerArgs
-from m3serve.runtime.engine import Chunk
-from m3serve.runtime.messages import Finish, GenerateReq, Usage
+from m3serve.runtime.messages import Finish, GenerateReq, RequestOutput, Usage
 
 Script = Callable[[GenerateReq], list[str]]
 
@@ -43,7 +42,7 @@ class ScriptedEngine:
     async def abort(self, rid: str) -> None:
         self.aborted.append(rid)
 
-    async def stream(self, req: GenerateReq) -> AsyncIterator[Chunk]:
+    async def stream(self, req: GenerateReq) -> AsyncIterator[RequestOutput]:
         self.seen.append(req)
         pieces = self.script(req) or [""]
         done = False
@@ -55,7 +54,7 @@ class ScriptedEngine:
                 finish = Finish("stop") if last else None
                 usage = Usage(prompt_tokens=10, completion_tokens=i + 1, cached_tokens=0)
                 done = last
-                yield Chunk(req.rid, piece, [1000 + i], finish, usage)
+                yield RequestOutput(req.rid, piece, [1000 + i], finish, usage)
         finally:
             if not done:
                 self.aborted.append(req.rid)

@@ -33,11 +33,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from m3serve.actors.detokenize import held_back_length
+from m3serve.model.special_tokens import THINK_END, THINK_START
 from m3serve.model.thinking import THINKING_MODES
+from m3serve.text import held_back_length
 
-THINK_START = "<mm:think>"
-THINK_END = "</mm:think>"
 LINE_BREAKS = "\r\n"
 
 # Tags that may open the output in each mode (after whitespace), and where each one leads.

@@ -42,10 +42,9 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from m3serve.actors.detokenize import held_back_length
+from m3serve.model.special_tokens import TOOL_CALL_START, TOOL_NAMESPACE
+from m3serve.text import held_back_length
 
-NAMESPACE = "]<]minimax[>["
-BLOCK_START = NAMESPACE + "<tool_call>"
 # A would-be tag this long without its ">" is text: real tags are short, and the bound keeps the
 # search for ">" from rescanning a long run of garbage on every piece.
 MAX_TAG_CHARS = 256
@@ -177,15 +176,15 @@ class ToolCallParser:
 
     def _scan_text(self) -> bool:
         """Emit content up to the block start; True when a block started."""
-        start = self._text.find(BLOCK_START)
+        start = self._text.find(TOOL_CALL_START)
         if start < 0:
-            ready = len(self._text) - held_back_length(self._text, (BLOCK_START,))
+            ready = len(self._text) - held_back_length(self._text, (TOOL_CALL_START,))
             self._content.append(self._text[:ready])
             self._text = self._text[ready:]
             return False
         self._content.append(self._text[:start])
         self._text = self._text[start:]
-        self._cursor = len(BLOCK_START)
+        self._cursor = len(TOOL_CALL_START)
         self._in_block, self._block_has_invoke = True, False
         return True
 
@@ -193,9 +192,11 @@ class ToolCallParser:
 
     def _scan_block(self) -> bool:
         """Read text up to the next complete tag; True when there may be more to read."""
-        at = self._text.find(NAMESPACE, self._cursor)
+        at = self._text.find(TOOL_NAMESPACE, self._cursor)
         if at < 0:
-            end = max(self._cursor, len(self._text) - held_back_length(self._text, (NAMESPACE,)))
+            end = max(
+                self._cursor, len(self._text) - held_back_length(self._text, (TOOL_NAMESPACE,))
+            )
             self._on_text(self._text[self._cursor : end])
             self._consumed(end)
             return False
@@ -225,14 +226,14 @@ class ToolCallParser:
         """The tag whose namespace token starts at ``at``: (body, end), or (None, end) when the
         token does not start a tag and is text up to ``end``; None until there is enough text."""
         text = self._text
-        opener = at + len(NAMESPACE)
+        opener = at + len(TOOL_NAMESPACE)
         if opener >= len(text):
             return None
         if text[opener] != "<":
             return None, opener
         limit = opener + MAX_TAG_CHARS
         close = text.find(">", opener, limit)
-        again = text.find(NAMESPACE, opener, close if close >= 0 else limit)
+        again = text.find(TOOL_NAMESPACE, opener, close if close >= 0 else limit)
         if again >= 0:
             return None, again
         if close < 0:

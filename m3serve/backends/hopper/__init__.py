@@ -1,16 +1,16 @@
-"""The Hopper (sm_90) backend: Triton kernels for norms, fused norm/RoPE/KV writes, the
-lightning indexer and sparse paged attention; grouped bf16 matmuls for the experts; the
-projections and the activation are the reference backend's torch ops (the quantized-weight
-kernels are the next step); CUDA graphs for decode (`graphs.py`).
+"""The Hopper (sm_90) backend: Triton kernels for the norms, fused norm/RoPE/KV writes, the
+lightning indexer and sparse paged attention; grouped bf16 matmuls for the experts. The
+projections and the activation are the reference backend's torch ops (bf16 weights).
 
-Nothing here reads the batch's host-side lists, so a decode step can be captured and replayed.
+Nothing here reads the batch's host-side lists, so the engine core captures decode steps in
+CUDA graphs (`capturable`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from m3serve.backends.base import BackendUnavailable
+from m3serve.backends import BackendUnavailable
 from m3serve.backends.hopper.moe import (
     grouped_mm_available,
     moe_experts_grouped,
@@ -42,6 +42,7 @@ class HopperBackend(ReferenceBackend):
     """Overrides the reference ops it has kernels for; inherits the rest."""
 
     name = "hopper"
+    capturable = True
 
     def __init__(self, device: torch.device) -> None:
         check_hopper(device)
@@ -83,13 +84,13 @@ class HopperBackend(ReferenceBackend):
         eps: float,
         inv_freq: torch.Tensor,
     ) -> None:
-        rk = self._rope_kv
-        rk.norm_rope_write_kv(
+        kernels = self._rope_kv
+        kernels.norm_rope_write_kv(
             k, v, k_norm, eps, batch.positions, inv_freq, batch.out_slots, layer.k, layer.v
         )
         if index_k is not None:
             assert layer.index_k is not None and index_k_norm is not None
-            rk.norm_rope_write_index_k(
+            kernels.norm_rope_write_index_k(
                 index_k,
                 index_k_norm,
                 eps,

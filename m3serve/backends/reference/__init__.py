@@ -19,6 +19,8 @@ from m3serve.model.kv_cache import LayerKV
 
 class ReferenceBackend:
     name = "reference"
+    # The attention and indexer references loop over the batch's host-side lists.
+    capturable = False
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

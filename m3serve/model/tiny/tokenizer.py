@@ -16,6 +16,8 @@ import re
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from m3serve.model.special_tokens import THINK_END, THINK_START, TOOL_NAMESPACE
+
 REAL_SPECIAL_BASE = 200000
 NUM_SPECIAL_SLOTS = 64
 BYTE_ALPHABET_SIZE = 256
@@ -48,9 +50,9 @@ _NAMED_SPECIALS: dict[str, int] = {
     "]<]start of frame[>[": 55,
     "]<]end of frame[>[": 56,
     "<|content_altered_placeholder|>": 57,
-    "]<]minimax[>[": 58,
-    "<mm:think>": 59,
-    "</mm:think>": 60,
+    TOOL_NAMESPACE: 58,
+    THINK_START: 59,
+    THINK_END: 60,
 }
 
 

@@ -14,8 +14,8 @@ from helpers.scripted_engine import ScriptedEngine
 
 from m3serve.api import app as app_module
 from m3serve.api.metrics import CONTENT_TYPE
+from m3serve.engine.async_engine import EngineDeadError, RequestError
 from m3serve.runtime.config import ApiArgs
-from m3serve.runtime.engine import EngineDeadError, RequestError
 from m3serve.runtime.messages import GenerateReq
 
 CHAT = "/v1/chat/completions"

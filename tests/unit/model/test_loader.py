@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.devices import CPU_REFERENCE
 from helpers.param_names import destination, param_block
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from m3serve.backends import create_backend
 from m3serve.model.build import load_model
 from m3serve.model.config import ConfigError, load_model_config
 from m3serve.model.loader import CheckpointError, load_weights
@@ -52,7 +52,7 @@ def writable(tiny_checkpoint: MakeCheckpoint, tmp_path: Path) -> Callable[[TinyS
 
 
 def load(path: Path, dtype: str = "float32"):
-    return load_model(path, backend="reference", dtype=dtype, device="cpu", progress=False)
+    return load_model(path, CPU_REFERENCE, dtype, progress=False)
 
 
 def load_error(path: Path, kind: type[Exception] = CheckpointError) -> str:
@@ -399,7 +399,7 @@ def test_loading_leaves_no_parameter_uninitialized(
 ) -> None:
     path = tiny_checkpoint(spec)
     cfg = load_model_config(path)
-    model = M3ForCausalLM(cfg.text, create_backend("reference", torch.device("cpu")))
+    model = M3ForCausalLM(cfg.text, CPU_REFERENCE)
     params = dict(model.named_parameters())
     for p in params.values():
         p.data.fill_(float("nan"))

@@ -13,16 +13,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.devices import CPU_REFERENCE
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from m3serve.model.batch import ForwardBatch, SeqChunk
+from m3serve.model.batch import ForwardBatch
 from m3serve.model.build import load_model
 from m3serve.model.config import load_model_config
 from m3serve.model.ffn import DenseMLP, MoE
 from m3serve.model.kv_cache import KVCache
 from m3serve.model.tiny.checkpoint import TinySpec, make_tiny
 from m3serve.model.tiny.default import default_model_path
+from m3serve.runtime.messages import SeqStep
 
 # Same values as conftest's specs, so the session fixture shares the checkpoints it writes.
 M31_SPEC = TinySpec(dtype="float32", seed=1)
@@ -247,9 +249,7 @@ def test_w1_and_w3_of_an_expert_share_one_global_scale(tiny_checkpoint: MakeChec
 def test_random_weights_drive_swiglu_preactivations_past_the_clamp(
     tiny_checkpoint: MakeCheckpoint, spec: TinySpec
 ) -> None:
-    loaded = load_model(
-        tiny_checkpoint(spec), backend="reference", dtype="float32", device="cpu", progress=False
-    )
+    loaded = load_model(tiny_checkpoint(spec), CPU_REFERENCE, "float32", progress=False)
     model = loaded.model
     cfg = model.cfg
     assert cfg.swiglu_limit == SWIGLU_LIMIT
@@ -265,7 +265,7 @@ def test_random_weights_drive_swiglu_preactivations_past_the_clamp(
     pages = 32 // cfg.page_size
     with torch.inference_mode():
         kv = KVCache.allocate(cfg, pages, torch.float32, "cpu")
-        model(ForwardBatch.build([SeqChunk(ids, 0, list(range(pages)))], cfg.page_size, "cpu"), kv)
+        model(ForwardBatch.build([SeqStep(ids, 0, list(range(pages)))], cfg.page_size, "cpu"), kv)
     for hook in hooks:
         hook.remove()
     assert len(inputs) == cfg.num_layers

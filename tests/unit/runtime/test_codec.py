@@ -75,13 +75,21 @@ logprobs = st.builds(
 logprob_lists = st.none() | st.lists(st.lists(logprobs, max_size=2), max_size=3)
 seq_steps = st.builds(
     m.SeqStep,
-    slot=small_ints,
-    start=small_ints,
-    extend=small_ints,
-    pages=token_lists,
     input_ids=st.none() | token_lists,
+    start=small_ints,
+    pages=token_lists,
+    slot=small_ints,
     sample=st.booleans(),
     new_request=st.booleans(),
+)
+request_outputs = st.builds(
+    m.RequestOutput,
+    rid=texts,
+    text=texts,
+    output_ids=token_lists,
+    finish=finishes,
+    usage=st.builds(m.Usage, tokens, tokens, tokens),
+    logprobs=st.lists(logprobs, max_size=2),
 )
 
 STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
@@ -121,15 +129,7 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
         spec_accepted=token_lists,
         logprobs=logprob_lists,
     ),
-    m.TextBatch: st.builds(
-        m.TextBatch,
-        rids=st.lists(texts, max_size=4),
-        deltas=st.lists(texts, max_size=4),
-        new_ids=st.lists(token_lists, max_size=4),
-        finish=st.lists(finishes, max_size=4),
-        usage=st.lists(st.builds(m.Usage, tokens, tokens, tokens), max_size=4),
-        logprobs=logprob_lists,
-    ),
+    m.TextBatch: st.builds(m.TextBatch, st.lists(request_outputs, max_size=4)),
     m.Ready: st.builds(m.Ready, texts, small_ints, json_dicts),
     m.Error: st.builds(m.Error, st.none() | texts, texts, small_ints),
     m.Shutdown: st.just(m.Shutdown()),

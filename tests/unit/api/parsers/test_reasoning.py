@@ -8,7 +8,8 @@ from helpers.chunking import all_chunkings, token_pieces
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from m3serve.api.parsers.reasoning import THINK_END, THINK_START, ReasoningDelta, ReasoningParser
+from m3serve.api.parsers.reasoning import ReasoningDelta, ReasoningParser
+from m3serve.model.special_tokens import THINK_END, THINK_START
 
 BREAKS = "\r\n"
 

@@ -13,18 +13,12 @@ from helpers.chunking import all_chunkings, token_pieces
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from m3serve.api.parsers.reasoning import THINK_END, THINK_START, ReasoningParser
-from m3serve.api.parsers.tools import (
-    BLOCK_START,
-    NAMESPACE,
-    ToolCall,
-    ToolCallDelta,
-    ToolCallParser,
-    ToolDelta,
-)
+from m3serve.api.parsers.reasoning import ReasoningParser
+from m3serve.api.parsers.tools import ToolCall, ToolCallDelta, ToolCallParser, ToolDelta
 from m3serve.model.chat_template import render_chat
+from m3serve.model.special_tokens import THINK_END, THINK_START, TOOL_CALL_START, TOOL_NAMESPACE
 
-N = NAMESPACE
+N = TOOL_NAMESPACE
 BREAKS = "\r\n"
 CALL_ID = re.compile(r"call_[0-9a-f]{24}")
 TEMPLATE = (
@@ -95,7 +89,7 @@ def render_block(
         + f"{N}</invoke>{separator}"
         for name, args in calls
     )
-    return f"{BLOCK_START}{separator}{invokes}{N}</tool_call>"
+    return f"{TOOL_CALL_START}{separator}{invokes}{N}</tool_call>"
 
 
 # Strategies.
@@ -270,7 +264,7 @@ def test_malformed_output_never_raises_and_streams_like_one_shot(
 ) -> None:
     text = "".join(parts)
     content, calls = ToolCallParser(tools, seed=1).parse(text)
-    if BLOCK_START not in text or f"{N}<invoke" not in text:
+    if TOOL_CALL_START not in text or f"{N}<invoke" not in text:
         assert (content, calls) == (text, [])
     for pieces in all_chunkings(text, seed, points):
         parser = ToolCallParser(tools, seed=1)
@@ -338,7 +332,7 @@ def test_a_whole_output_in_one_piece_gives_one_entry_per_call() -> None:
 
 
 def test_zero_argument_call() -> None:
-    text = f'{BLOCK_START}\n{N}<invoke name="now">{N}</invoke>\n{N}</tool_call>'
+    text = f'{TOOL_CALL_START}\n{N}<invoke name="now">{N}</invoke>\n{N}</tool_call>'
     parser = ToolCallParser([tool("now")], seed=0)
     _, flat = stream(parser, token_pieces(text, 1))
     assert [(c.name, c.arguments) for c in flat] == [("now", ""), (None, "{}")]
@@ -347,7 +341,7 @@ def test_zero_argument_call() -> None:
 
 def test_unknown_tools_are_dropped_unless_no_tools_were_given() -> None:
     text = (
-        f'{BLOCK_START}\n{N}<invoke name="rm_rf">{N}<path>/{N}</path>{N}</invoke>\n'
+        f'{TOOL_CALL_START}\n{N}<invoke name="rm_rf">{N}<path>/{N}</path>{N}</invoke>\n'
         f'{N}<invoke name="get_weather">{N}<location>Oslo{N}</location>{N}</invoke>\n'
         f"{N}</tool_call>"
     )
@@ -358,13 +352,13 @@ def test_unknown_tools_are_dropped_unless_no_tools_were_given() -> None:
     assert [c.index for c in parser.feed(text).calls] == [0]
     for tools in (None, []):
         assert [c.name for c in ToolCallParser(tools).parse(text)[1]] == ["rm_rf", "get_weather"]
-    only_unknown = f'{BLOCK_START}{N}<invoke name="rm_rf">{N}</invoke>{N}</tool_call>tail'
+    only_unknown = f'{TOOL_CALL_START}{N}<invoke name="rm_rf">{N}</invoke>{N}</tool_call>tail'
     assert ToolCallParser([WEATHER]).parse(only_unknown) == ("tail", [])
 
 
 def test_parameter_spelling_and_layout_tolerance() -> None:
     text = (
-        f'{BLOCK_START}{N}<invoke name="get_weather">\n{N}<parameter name="location">\nParis\n'
+        f'{TOOL_CALL_START}{N}<invoke name="get_weather">\n{N}<parameter name="location">\nParis\n'
         f"{N}</parameter>\n{N}<unit>celsius{N}</unit>\n{N}</invoke>"
         f'{N}<invoke name="get_weather">{N}<location>Rome{N}</location>'  # no </invoke>
         f"{N}<invoke name = 'get_weather'>{N}<location>Nice{N}</invoke>\n\n\n"  # no </location>
@@ -379,7 +373,7 @@ def test_parameter_spelling_and_layout_tolerance() -> None:
 
 
 def test_text_after_the_block_is_content_again() -> None:
-    text = f'Before.{BLOCK_START}{N}<invoke name="f">{N}</invoke>{N}</tool_call>\nAfter ]<]x'
+    text = f'Before.{TOOL_CALL_START}{N}<invoke name="f">{N}</invoke>{N}</tool_call>\nAfter ]<]x'
     for pieces in all_chunkings(text, 2, [5, 40]):
         assert stream(ToolCallParser(None), pieces)[0] == "Before.\nAfter ]<]x"
 
@@ -387,12 +381,12 @@ def test_text_after_the_block_is_content_again() -> None:
 @pytest.mark.parametrize(
     "text",
     [
-        f"{BLOCK_START}\nI changed my mind.\n{N}</tool_call> Done.",  # no invoke, closed
-        f"Answer {BLOCK_START}\n{N}<invoke",  # cut off before an invoke was read
-        f"{BLOCK_START}{N}<get_weather>{N}</get_weather>{N}</tool_call>",  # no invoke tag
-        f"{BLOCK_START}{N}</tool_call>",  # empty block
+        f"{TOOL_CALL_START}\nI changed my mind.\n{N}</tool_call> Done.",  # no invoke, closed
+        f"Answer {TOOL_CALL_START}\n{N}<invoke",  # cut off before an invoke was read
+        f"{TOOL_CALL_START}{N}<get_weather>{N}</get_weather>{N}</tool_call>",  # no invoke tag
+        f"{TOOL_CALL_START}{N}</tool_call>",  # empty block
         f'{N}<invoke name="f">{N}</invoke>',  # no block start: not a call
-        f"a]b]<]c]<]minimax[>d {N}x {N}< {N}<tool_ {BLOCK_START[:-1]}",
+        f"a]b]<]c]<]minimax[>d {N}x {N}< {N}<tool_ {TOOL_CALL_START[:-1]}",
     ],
 )
 def test_blocks_without_an_invoke_are_returned_verbatim(text: str) -> None:
@@ -403,7 +397,8 @@ def test_blocks_without_an_invoke_are_returned_verbatim(text: str) -> None:
 
 def test_a_cut_off_invoke_keeps_its_completed_parameters() -> None:
     text = (
-        f'{BLOCK_START}\n{N}<invoke name="get_weather">{N}<location>Oslo{N}</location>{N}<unit>cel'
+        f'{TOOL_CALL_START}\n{N}<invoke name="get_weather">'
+        f"{N}<location>Oslo{N}</location>{N}<unit>cel"
     )
     parser = ToolCallParser([WEATHER])
     first = parser.feed(text)
@@ -427,7 +422,7 @@ def test_hold_back_is_the_longest_possible_marker_start() -> None:
 def test_values_keep_raw_text_and_unprefixed_markup() -> None:
     schema = {"code": {"type": "string"}, "n": {"type": "integer"}}
     text = (
-        f'{BLOCK_START}{N}<invoke name="w">{N}<code>\n<div a="1">x &amp; y</div>\n\n{N}</code>'
+        f'{TOOL_CALL_START}{N}<invoke name="w">{N}<code>\n<div a="1">x &amp; y</div>\n\n{N}</code>'
         f"{N}<n> 7 {N}</n>{N}</invoke>{N}</tool_call>"
     )
     _, calls = ToolCallParser([tool("w", schema)]).parse(text)
@@ -435,9 +430,9 @@ def test_values_keep_raw_text_and_unprefixed_markup() -> None:
 
 
 def test_raw_json_body_and_empty_elements() -> None:
-    body = f'{BLOCK_START}{N}<invoke name="f">\n{{"a": [1, 2]}}\n{N}</invoke>{N}</tool_call>'
+    body = f'{TOOL_CALL_START}{N}<invoke name="f">\n{{"a": [1, 2]}}\n{N}</invoke>{N}</tool_call>'
     assert json.loads(ToolCallParser(None).parse(body)[1][0].arguments) == {"a": [1, 2]}
-    empty = f'{BLOCK_START}{N}<invoke name="f">{N}<flag/>{N}<list>{N}</list>{N}</invoke>'
+    empty = f'{TOOL_CALL_START}{N}<invoke name="f">{N}<flag/>{N}<list>{N}</list>{N}</invoke>'
     schema = {"list": {"type": "array"}}
     assert json.loads(ToolCallParser([tool("f", schema)]).parse(empty)[1][0].arguments) == {
         "flag": "",
@@ -495,14 +490,14 @@ def element(name: str, inner: str) -> str:
 )
 def test_values_are_typed_by_schema(schema: Any, inner: str, value: Any) -> None:
     properties = {"v": schema} if schema is not None else {}
-    text = f'{BLOCK_START}{N}<invoke name="f">{element("v", inner)}{N}</invoke>{N}</tool_call>'
+    text = f'{TOOL_CALL_START}{N}<invoke name="f">{element("v", inner)}{N}</invoke>{N}</tool_call>'
     tools = [tool("f", properties)] if schema is not None else None
     _, calls = ToolCallParser(tools).parse(text)
     assert json.loads(calls[0].arguments) == {"v": value}
 
 
 def test_ids_are_prefixed_hex_and_reproducible_with_a_seed() -> None:
-    text = f'{BLOCK_START}{N}<invoke name="a">{N}</invoke>{N}<invoke name="b">{N}</invoke>'
+    text = f'{TOOL_CALL_START}{N}<invoke name="a">{N}</invoke>{N}<invoke name="b">{N}</invoke>'
     ids = [c.id for c in ToolCallParser(None, id_prefix="call_", seed=5).parse(text)[1]]
     assert ids == [c.id for c in ToolCallParser(None, seed=5).parse(text)[1]]
     assert len(set(ids)) == 2 and all(CALL_ID.fullmatch(i) for i in ids)
@@ -512,6 +507,6 @@ def test_ids_are_prefixed_hex_and_reproducible_with_a_seed() -> None:
 
 def test_deep_nesting_does_not_raise() -> None:
     deep = f"{N}<item>" * 5000 + "x"
-    text = f'{BLOCK_START}{N}<invoke name="f">{N}<v>{deep}{N}</v>{N}</invoke>{N}</tool_call>'
+    text = f'{TOOL_CALL_START}{N}<invoke name="f">{N}<v>{deep}{N}</v>{N}</invoke>{N}</tool_call>'
     _, calls = ToolCallParser(None).parse(text)
     assert isinstance(json.loads(calls[0].arguments)["v"], list)

@@ -16,7 +16,8 @@ from helpers.devices import DEVICE
 from m3serve.kernels import indexer as ref
 from m3serve.kernels.paged import sequence_slots
 from m3serve.kernels.triton.indexer import block_scores, index_topk, select_blocks
-from m3serve.model.batch import ForwardBatch, SeqChunk
+from m3serve.model.batch import ForwardBatch
+from m3serve.runtime.messages import SeqStep
 
 DIM = 16
 HEADS = 2
@@ -60,7 +61,7 @@ class Case:
             self.keys.append(keys.float())
             slots = sequence_slots(torch.tensor(pages), seq_len, PAGE)
             cache[slots] = keys.float()
-            chunks.append(SeqChunk([0] * ext, seq_len - ext, pages))
+            chunks.append(SeqStep([0] * ext, seq_len - ext, pages))
         self.batch = ForwardBatch.build(chunks, PAGE, DEVICE)
         self.cache = cache.to(key_dtype).to(DEVICE)
         tokens = sum(self.extend_lens)

@@ -1,4 +1,8 @@
-"""The contract between model code and a hardware backend: the ops the network calls."""
+"""The op contract between the network and a hardware backend: every op the model calls.
+
+It lives with the model so that model code depends on nothing but this; `m3serve.backends`
+implements it (the exact torch reference, Triton kernels on Hopper) and is chosen at start.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +14,12 @@ from m3serve.model.batch import ForwardBatch
 from m3serve.model.kv_cache import LayerKV
 
 
-class BackendUnavailable(RuntimeError):
-    """The requested backend cannot run here; the message says why and what to use instead."""
-
-
 class Backend(Protocol):
     name: str
     device: torch.device
+    # True when no op reads the batch's host-side lists or syncs with the host, so that a whole
+    # decode step can be captured in a CUDA graph and replayed.
+    capturable: bool
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
 

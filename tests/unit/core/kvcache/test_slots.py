@@ -1,4 +1,4 @@
-"""SlotPool (m3serve.actors.kvcache.slots): a slot belongs to one request at a time, and a bad
+"""SlotPool (m3serve.core.kvcache.slots): a slot belongs to one request at a time, and a bad
 free is loud."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from m3serve.actors.kvcache.slots import SlotPool
+from m3serve.core.kvcache.slots import SlotPool
 
 
 def test_lowest_free_slot_first_and_none_when_full() -> None:

@@ -3,10 +3,11 @@
 
 Every step decodes one token for each running request that finished its prefill, then fills
 the remaining prefill budget with prompt chunks: first requests already prefilling, then new
-admissions. Admission needs a slot, a prefix-cache lookup, pages for the chunk and a reservation
-for future decode tokens (a decaying share of each request's max_new_tokens). When decode runs
-out of pages, the newest requests are retracted: their KV is cached in the radix tree and they
-wait to be recomputed.
+admissions, in arrival order or (`--schedule-policy lpm`) longest cached prefix first.
+Admission needs a slot, a prefix-cache lookup, pages for the chunk and a reservation for future
+decode tokens (a decaying share of each request's max_new_tokens). When decode runs out of
+pages, the newest requests are retracted: their KV is cached in the radix tree and they wait to
+be recomputed.
 
 `schedule` may run before the previous step's result is processed (overlap): a plan never
 depends on tokens the CPU has not seen — decode inputs come from the executor's slot table.
@@ -16,12 +17,12 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from m3serve.actors.kvcache.pages import PagePool
-from m3serve.actors.kvcache.radix import PrefixCache
-from m3serve.actors.kvcache.slots import SlotPool
-from m3serve.actors.scheduler.req import Phase, Req
+from m3serve.core.kvcache.pages import PagePool
+from m3serve.core.kvcache.radix import PrefixCache
+from m3serve.core.kvcache.slots import SlotPool
+from m3serve.core.req import Phase, Req
 from m3serve.runtime.config import SchedArgs
 from m3serve.runtime.messages import (
     Error,
@@ -35,6 +36,10 @@ from m3serve.runtime.messages import (
 
 log = logging.getLogger(__name__)
 
+# Past this many waiting requests, longest-prefix-first costs more than it saves and the queue
+# is taken in arrival order (SGLang's cut-off).
+LPM_MAX_WAITING = 128
+
 
 class QueueFull(RuntimeError):
     """The waiting queue is at --max-queued-requests (HTTP 503)."""
@@ -44,8 +49,8 @@ class QueueFull(RuntimeError):
 class Outputs:
     """What one processed step produces, per tokenizer worker."""
 
-    batches: dict[int, TokenBatch]
-    errors: dict[int, list[Error]]
+    batches: dict[int, TokenBatch] = field(default_factory=dict)
+    errors: dict[int, list[Error]] = field(default_factory=dict)
 
     def add(self, req: Req, new_ids: list[int], logprob: TokenLogprob | None) -> None:
         batch = self.batches.get(req.worker)
@@ -81,7 +86,7 @@ class Scheduler:
         self.step = 0
         self.inflight: dict[int, list[Req | None]] = {}  # step -> request per sampled row
         self.new_token_ratio = args.init_new_token_ratio
-        self.pending_errors = Outputs({}, {})
+        self.pending_errors = Outputs()
         self.retracted = 0  # requests retracted so far (a metric)
 
     # ------------------------------------------------------------------ requests in
@@ -160,6 +165,8 @@ class Scheduler:
         if self.args.chunked_prefill_size > 0:
             budget = min(budget, self.args.chunked_prefill_size)
         chosen: list[tuple[Req, int]] = []
+        if self.args.schedule_policy == "lpm" and 1 < len(self.waiting) <= LPM_MAX_WAITING:
+            self._longest_prefix_first()
         for req in self.running:
             if not req.prefilled and budget > 0:
                 chunk = self._chunk(req, budget, first=not chosen)
@@ -179,6 +186,11 @@ class Scheduler:
             chosen.append((req, chunk))
             budget -= chunk
         return chosen
+
+    def _longest_prefix_first(self) -> None:
+        """Reorder the waiting queue by cached prefix, longest first (ties keep arrival order)."""
+        cached = {id(req): self.cache.cached_length(req.tokens) for req in self.waiting}
+        self.waiting = deque(sorted(self.waiting, key=lambda req: -cached[id(req)]))
 
     def _chunk(self, req: Req, budget: int, first: bool) -> int:
         remaining = req.prefill_target - req.kv_len
@@ -226,15 +238,7 @@ class Scheduler:
         return True
 
     def _decode_seq(self, req: Req) -> SeqStep:
-        seq = SeqStep(
-            slot=req.slot,
-            start=req.kv_len,
-            extend=1,
-            pages=list(req.pages),
-            input_ids=None,
-            sample=True,
-            new_request=False,
-        )
+        seq = SeqStep(None, req.kv_len, list(req.pages), slot=req.slot)
         req.kv_len += 1
         req.inflight += 1
         return seq
@@ -244,11 +248,10 @@ class Scheduler:
         last = start + chunk == req.prefill_target
         new = start == req.match.num_tokens if req.match else start == 0
         seq = SeqStep(
+            req.tokens[start : start + chunk],
+            start,
+            list(req.pages),
             slot=req.slot,
-            start=start,
-            extend=chunk,
-            pages=list(req.pages),
-            input_ids=req.tokens[start : start + chunk],
             sample=last,
             new_request=new,
         )
@@ -287,7 +290,7 @@ class Scheduler:
     # ------------------------------------------------------------------ results
 
     def process(self, result: StepResult) -> Outputs:
-        out, self.pending_errors = self.pending_errors, Outputs({}, {})
+        out, self.pending_errors = self.pending_errors, Outputs()
         rows = self.inflight.pop(result.step, [])
         logprobs = result.logprobs or [None] * len(result.tokens)
         for req, token, logprob in zip(rows, result.tokens, logprobs, strict=True):
@@ -305,7 +308,7 @@ class Scheduler:
 
     def fail_step(self, step: int, message: str) -> Outputs:
         """A step raised: fail the requests it carried."""
-        out, self.pending_errors = self.pending_errors, Outputs({}, {})
+        out, self.pending_errors = self.pending_errors, Outputs()
         for req in self.inflight.pop(step, []):
             if req is not None and req.phase is not Phase.DONE:
                 out.fail(req, f"engine step failed: {message}", 500)

@@ -1,4 +1,4 @@
-"""PagePool (m3serve.actors.kvcache.pages): ids are never handed out twice, alloc is all or
+"""PagePool (m3serve.core.kvcache.pages): ids are never handed out twice, alloc is all or
 nothing, and a bad free is loud and changes nothing."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from m3serve.actors.kvcache.pages import PagePool
+from m3serve.core.kvcache.pages import PagePool
 
 
 def test_alloc_hands_out_lowest_ids_first() -> None:

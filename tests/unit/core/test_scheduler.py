@@ -11,8 +11,8 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from m3serve.actors.scheduler.req import Req
-from m3serve.actors.scheduler.scheduler import QueueFull, Scheduler
+from m3serve.core.req import Req
+from m3serve.core.scheduler import QueueFull, Scheduler
 from m3serve.runtime.config import SchedArgs
 from m3serve.runtime.messages import SamplingParams, StepPlan
 

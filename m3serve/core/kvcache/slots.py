@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from m3serve.actors.kvcache.pages import PagePool
+from m3serve.core.kvcache.pages import PagePool
 
 
 class SlotPool:

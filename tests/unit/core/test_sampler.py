@@ -1,4 +1,4 @@
-"""The engine's batched sampler (m3serve.kernels.sampling.Sampler).
+"""The engine's batched sampler (m3serve.core.sampler.Sampler).
 
 Penalties are checked against a per-row reference written in plain Python; batch invariance by
 running each request alone and then inside shuffled batches; filters by necessary conditions
@@ -19,13 +19,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from m3serve.kernels.sampling import (
-    Sampler,
-    SamplingConfig,
-    filter_probs,
-    filter_probs_batch,
-    sample_token,
-)
+from m3serve.core.sampler import Sampler
+from m3serve.kernels.sampling import draw_token, filter_probs, filter_probs_batch
 from m3serve.runtime.messages import SamplingParams
 
 VOCAB = 48
@@ -308,11 +303,10 @@ def test_same_seed_same_stream_in_any_slot_and_different_seeds_differ() -> None:
     assert sum(a == b for a, b in zip(first, other, strict=True)) < 20
 
 
-def test_seeded_row_matches_sample_token() -> None:
+def test_seeded_row_matches_draw_token() -> None:
     # Same probabilities, same filters, same noise: the batched sampler and the single-request
     # path agree draw for draw (temperatures whose reciprocal is exact).
     for temperature in (1.0, 0.5):
-        cfg = SamplingConfig(temperature=temperature, top_k=10, top_p=0.8, min_p=0.02)
         sampler = new_sampler()
         sampler.start(
             2, params(temperature=temperature, top_k=10, top_p=0.8, min_p=0.02, seed=9), []
@@ -320,8 +314,8 @@ def test_seeded_row_matches_sample_token() -> None:
         gen = torch.Generator().manual_seed(9)
         for step in range(30):
             logits = request_logits(0, step)
-            assert int(sampler.sample(logits.unsqueeze(0), [2])[0]) == sample_token(
-                logits, cfg, gen
+            assert int(sampler.sample(logits.unsqueeze(0), [2])[0]) == draw_token(
+                logits, temperature, top_k=10, top_p=0.8, min_p=0.02, generator=gen
             )
 
 
@@ -345,7 +339,7 @@ def test_filter_probs_batch_matches_filter_probs_row_by_row() -> None:
     min_p = torch.tensor([m for _, _, m in cases])
     got = filter_probs_batch(batch, top_k, top_p, min_p)
     for row, (k, p, m) in enumerate(cases):
-        want = filter_probs(probs, SamplingConfig(temperature=1.0, top_k=k, top_p=p, min_p=m))
+        want = filter_probs(probs, top_k=k, top_p=p, min_p=m)
         assert torch.equal(got[row], want), (k, p, m)
 
 
@@ -414,7 +408,7 @@ def test_seeded_frequencies_follow_the_filtered_distribution() -> None:
     target = torch.tensor([0.3, 0.25, 0.2, 0.12, 0.08, 0.05])
     p = dict(temperature=0.8, top_k=5, top_p=0.9)
     probs = torch.softmax(torch.log(target) / 0.8, dim=-1)
-    want = filter_probs(probs, SamplingConfig(temperature=0.8, top_k=5, top_p=0.9))
+    want = filter_probs(probs, top_k=5, top_p=0.9)
     assert (want == 0).sum() >= 1  # the cut is real
     rows, steps = 400, 15
     sampler = Sampler(rows, 6, CPU, seed=0)

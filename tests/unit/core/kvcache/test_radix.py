@@ -1,4 +1,4 @@
-"""RadixTree and PrefixCache (m3serve.actors.kvcache.radix).
+"""RadixTree and PrefixCache (m3serve.core.kvcache.radix).
 
 Crafted cases pin down page granularity, node splits, LRU order, locks and the ownership
 protocol; two state machines then drive random workloads: the bare tree against a model (a dict
@@ -16,8 +16,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from m3serve.actors.kvcache.pages import PagePool
-from m3serve.actors.kvcache.radix import Match, Node, PrefixCache, RadixTree
+from m3serve.core.kvcache.pages import PagePool
+from m3serve.core.kvcache.radix import Match, Node, PrefixCache, RadixTree
 
 Prefix = tuple[int, ...]
 

@@ -15,11 +15,12 @@ from typing import Any, TypeVar
 import msgspec
 import numpy as np
 
+from m3serve.engine.async_engine import AsyncEngine, RequestError
 from m3serve.runtime.config import ServerArgs
-from m3serve.runtime.engine import AsyncEngine, Chunk, RequestError
 from m3serve.runtime.messages import (
     Finish,
     GenerateReq,
+    RequestOutput,
     SamplingParams,
     TokenIds,
     TokenLogprob,
@@ -55,9 +56,9 @@ class Engine:
             target=self._loop.run_forever, name="m3serve-engine-loop", daemon=True
         )
         self._thread.start()
-        self.engine = AsyncEngine(self.args)
+        self.async_engine = AsyncEngine(self.args)
         try:
-            self._call(self.engine.start())
+            self._call(self.async_engine.start())
         except BaseException:
             self._stop_loop()
             raise
@@ -130,7 +131,7 @@ class Engine:
         return self._call(self._collect(req))
 
     def abort(self, rid: str) -> None:
-        self._call(self.engine.abort(rid))
+        self._call(self.async_engine.abort(rid))
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -139,7 +140,7 @@ class Engine:
             return
         self._closed = True
         try:
-            self._call(self.engine.shutdown())
+            self._call(self.async_engine.shutdown())
         finally:
             self._stop_loop()
 
@@ -151,7 +152,7 @@ class Engine:
 
     @property
     def server_info(self) -> dict[str, Any]:
-        return dict(self.engine.info)
+        return dict(self.async_engine.info)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -168,7 +169,7 @@ class Engine:
     async def _collect(self, req: GenerateReq) -> dict[str, Any]:
         started = time.monotonic()
         out = _Output(req.rid)
-        async for chunk in self.engine.stream(req):
+        async for chunk in self.async_engine.stream(req):
             out.add(chunk)
         return out.as_dict(time.monotonic() - started)
 
@@ -202,7 +203,7 @@ class Engine:
     async def _pump(self, req: GenerateReq, put: Any) -> None:
         started = time.monotonic()
         try:
-            async for chunk in self.engine.stream(req):
+            async for chunk in self.async_engine.stream(req):
                 out = _Output(req.rid)
                 out.add(chunk)
                 put(out.as_dict(time.monotonic() - started))
@@ -230,7 +231,7 @@ class _Output:
     usage: Usage | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
-    def add(self, chunk: Chunk) -> None:
+    def add(self, chunk: RequestOutput) -> None:
         self.text += chunk.text
         self.ids.extend(chunk.output_ids)
         self.finish = chunk.finish or self.finish

@@ -17,7 +17,7 @@ import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from m3serve.actors.kvcache.pages import PagePool
+from m3serve.core.kvcache.pages import PagePool
 
 # Page ownership (mini-sglang's `cache_req` comment, for a page-granular tree).
 #
@@ -126,6 +126,23 @@ class RadixTree:
             pos += len(child.key)
             node = child
         return Match(pages, node, pos)
+
+    def cached_length(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of `tokens` `match` would find, without touching the tree
+        (no split, no LRU refresh): what the longest-prefix-first queue order sorts by."""
+        ps = self.page_size
+        key = _page_key(tokens, len(tokens) // ps * ps)
+        node, pos = self._root, 0
+        while pos < len(key):
+            child = node.children.get(key[pos : pos + ps])
+            if child is None:
+                break
+            same = self._common_pages(child.key, key, pos)
+            pos += same * ps
+            if same < len(child.pages):
+                break
+            node = child
+        return pos
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> int:
         """Cache the first `len(pages)` whole pages of `tokens`, held in `pages`.
@@ -338,6 +355,10 @@ class PrefixCache:
         match = self.tree.match(prompt[: len(prompt) - 1])
         self.tree.lock(match.node)
         return match
+
+    def cached_length(self, prompt: Sequence[int]) -> int:
+        """The tokens of `prompt` that `acquire` would match now, changing nothing."""
+        return self.tree.cached_length(prompt[: len(prompt) - 1]) if self.enabled else 0
 
     def alloc(self, n: int) -> list[int] | None:
         """`n` pages for a request, evicting cached prefixes when the pool is short; None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from m3serve.actors.kvcache.radix import Match
+from m3serve.core.kvcache.radix import Match
 from m3serve.runtime.messages import Finish, SamplingParams
 
 

@@ -1,0 +1,161 @@
+"""SchedulerActor: the engine process's message I/O around its `EngineCore`.
+
+Requests and aborts are received by their own task, so they land between steps; the step loop
+runs the core's `overlap_step` (or `step` with --disable-overlap-schedule) and sends each
+step's tokens to the tokenizer workers that own the requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from m3serve.core.engine_core import EngineCore
+from m3serve.core.req import Req
+from m3serve.core.scheduler import Outputs, QueueFull
+from m3serve.runtime.actor import Actor, handles
+from m3serve.runtime.config import ServerArgs
+from m3serve.runtime.messages import Abort, Error, Shutdown, Stats, Tokenized
+from m3serve.runtime.shm import unpack_token_ids
+from m3serve.runtime.transport import Inbox, Outbox
+
+log = logging.getLogger(__name__)
+
+STATS_INTERVAL_S = 0.5
+# With work queued but nothing schedulable (e.g. a retracted request's token in flight) the
+# loop re-plans after this long instead of busy-spinning.
+IDLE_RECHECK_S = 0.01
+
+
+class SchedulerActor(Actor):
+    name = "scheduler"
+
+    def __init__(
+        self,
+        inbox: Inbox,
+        tokenizers: list[Outbox],
+        control: Outbox | None,
+        args: ServerArgs,
+        model_path: Path,
+    ) -> None:
+        super().__init__(inbox, control)
+        self.tokenizers = tokenizers
+        self.args = args
+        self.model_path = model_path
+        self.core: EngineCore | None = None
+        self._wake = asyncio.Event()
+        self._stats_at = 0.0
+
+    async def on_start(self) -> dict[str, Any]:
+        self.core = await asyncio.to_thread(EngineCore, self.args, self.model_path)
+        return self.core.info()
+
+    async def on_stop(self) -> None:
+        if self.core is not None:
+            self.core.close()
+            self.core = None
+
+    # ------------------------------------------------------------------ messages
+
+    @handles(Tokenized)
+    async def on_tokenized(self, msg: Tokenized) -> None:
+        assert self.core is not None
+        req = Req(
+            rid=msg.rid,
+            prompt=unpack_token_ids(msg.input_ids).tolist(),
+            sampling=msg.sampling,
+            stop_ids=frozenset(msg.stop_token_ids),
+            worker=msg.worker,
+            arrival=msg.arrival,
+            max_new=msg.max_new_tokens,
+        )
+        try:
+            self.core.add(req, fit_to_pool=msg.fit_to_pool)
+        except QueueFull as exc:
+            await self.tokenizers[msg.worker].send(Error(msg.rid, str(exc), 503))
+        except ValueError as exc:
+            await self.tokenizers[msg.worker].send(Error(msg.rid, str(exc), 400))
+        except Exception as exc:
+            # A request the scheduler cannot take fails alone; the engine keeps serving.
+            log.exception("request %s refused", msg.rid)
+            await self.tokenizers[msg.worker].send(Error(msg.rid, repr(exc), 500))
+
+    @handles(Abort)
+    def on_abort(self, msg: Abort) -> None:
+        assert self.core is not None
+        self.core.abort(msg.rid)
+
+    async def _receive(self) -> None:
+        while True:
+            message = await self.inbox.recv()
+            if isinstance(message, Shutdown):
+                self.stopping = True
+            else:
+                await self.dispatch(message)
+            self._wake.set()
+            if self.stopping:
+                return
+
+    # ------------------------------------------------------------------ steps
+
+    async def loop(self) -> None:
+        core = self.core
+        assert core is not None
+        step = core.step if self.args.sched.disable_overlap_schedule else core.overlap_step
+        receiver = asyncio.create_task(self._receive(), name="scheduler-receive")
+        try:
+            while not self.stopping:
+                if receiver.done():
+                    receiver.result()  # a crashed receiver is a crashed actor
+                # Cleared before planning: a message that lands from here on wakes the idle wait.
+                self._wake.clear()
+                outputs = await step()
+                if outputs is None:
+                    await self._publish_stats(force=True)
+                    await self._idle(receiver)
+                    continue
+                await self._emit(outputs)
+                await self._publish_stats()
+            await self._emit(await core.drain())
+        finally:
+            receiver.cancel()
+
+    async def _idle(self, receiver: asyncio.Task[None]) -> None:
+        """Sleep until a message arrives (or the receiver dies); re-plan periodically if work
+        is queued but could not be scheduled yet."""
+        assert self.core is not None
+        timeout = IDLE_RECHECK_S if self.core.has_work else None
+        woken = asyncio.ensure_future(self._wake.wait())
+        await asyncio.wait({woken, receiver}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        woken.cancel()
+
+    async def _emit(self, outputs: Outputs | None) -> None:
+        if outputs is None:
+            return
+        for worker, errors in outputs.errors.items():
+            for error in errors:
+                await self.tokenizers[worker].send(error)
+        for worker, batch in outputs.batches.items():
+            await self.tokenizers[worker].send(batch)
+
+    async def _publish_stats(self, force: bool = False) -> None:
+        """Load figures for /metrics, at most every STATS_INTERVAL_S while busy."""
+        now = time.monotonic()
+        if self.control is None or (not force and now - self._stats_at < STATS_INTERVAL_S):
+            return
+        self._stats_at = now
+        assert self.core is not None
+        s = self.core.scheduler
+        await self.control.send(
+            Stats(
+                running=len(s.running),
+                waiting=len(s.waiting),
+                kv_used_pages=s.pool.num_pages - s.pool.num_free,
+                kv_total_pages=s.pool.num_pages,
+                cached_pages=s.cache.tree.cached_pages,
+                retractions=s.retracted,
+            )
+        )

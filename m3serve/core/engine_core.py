@@ -1,0 +1,203 @@
+"""EngineCore: everything the engine process holds, and its step.
+
+One object owns the model on its backend, the KV pools, the per-slot device tables, the
+sampler, the CUDA graphs, the scheduler and the executor thread. `step()` reads
+schedule → run → process; `overlap_step()` is the same three phases with step N+1 launched
+before step N is processed, so the host work of one step hides behind the device work of the
+other. `run()` is the only place the model is called; it executes on the executor thread,
+everything else on the event loop that owns the core.
+
+Where later features plug in: a draft proposer (speculative decoding) runs after `run()`'s
+forward on its hidden states, with verification as a step kind of the scheduler; a host KV tier
+(HiCache) sits under the scheduler's prefix cache and beside `kv`; a tensor-parallel rank group
+wraps `run()`, rank 0 scheduling and every rank running the same plan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from m3serve.backends import create_backend
+from m3serve.core.executor import Executor
+from m3serve.core.graphs import DecodeGraphs
+from m3serve.core.memory import kv_cache_dtype, leave_a_core_for_the_scheduler, plan_kv_budget
+from m3serve.core.req import Req
+from m3serve.core.sampler import Sampler
+from m3serve.core.scheduler import Outputs, Scheduler
+from m3serve.model.batch import ForwardBatch
+from m3serve.model.build import load_model, resolve_device
+from m3serve.model.kv_cache import KVCache
+from m3serve.runtime.config import ServerArgs
+from m3serve.runtime.messages import StepPlan, StepResult
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GRAPH_MAX_BS = 128
+
+Launched = tuple[int, "asyncio.Future[StepResult]"]  # a step submitted to the executor
+
+
+class EngineCore:
+    def __init__(self, args: ServerArgs, model_path: Path | None) -> None:
+        # ------------------------------------------------------------------ model
+        self.device = resolve_device(args.backend.device)
+        self.backend = create_backend(args.backend.backend, self.device)
+        self.loaded = load_model(model_path, self.backend, args.model.dtype, progress=False)
+        self.model = self.loaded.model
+        cfg = self.model.cfg
+        if self.device.type == "cpu":
+            leave_a_core_for_the_scheduler()
+        # ------------------------------------------------------------------ KV pools
+        slots = args.sched.max_running_requests
+        context = args.runtime.context_length or cfg.max_position_embeddings
+        kv_dtype = kv_cache_dtype(args.cache.kv_cache_dtype, self.model.dtype)
+        self.budget = plan_kv_budget(
+            cfg,
+            self.device,
+            args.cache.max_total_tokens,
+            args.cache.mem_fraction_static,
+            kv_dtype,
+            max_useful_tokens=context * slots,
+        )
+        # One page past the pool is scratch: CUDA-graph padding rows write there.
+        self.kv = KVCache.allocate(cfg, self.budget.num_pages + 1, kv_dtype, self.device)
+        log.info("KV pool: %d pages x %d tokens", self.budget.num_pages, self.budget.page_size)
+        # ------------------------------------------------------------------ slot tables
+        # The token each slot sampled last: the next decode input, before the CPU has seen it.
+        self.last_tokens = torch.zeros(slots, dtype=torch.int64, device=self.device)
+        # ------------------------------------------------------------------ sampler
+        self.sampler = Sampler(slots, cfg.vocab_size, self.device)
+        # ------------------------------------------------------------------ CUDA graphs
+        self.graphs = self._capture_graphs(args, context, slots)
+        # ------------------------------------------------------------------ scheduler
+        radix = not args.cache.disable_radix_cache
+        self.scheduler = Scheduler(args.sched, self.budget.num_pages, cfg.page_size, radix)
+        # ------------------------------------------------------------------ executor
+        self.executor = Executor(self.run)
+        self._in_flight: Launched | None = None
+
+    def info(self) -> dict[str, Any]:
+        """What the engine learned at start, for clients (published with Ready)."""
+        return {
+            "max_total_tokens": self.budget.tokens,
+            "page_size": self.budget.page_size,
+            "backend": self.backend.name,
+            "dtype": str(self.model.dtype).removeprefix("torch."),
+            "device": str(self.device),
+            "cuda_graph_bs": self.graphs.sizes if self.graphs else [],
+        }
+
+    # ------------------------------------------------------------------ requests
+
+    def add(self, req: Req, fit_to_pool: bool = False) -> None:
+        self.scheduler.add(req, fit_to_pool)
+
+    def abort(self, rid: str) -> None:
+        self.scheduler.abort(rid)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # ------------------------------------------------------------------ steps
+
+    async def step(self) -> Outputs | None:
+        """Schedule → run → process one step; None when there was nothing to run."""
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return None
+        return await self._process(self._launch(plan))
+
+    async def overlap_step(self) -> Outputs | None:
+        """Schedule and launch step N+1, then process step N, whose tokens the plan of step N+1
+        never needed (decode inputs come from the slot table). None when nothing was planned
+        and nothing was in flight."""
+        plan = self.scheduler.schedule()
+        previous = self._in_flight
+        self._in_flight = self._launch(plan) if plan is not None else None
+        if previous is None:
+            return None if plan is None else Outputs()
+        return await self._process(previous)
+
+    async def drain(self) -> Outputs | None:
+        """Process the step still in flight, if any (before shutting down)."""
+        previous, self._in_flight = self._in_flight, None
+        return await self._process(previous) if previous is not None else None
+
+    def _launch(self, plan: StepPlan) -> Launched:
+        return plan.step, asyncio.wrap_future(self.executor.submit(plan))
+
+    async def _process(self, launched: Launched) -> Outputs:
+        step, future = launched
+        try:
+            result = await future
+        except Exception as exc:
+            return self.scheduler.fail_step(step, repr(exc))
+        return self.scheduler.process(result)
+
+    # ------------------------------------------------------------------ run (executor thread)
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> StepResult:
+        """One forward over the plan's tokens, and a sampled token for each seq that asks."""
+        self._start_new_requests(plan)
+        batch = ForwardBatch.build(plan.seqs, self.budget.page_size, self.device)
+        self._fill_slot_tokens(plan, batch)
+        slots = [seq.slot for seq in plan.seqs if seq.sample]
+        logits = self._logits(batch, decode_only=len(slots) == len(plan.seqs))
+        if not slots:
+            return StepResult(step=plan.step, slots=[], tokens=[])
+        tokens, logprobs = self.sampler.sample(logits, slots)
+        self.last_tokens[torch.tensor(slots, device=self.device)] = tokens
+        return StepResult(step=plan.step, slots=slots, tokens=tokens.tolist(), logprobs=logprobs)
+
+    def _logits(self, batch: ForwardBatch, decode_only: bool) -> torch.Tensor:
+        if self.graphs is not None and decode_only and self.graphs.fits(batch):
+            return self.graphs.run(batch)
+        return self.model(batch, self.kv)
+
+    def _start_new_requests(self, plan: StepPlan) -> None:
+        for seq in plan.seqs:
+            if seq.new_request:
+                slot = seq.slot
+                output = plan.output_ids.get(slot, ())
+                self.sampler.start(slot, plan.sampling[slot], plan.prompt_ids[slot], output)
+
+    def _fill_slot_tokens(self, plan: StepPlan, batch: ForwardBatch) -> None:
+        """Decode inputs the CPU has not seen yet come from the device-side token table."""
+        rows, slots, row = [], [], 0
+        for seq in plan.seqs:
+            if seq.input_ids is None:
+                rows.append(row)
+                slots.append(seq.slot)
+            row += seq.extend
+        if rows:
+            index = torch.tensor(slots, device=self.device)
+            batch.input_ids[torch.tensor(rows, device=self.device)] = self.last_tokens[index]
+
+    def _capture_graphs(self, args: ServerArgs, context: int, slots: int) -> DecodeGraphs | None:
+        kernel = args.kernel
+        max_bs = kernel.cuda_graph_max_bs_decode or DEFAULT_GRAPH_MAX_BS
+        if kernel.disable_cuda_graph or not self.backend.capturable:
+            return None
+        max_pages = min(-(-context // self.budget.page_size), self.budget.num_pages)
+        graphs = DecodeGraphs(
+            self.model, self.kv, self.budget.num_pages, min(max_bs, slots), max_pages
+        )
+        graphs.capture()
+        return graphs
+
+    # ------------------------------------------------------------------ shutdown
+
+    def close(self) -> None:
+        """Stop the executor and free the device memory now: an embedding process may start
+        another engine next."""
+        self.executor.close()
+        del self.graphs, self.kv, self.model, self.loaded, self.sampler, self.last_tokens
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

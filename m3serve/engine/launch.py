@@ -1,0 +1,268 @@
+"""Starting the actor graph: the tokenizer workers and the engine process's scheduler actor,
+either as spawned processes talking over ZeroMQ or as tasks in the caller's event loop over
+in-process mailboxes. Both give the caller the same `ActorGraph`.
+
+Children are started with the `spawn` method: each imports what it needs (a tokenizer worker
+never imports torch), connects its mailboxes, serves until Shutdown, and exits on its own if the
+parent process dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from m3serve.runtime.actor import Actor
+from m3serve.runtime.codec import Codec
+from m3serve.runtime.config import ServerArgs
+from m3serve.runtime.messages import (
+    Error,
+    Ready,
+    Shutdown,
+    ToApi,
+    ToScheduler,
+    ToSupervisor,
+    ToTokenizer,
+)
+from m3serve.runtime.supervisor import StartupError, Supervisor
+from m3serve.runtime.transport import (
+    Inbox,
+    InProcChannel,
+    Outbox,
+    ZmqInbox,
+    ZmqOutbox,
+    ipc_address,
+)
+
+if TYPE_CHECKING:
+    from m3serve.actors.tokenizer import TokenizerActor
+
+PARENT_POLL_S = 0.5
+
+
+@dataclass
+class ActorGraph:
+    """The running actors, as the process that started them sees them."""
+
+    tokenizers: list[Outbox]  # a request goes to the worker that owns its rid
+    scheduler: Outbox
+    outputs: Inbox  # TextBatch and per-request Error from the tokenizer workers
+    control: Inbox  # Ready, Error and Stats from every actor
+    ready: dict[str, Ready]
+    supervisor: Supervisor
+    # In-process mode: the actors and their serve() tasks (tests and embedded uses look inside).
+    actors: list[Actor] = field(default_factory=list)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    closables: list[Inbox | Outbox] = field(default_factory=list)
+
+    async def shutdown(self) -> None:
+        """Ask every actor to stop, wait for them, and release every process and mailbox."""
+        for outbox in [*self.tokenizers, self.scheduler]:
+            # A dead peer's mailbox may refuse; the supervisor handles the rest.
+            with contextlib.suppress(Exception):
+                await outbox.send(Shutdown())
+        if self.tasks:
+            await asyncio.wait(self.tasks, timeout=30)
+        await self.supervisor.shutdown()
+        for box in self.closables:
+            box.close()
+
+
+@dataclass(frozen=True)
+class Addresses:
+    api: str
+    control: str
+    scheduler: str
+    tokenizers: tuple[str, ...]
+
+    @classmethod
+    def under(cls, run_dir: Path, workers: int) -> Addresses:
+        return cls(
+            api=ipc_address(run_dir, "api"),
+            control=ipc_address(run_dir, "ctl"),
+            scheduler=ipc_address(run_dir, "sched"),
+            tokenizers=tuple(ipc_address(run_dir, f"tok{i}") for i in range(workers)),
+        )
+
+
+async def start_processes(args: ServerArgs, model_path: Path, supervisor: Supervisor) -> ActorGraph:
+    workers = args.runtime.tokenizer_worker_num
+    addresses = Addresses.under(supervisor.run_dir, workers)
+    outputs = ZmqInbox(addresses.api, Codec(ToApi))
+    control = ZmqInbox(addresses.control, Codec(ToSupervisor))
+    tokenizers = [ZmqOutbox(a, Codec(ToTokenizer)) for a in addresses.tokenizers]
+    scheduler = ZmqOutbox(addresses.scheduler, Codec(ToScheduler))
+    level = logging.getLogger().getEffectiveLevel()
+    session = supervisor.session
+    supervisor.spawn("engine", engine_process, addresses, model_path, args, level)
+    for i in range(workers):
+        supervisor.spawn(
+            f"tokenizer{i}", tokenizer_process, addresses, i, model_path, args, session, level
+        )
+    graph = ActorGraph(
+        tokenizers,
+        scheduler,
+        outputs,
+        control,
+        {},
+        supervisor,
+        closables=[outputs, control, *tokenizers, scheduler],
+    )
+    try:
+        graph.ready = await supervisor.wait_ready(control, args.runtime.startup_timeout)
+    except BaseException:
+        await graph.shutdown()
+        raise
+    return graph
+
+
+async def start_in_process(
+    args: ServerArgs, model_path: Path, supervisor: Supervisor
+) -> ActorGraph:
+    from m3serve.actors.scheduler import SchedulerActor
+
+    workers = args.runtime.tokenizer_worker_num
+    outputs, control, scheduler = InProcChannel(), InProcChannel(), InProcChannel()
+    tokenizers = [InProcChannel() for _ in range(workers)]
+    actors: list[Actor] = [
+        SchedulerActor(
+            scheduler.inbox(), [t.outbox() for t in tokenizers], control.outbox(), args, model_path
+        )
+    ]
+    for i, channel in enumerate(tokenizers):
+        actors.append(
+            _tokenizer_actor(
+                args,
+                model_path,
+                i,
+                channel.inbox(),
+                scheduler.outbox(),
+                outputs.outbox(),
+                control.outbox(),
+                supervisor.session,
+            )
+        )
+    graph = ActorGraph(
+        [t.outbox() for t in tokenizers],
+        scheduler.outbox(),
+        outputs.inbox(),
+        control.inbox(),
+        {},
+        supervisor,
+        actors=actors,
+        tasks=[asyncio.create_task(a.serve(), name=a.name) for a in actors],
+    )
+    try:
+        while len(graph.ready) < len(actors):
+            message = await asyncio.wait_for(graph.control.recv(), args.runtime.startup_timeout)
+            if isinstance(message, Error):
+                raise StartupError(message.message)
+            graph.ready[message.actor] = message
+    except BaseException:
+        await graph.shutdown()
+        raise
+    return graph
+
+
+def _tokenizer_actor(
+    args: ServerArgs,
+    model_path: Path,
+    worker: int,
+    inbox: Inbox,
+    scheduler: Outbox,
+    outputs: Outbox,
+    control: Outbox,
+    session: str,
+) -> TokenizerActor:
+    from m3serve.actors.tokenizer import TokenizerActor
+
+    return TokenizerActor(
+        inbox,
+        scheduler=scheduler,
+        api=outputs,
+        control=control,
+        model_dir=model_path,
+        worker=worker,
+        session=session,
+        skip_tokenizer_init=args.runtime.skip_tokenizer_init,
+        context_length=args.runtime.context_length,
+    )
+
+
+# ---------------------------------------------------------------------- process entry points
+
+
+def engine_process(
+    addresses: Addresses, model_path: Path, args: ServerArgs, log_level: int
+) -> None:
+    from m3serve.actors.scheduler import SchedulerActor
+
+    async def main() -> None:
+        actor = SchedulerActor(
+            ZmqInbox(addresses.scheduler, Codec(ToScheduler)),
+            [ZmqOutbox(a, Codec(ToTokenizer)) for a in addresses.tokenizers],
+            ZmqOutbox(addresses.control, Codec(ToSupervisor)),
+            args,
+            model_path,
+        )
+        await actor.serve()
+
+    _run("engine", main(), log_level)
+
+
+def tokenizer_process(
+    addresses: Addresses,
+    worker: int,
+    model_path: Path,
+    args: ServerArgs,
+    session: str,
+    log_level: int,
+) -> None:
+    async def main() -> None:
+        actor = _tokenizer_actor(
+            args,
+            model_path,
+            worker,
+            ZmqInbox(addresses.tokenizers[worker], Codec(ToTokenizer)),
+            ZmqOutbox(addresses.scheduler, Codec(ToScheduler)),
+            ZmqOutbox(addresses.api, Codec(ToApi)),
+            ZmqOutbox(addresses.control, Codec(ToSupervisor)),
+            session,
+        )
+        await actor.serve()
+
+    _run(f"tokenizer{worker}", main(), log_level)
+
+
+def _run(name: str, main: Coroutine[Any, Any, None], log_level: int) -> None:
+    logging.basicConfig(
+        level=log_level, format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s"
+    )
+    _exit_with_parent()
+    try:
+        import uvloop
+
+        uvloop.run(main)
+    except ImportError:
+        asyncio.run(main)
+
+
+def _exit_with_parent() -> None:
+    """A child whose parent died (even by SIGKILL) must not linger."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(PARENT_POLL_S)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
