@@ -46,7 +46,6 @@ def token_batch(batch: int) -> TokenBatch:
         rids=[f"chatcmpl-{i:08x}" for i in range(batch)],
         new_ids=[[1000 + i] for i in range(batch)],
         finish=[None] * (batch - 1) + [Finish("stop", 2)],
-        prompt_tokens=[512 + 17 * i for i in range(batch)],
         cached_tokens=[256 + 3 * i for i in range(batch)],
     )
 

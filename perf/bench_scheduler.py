@@ -53,7 +53,7 @@ class NoOpExecutor:
 def requests(running: int, prompt_len: int) -> list[Req]:
     sampling = SamplingParams(temperature=0.0, max_new_tokens=4000)
     return [
-        Req(f"r{i}", [(i * 7 + j) % 400 for j in range(prompt_len)], sampling, frozenset(), 0, 0.0)
+        Req(f"r{i}", [(i * 7 + j) % 400 for j in range(prompt_len)], sampling, frozenset(), 0)
         for i in range(running)
     ]
 

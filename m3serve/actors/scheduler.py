@@ -69,7 +69,6 @@ class SchedulerActor(Actor):
             sampling=msg.sampling,
             stop_ids=frozenset(msg.stop_token_ids),
             worker=msg.worker,
-            arrival=msg.arrival,
             max_new=msg.max_new_tokens,
         )
         try:

@@ -7,15 +7,14 @@ Long prompts go to the scheduler as shared-memory segments, never inline.
 
 from __future__ import annotations
 
-import json
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from m3serve.actors.detokenize import IncrementalDetokenizer
 from m3serve.model.chat_template import ChatTemplateError, load_chat_template, render_chat
+from m3serve.model.config import load_generation_config, load_model_config
 from m3serve.model.special_tokens import THINK_END, THINK_START
 from m3serve.model.thinking import ThinkingInvalid, resolve_thinking
 from m3serve.runtime.actor import Actor, handles
@@ -47,7 +46,7 @@ class RequestInvalid(ValueError):
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """What the tokenizer needs to know about the model, read from its directory."""
+    """What the tokenizer needs to know about the model, from its config files."""
 
     eos_ids: tuple[int, ...]
     context_length: int
@@ -55,18 +54,10 @@ class ModelFacts:
 
     @classmethod
     def read(cls, model_dir: Path, context_length: int | None) -> ModelFacts:
-        config = json.loads((model_dir / "config.json").read_text())
-        text = config.get("text_config", config)
-        eos: set[int] = set()
-        for source in (text, _read_json(model_dir / "generation_config.json")):
-            value = source.get("eos_token_id")
-            eos.update(value if isinstance(value, list) else [] if value is None else [value])
-        limit = int(text.get("max_position_embeddings", 1 << 20))
-        return cls(tuple(sorted(eos)), context_length or limit, int(text.get("vocab_size", 0)))
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.is_file() else {}
+        text = load_model_config(model_dir).text
+        eos = set(text.eos_token_ids) | set(load_generation_config(model_dir).eos_token_ids)
+        limit = context_length or text.max_position_embeddings
+        return cls(tuple(sorted(eos)), limit, text.vocab_size)
 
 
 @dataclass
@@ -162,7 +153,6 @@ class TokenizerActor(Actor):
                 max_new_tokens=max_new,
                 fit_to_pool=req.sampling.max_new_tokens is None,
                 worker=self.worker,
-                arrival=time.time(),
             )
         )
 

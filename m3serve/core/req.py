@@ -22,7 +22,6 @@ class Req:
     sampling: SamplingParams
     stop_ids: frozenset[int]
     worker: int
-    arrival: float
     max_new: int = 0  # resolved max_new_tokens (0: take it from sampling)
     output: list[int] = field(default_factory=list)
     phase: Phase = Phase.WAITING

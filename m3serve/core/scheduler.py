@@ -55,12 +55,11 @@ class Outputs:
     def add(self, req: Req, new_ids: list[int], logprob: TokenLogprob | None) -> None:
         batch = self.batches.get(req.worker)
         if batch is None:
-            batch = TokenBatch(rids=[], new_ids=[], finish=[], prompt_tokens=[], cached_tokens=[])
+            batch = TokenBatch(rids=[], new_ids=[], finish=[], cached_tokens=[])
             self.batches[req.worker] = batch
         batch.rids.append(req.rid)
         batch.new_ids.append(new_ids)
         batch.finish.append(req.finish)
-        batch.prompt_tokens.append(len(req.prompt))
         batch.cached_tokens.append(req.cached_tokens)
         if logprob is not None:
             if batch.logprobs is None:
@@ -340,7 +339,3 @@ class Scheduler:
         ), "pages held by requests do not add up"
         if not self.running:
             assert self.slots.num_free == self.slots.num_slots, "a slot leaked"
-
-    def free_pages_if_cache_dropped(self) -> int:
-        """Free pages after evicting the whole prefix cache (the leak-test baseline)."""
-        return self.pool.num_free + self.cache.tree.evictable_pages

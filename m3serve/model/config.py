@@ -1,4 +1,5 @@
-"""Parsing a MiniMax-M3 / M3.1 `config.json` into one frozen, validated `ModelConfig`.
+"""Parsing a MiniMax-M3 / M3.1 `config.json` into one frozen, validated `ModelConfig` (and its
+`generation_config.json` into a `GenerationConfig`): the only place either file is read.
 
 Three spellings exist in the wild and all land in the same `TextConfig`:
 - the composite `minimax_m3_vl` config with a `text_config` block (the real checkpoint),
@@ -128,15 +129,42 @@ _REQUIRED_VALUES: dict[str, tuple[Any, ...]] = {
 }
 
 
+@dataclass(frozen=True)
+class GenerationConfig:
+    """generation_config.json: extra end-of-sequence ids and the recommended sampling."""
+
+    eos_token_ids: tuple[int, ...] = ()
+    # The checkpoint's sampling defaults, e.g. {"temperature": 1.0, "top_p": 0.95}.
+    sampling: dict[str, float] = field(default_factory=dict)
+
+
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p")
+
+
+def load_generation_config(model_dir: str | Path) -> GenerationConfig:
+    """The checkpoint's generation_config.json; an empty one where the file is absent."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return GenerationConfig()
+    raw = _read_json(path)
+    eos = raw.get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    sampling = {k: raw[k] for k in SAMPLING_DEFAULT_KEYS if k in raw}
+    return GenerationConfig(tuple(int(i) for i in ids), sampling)
+
+
 def load_model_config(model_dir: str | Path) -> ModelConfig:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ConfigError(f"no config.json in {model_dir}")
+    return parse_model_config(_read_json(path))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
     try:
-        raw = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path} is not valid JSON: {exc}") from exc
-    return parse_model_config(raw)
 
 
 def parse_model_config(raw: dict[str, Any]) -> ModelConfig:

@@ -82,7 +82,9 @@ class SchedArgs:
     max_queued_requests: int = option(4096, "waiting-queue length beyond which requests get 503")
     disable_overlap_schedule: bool = option(False, "run steps strictly one after another")
     schedule_policy: Literal["fcfs", "lpm"] = option(
-        "fcfs", "waiting-queue order: first come, or longest cached prefix first"
+        "fcfs",
+        "waiting-queue order: first come first served, or longest cached prefix first (lpm; "
+        "arrival order past 128 waiting requests)",
     )
     init_new_token_ratio: float = option(
         0.7, "share of max_new_tokens reserved at admission (decays under no pressure)"
@@ -297,7 +299,7 @@ _PLANNED: tuple[tuple[type, str], ...] = (
     (ParallelArgs, "multi-GPU parallelism is not built yet"),
     (SpecArgs, "speculative decoding is not built yet"),
     (HiCacheArgs, "the hierarchical KV cache is not built yet"),
-    (KernelArgs, "needs the Hopper backend, not built yet"),
+    (KernelArgs, "this kernel option is not built yet"),
 )
 # Planned-section settings that already hold in this build (nothing to refuse).
 _HONOURED = frozenset({"disable_cuda_graph", "cuda_graph_max_bs_decode"})

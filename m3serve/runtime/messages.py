@@ -13,8 +13,6 @@ from typing import Any, Literal
 import msgspec
 import numpy as np
 
-SCHEMA_VERSION = 1
-
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
@@ -125,7 +123,6 @@ class Tokenized(msgspec.Struct, tag=True, kw_only=True, array_like=True):
     max_new_tokens: int  # resolved: the request's own, or what the context leaves
     fit_to_pool: bool  # no explicit limit: the scheduler may lower it to what the KV pool holds
     worker: int  # the tokenizer worker that owns this request's detokenization
-    arrival: float  # time.time() when the API received the request
 
 
 # ---------------------------------------------------------------- scheduler -> tokenizer
@@ -137,9 +134,7 @@ class TokenBatch(msgspec.Struct, tag=True, kw_only=True, array_like=True):
     rids: list[str]
     new_ids: list[list[int]]
     finish: list[Finish | None]
-    prompt_tokens: list[int]
     cached_tokens: list[int]
-    spec_accepted: list[int] = msgspec.field(default_factory=list)
     logprobs: list[list[TokenLogprob]] | None = None
 
 

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from helpers.devices import CPU_REFERENCE
 from helpers.hf_oracle import full_logits, random_prompt
 
 from m3serve import Engine
@@ -57,7 +58,7 @@ def test_hopper_bf16_against_the_fp32_reference(path: Path, reference: list[list
     first diverges and how close the fp32 model itself was to a tie there, and require the
     early tokens to agree."""
     got = outputs(path, backend="hopper", dtype="bfloat16")
-    model = load_model(path, "reference", "float32", "cpu", progress=False).model
+    model = load_model(path, CPU_REFERENCE, "float32", progress=False).model
     report = []
     for prompt, ours, ref in zip(PROMPTS, got, reference, strict=True):
         at = first_divergence(ours, ref)

@@ -11,12 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models
 
-from m3serve.actors.detokenize import (
-    REPLACEMENT_CHAR,
-    IncrementalDetokenizer,
-    find_stop,
-    held_back_length,
-)
+from m3serve.actors.detokenize import REPLACEMENT_CHAR, IncrementalDetokenizer
 from m3serve.model.tiny.tokenizer import build_tokenizer, special_token_ids
 
 VOCAB_SIZE = 512
@@ -310,26 +305,6 @@ def test_misuse_is_refused() -> None:
     assert detok.finish() == ""
     with pytest.raises(RuntimeError):
         detok.push(encode("late"))
-
-
-@pytest.mark.parametrize(
-    ("text", "stops", "expected"),
-    [
-        ("xyab", ["abc"], 2),
-        ("xya", ["abc", "ab"], 1),
-        ("xaba", ["abab"], 3),
-        ("abc", ["abc"], 0),
-        ("zz", ["ab"], 0),
-    ],
-)
-def test_held_back_length(text: str, stops: list[str], expected: int) -> None:
-    assert held_back_length(text, stops) == expected
-
-
-def test_find_stop_prefers_the_earliest_end() -> None:
-    assert find_stop("xabcd", ["abcd", "bc"]) == (2, "bc")
-    assert find_stop("xabc", ["bc", "abc"]) == (1, "abc")
-    assert find_stop("xyz", ["a"]) is None
 
 
 # ---------------------------------------------------------------- cost

@@ -30,7 +30,7 @@ class Run:
     finishes: dict[str, str]
 
 
-def make(num_pages: int, radix: bool = True, **sched: float) -> Run:
+def make(num_pages: int, radix: bool = True, **sched: float | str) -> Run:
     args = SchedArgs(**{"max_running_requests": 8, "max_prefill_tokens": 64, **sched})
     scheduler = Scheduler(args, num_pages, PAGE, radix)
     return Run(scheduler, FakeExecutor(num_pages, PAGE, args.max_running_requests), {}, {})
@@ -38,7 +38,7 @@ def make(num_pages: int, radix: bool = True, **sched: float) -> Run:
 
 def request(rid: str, prompt: list[int], max_new: int) -> Req:
     sampling = SamplingParams(temperature=0.0, max_new_tokens=max_new)
-    return Req(rid, prompt, sampling, STOP, worker=0, arrival=0.0)
+    return Req(rid, prompt, sampling, STOP, worker=0)
 
 
 def drive(
@@ -154,6 +154,37 @@ def test_abort_frees_pages() -> None:
     assert_all_pages_back(run)
 
 
+def test_longest_prefix_first_admits_the_best_cached_request_first() -> None:
+    run = make(256, max_running_requests=1, schedule_policy="lpm")
+    prefix = list(range(100, 124))  # 6 whole pages
+    run.scheduler.add(request("warm", [*prefix, 1], 2))
+    drive(run)
+    cold = [request(f"cold{i}", [500 + i, 501, 502, 503, 504], 2) for i in range(2)]
+    hit = request("hit", [*prefix, 7, 8], 2)
+    for req in [*cold, hit]:
+        run.scheduler.add(req)
+    plan = run.scheduler.schedule()  # one slot: for the request with the longest cached prefix
+    assert plan is not None
+    assert [r.rid for r in run.scheduler.running] == ["hit"]
+    assert [r.rid for r in run.scheduler.waiting] == ["cold0", "cold1"]  # arrival order kept
+    collect(run, plan)
+    drive(run)
+    for req in [*cold, hit]:
+        assert run.outputs[req.rid] == reference_output(req.prompt, 2, STOP)
+    assert_all_pages_back(run)
+
+
+def test_first_come_first_served_keeps_arrival_order() -> None:
+    run = make(256, max_running_requests=1)
+    prefix = list(range(100, 124))
+    run.scheduler.add(request("warm", [*prefix, 1], 2))
+    drive(run)
+    for req in [request("cold", [500, 501, 502], 2), request("hit", [*prefix, 7], 2)]:
+        run.scheduler.add(req)
+    run.scheduler.schedule()
+    assert [r.rid for r in run.scheduler.running] == ["cold"]
+
+
 def test_full_queue_is_refused() -> None:
     run = make(64, max_queued_requests=2)
     run.scheduler.add(request("a", [9], 1))
@@ -195,6 +226,7 @@ workload = st.lists(
     overlap=st.booleans(),
     radix=st.booleans(),
     ratio=st.sampled_from([0.05, 0.7]),
+    policy=st.sampled_from(["fcfs", "lpm"]),
 )
 def test_random_workload_is_correct_and_leaks_nothing(
     jobs: list[tuple[list[int], int, int, int]],
@@ -203,6 +235,7 @@ def test_random_workload_is_correct_and_leaks_nothing(
     overlap: bool,
     radix: bool,
     ratio: float,
+    policy: str,
 ) -> None:
     run = make(
         num_pages,
@@ -210,6 +243,7 @@ def test_random_workload_is_correct_and_leaks_nothing(
         chunked_prefill_size=chunk,
         init_new_token_ratio=ratio,
         min_new_token_ratio=min(ratio, 0.1),
+        schedule_policy=policy,
     )
     aborts, arrivals, step = {}, [], 0
     for i, (prompt, max_new, abort_at, gap) in enumerate(jobs):

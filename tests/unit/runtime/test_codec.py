@@ -117,16 +117,13 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
         max_new_tokens=small_ints,
         fit_to_pool=st.booleans(),
         worker=small_ints,
-        arrival=floats,
     ),
     m.TokenBatch: st.builds(
         m.TokenBatch,
         rids=st.lists(texts, max_size=4),
         new_ids=st.lists(token_lists, max_size=4),
         finish=st.lists(finishes, max_size=4),
-        prompt_tokens=token_lists,
         cached_tokens=token_lists,
-        spec_accepted=token_lists,
         logprobs=logprob_lists,
     ),
     m.TextBatch: st.builds(m.TextBatch, st.lists(request_outputs, max_size=4)),
@@ -177,7 +174,6 @@ def tokenized(ids: np.ndarray) -> m.Tokenized:
         max_new_tokens=16,
         fit_to_pool=False,
         worker=0,
-        arrival=0.0,
     )
 
 

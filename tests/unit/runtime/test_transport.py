@@ -228,7 +228,7 @@ async def test_messages_reach_another_process_and_come_back(
     sent: list[Any] = [
         Abort("r0"),
         GenerateReq(rid="r1", prompt="hi", input_ids=TokenIds(ids.size, ids)),
-        TokenBatch(rids=["r1"], new_ids=[[7]], finish=[None], prompt_tokens=[2], cached_tokens=[0]),
+        TokenBatch(rids=["r1"], new_ids=[[7]], finish=[None], cached_tokens=[0]),
     ]
     try:
         for msg in sent:

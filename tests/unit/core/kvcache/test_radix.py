@@ -306,6 +306,13 @@ class RadixMachine(RuleBasedStateMachine):
             self.tree.lock(match.node)
             self.locks.append((match.node, tuple(tokens[: match.num_tokens])))
 
+    @rule(tokens=TOKENS)
+    def cached_length(self, tokens: list[int]) -> None:
+        # What match would find, without a split or an LRU refresh.
+        nodes = sum(1 for _ in self.tree._walk())
+        assert self.tree.cached_length(tokens) == len(self.cached_run(tokens)) * self.ps
+        assert sum(1 for _ in self.tree._walk()) == nodes
+
     @rule(tokens=TOKENS, data=st.data())
     def insert(self, tokens: list[int], data: st.DataObject) -> None:
         num_pages = data.draw(st.integers(0, len(tokens) // self.ps), label="num_pages")
