@@ -11,7 +11,7 @@ namespace token N = ``]<]minimax[>[`` (a single special token)::
 Parameters are elements named by the parameter (``N<parameter name="x">...N</parameter>`` is
 accepted too); objects are nested elements, arrays repeated ``<item>`` elements, scalars raw text.
 Only N-prefixed tags are structure, so a value may hold ``<`` and ``>`` freely. Values are untyped
-text; `_coerce` types them by the tool's JSON schema.
+text; `arguments.coerce` types them by the tool's JSON schema.
 
 Streaming: text before the block is content, emitted at once except a tail that could still grow
 into ``N<tool_call>`` (``]`` recurs inside N, so the longest such tail is held). Each invoke emits
@@ -35,13 +35,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import random
 import re
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from m3serve.api.parsers.arguments import Element, coerce, loose_arguments, tool_properties
 from m3serve.model.special_tokens import TOOL_CALL_START, TOOL_NAMESPACE
 from m3serve.text import held_back_length
 
@@ -53,7 +53,6 @@ MAX_DEPTH = 32
 _NAME_ATTR = r"""\s+name\s*=\s*(?:"(?P<dq>[^"]*)"|'(?P<sq>[^']*)'|(?P<bare>[^\s"']+))\s*"""
 _INVOKE = re.compile("invoke" + _NAME_ATTR)
 _PARAMETER = re.compile("parameter" + _NAME_ATTR)
-_FAIL = object()  # a schema type that does not fit the text
 
 
 @dataclass(frozen=True)
@@ -84,22 +83,12 @@ class ToolCall:
 
 
 @dataclass
-class _Element:
-    """An argument element being read; ``tag`` is what its closing tag says."""
-
-    key: str
-    tag: str
-    text: list[str] = field(default_factory=list)
-    children: list[_Element] = field(default_factory=list)
-
-
-@dataclass
 class _Invoke:
     name: str
     id: str
     index: int | None  # None: a tool not offered, read but not emitted
     properties: dict[str, Any]
-    stack: list[_Element] = field(default_factory=list)
+    stack: list[Element] = field(default_factory=list)
     loose: list[str] = field(default_factory=list)  # text outside any element
     arguments: list[str] = field(default_factory=list)  # JSON fragments emitted so far
 
@@ -114,7 +103,7 @@ class ToolCallParser:
         self, tools: list[dict[str, Any]] | None, id_prefix: str = "call_", seed: int | None = None
     ) -> None:
         self._config = (tools, id_prefix, seed)
-        self._schemas = _tool_properties(tools)
+        self._schemas = tool_properties(tools)
         self._id_prefix = id_prefix
         self._rng = random.Random(seed) if seed is not None else None
         # Outside a block: the held-back tail. Inside: the block text from the cursor on, or from
@@ -278,7 +267,7 @@ class ToolCallParser:
         empty = tag.endswith("/")  # <name/>: an element with no text
         spec = tag[:-1].strip() if empty else tag
         parameter = _PARAMETER.fullmatch(spec)
-        stack.append(_Element(_name(parameter), "parameter") if parameter else _Element(spec, spec))
+        stack.append(Element(_name(parameter), "parameter") if parameter else Element(spec, spec))
         if empty:
             self._pop_element()
 
@@ -301,9 +290,9 @@ class ToolCallParser:
         else:
             self._emit_argument(element)
 
-    def _emit_argument(self, element: _Element) -> None:
+    def _emit_argument(self, element: Element) -> None:
         assert self._invoke is not None
-        value = _coerce(element, self._invoke.properties.get(element.key))
+        value = coerce(element, self._invoke.properties.get(element.key))
         separator = ", " if self._invoke.arguments else "{"
         key = json.dumps(element.key, ensure_ascii=False)
         self._add_arguments(f"{separator}{key}: {json.dumps(value, ensure_ascii=False)}")
@@ -328,7 +317,7 @@ class ToolCallParser:
             invoke.stack.clear()
         while invoke.stack:
             self._pop_element()
-        self._add_arguments("}" if invoke.arguments else _loose_arguments(invoke.loose))
+        self._add_arguments("}" if invoke.arguments else loose_arguments(invoke.loose))
         if invoke.index is not None:
             self._calls.append(ToolCall(invoke.id, invoke.name, "".join(invoke.arguments)))
         self._invoke = None
@@ -348,166 +337,3 @@ def _name(match: re.Match[str] | None) -> str:
     """The name attribute of an ``invoke`` or ``parameter`` tag, however it was quoted."""
     assert match is not None
     return (match["dq"] or match["sq"] or match["bare"] or "").strip()
-
-
-def _tool_properties(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]] | None:
-    """Each offered tool's parameter schemas by name; None when no tools (keep every call)."""
-    if not tools:
-        return None
-    found: dict[str, dict[str, Any]] = {}
-    for tool in tools:
-        function = tool.get("function", tool) if isinstance(tool, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            continue
-        parameters = function.get("parameters")
-        properties = parameters.get("properties") if isinstance(parameters, dict) else None
-        found[function["name"]] = properties if isinstance(properties, dict) else {}
-    return found
-
-
-def _loose_arguments(loose: list[str]) -> str:
-    """Arguments of an invoke with no parameter elements: its body if that is a JSON object."""
-    parsed = _json(_strip_one_newline("".join(loose)).strip())
-    return json.dumps(parsed, ensure_ascii=False) if isinstance(parsed, dict) else "{}"
-
-
-# Typing values by schema.
-
-
-def _coerce(element: _Element, schema: Any) -> Any:
-    """The JSON value of an argument element, typed by its JSON schema (None: no schema).
-
-    The schema's types (``type`` as a name or list, ``anyOf``/``oneOf`` members) are tried in
-    order, except that ``string`` fits any text and so is tried last; an element that fits none
-    is read untyped.
-    """
-    for kind, subschema in _schema_types(schema):
-        value = _as_type(element, kind, subschema)
-        if value is not _FAIL:
-            return value
-    return _untyped(element)
-
-
-def _schema_types(schema: Any) -> list[tuple[str, dict[str, Any]]]:
-    found = list(_walk_types(schema))
-    return [t for t in found if t[0] != "string"] + [t for t in found if t[0] == "string"]
-
-
-def _walk_types(schema: Any) -> list[tuple[str, dict[str, Any]]]:
-    if not isinstance(schema, dict):
-        return []
-    kind = schema.get("type")
-    kinds = [kind] if isinstance(kind, str) else kind if isinstance(kind, list) else []
-    found = [(k, schema) for k in kinds if isinstance(k, str)]
-    for key in ("anyOf", "oneOf"):
-        members = schema.get(key)
-        for member in members if isinstance(members, list) else []:
-            found += _walk_types(member)
-    if not found and "properties" in schema:
-        found.append(("object", schema))
-    elif not found and "items" in schema:
-        found.append(("array", schema))
-    return found
-
-
-def _as_type(element: _Element, kind: str, schema: dict[str, Any]) -> Any:
-    if kind == "object":
-        return _as_object(element, schema)
-    if kind == "array":
-        return _as_array(element, schema)
-    if element.children or kind not in _SCALARS:
-        return _FAIL
-    return _SCALARS[kind](_strip_one_newline("".join(element.text)))
-
-
-def _as_object(element: _Element, schema: dict[str, Any]) -> Any:
-    if element.children:
-        properties = schema.get("properties")
-        properties = properties if isinstance(properties, dict) else {}
-        extra = schema.get("additionalProperties")
-        return {c.key: _coerce(c, properties.get(c.key, extra)) for c in element.children}
-    text = "".join(element.text).strip()
-    if not text:  # an empty object renders as an empty element
-        return {}
-    parsed = _json(text)
-    return parsed if isinstance(parsed, dict) else _FAIL
-
-
-def _as_array(element: _Element, schema: dict[str, Any]) -> Any:
-    if element.children:
-        return [_coerce(child, schema.get("items")) for child in element.children]
-    text = "".join(element.text).strip()
-    if not text:  # an empty array renders as an empty element
-        return []
-    parsed = _json(text)
-    return parsed if isinstance(parsed, list) else _FAIL
-
-
-def _as_number(text: str, integer: bool) -> Any:
-    text = text.strip()
-    try:
-        return int(text)
-    except ValueError:
-        pass
-    try:
-        value = float(text)
-    except ValueError:
-        return _FAIL
-    if not math.isfinite(value):  # JSON has no infinities or NaN
-        return _FAIL
-    return int(value) if integer and value.is_integer() else value
-
-
-def _as_boolean(text: str) -> Any:
-    word = text.strip().lower()
-    return word == "true" if word in ("true", "false") else _FAIL
-
-
-def _as_null(text: str) -> Any:
-    return None if text.strip().lower() == "null" else _FAIL
-
-
-_SCALARS = {
-    "string": lambda text: text,
-    "integer": lambda text: _as_number(text, integer=True),
-    "number": lambda text: _as_number(text, integer=False),
-    "boolean": _as_boolean,
-    "null": _as_null,
-}
-
-
-def _untyped(element: _Element) -> Any:
-    """No schema: children make an array (all ``item``) or an object; text stays text unless it
-    is a JSON object or array."""
-    if element.children:
-        if all(child.key == "item" for child in element.children):
-            return [_untyped(child) for child in element.children]
-        return {child.key: _untyped(child) for child in element.children}
-    text = _strip_one_newline("".join(element.text))
-    parsed = _json(text.strip())
-    return parsed if isinstance(parsed, (dict, list)) else text
-
-
-def _json(text: str) -> Any:
-    try:
-        return json.loads(text, parse_constant=_reject_constant)
-    except (ValueError, RecursionError):  # ValueError also covers integers too long to read
-        return _FAIL
-
-
-def _reject_constant(name: str) -> Any:
-    # NaN and Infinity are not JSON; re-encoded they would make the arguments invalid.
-    raise ValueError(f"{name} is not JSON")
-
-
-def _strip_one_newline(text: str) -> str:
-    """Leaf text loses one line break at each end (the model may put values on their own line)."""
-    for newline in ("\r\n", "\n"):
-        if text.startswith(newline):
-            text = text[len(newline) :]
-            break
-    for newline in ("\r\n", "\n"):
-        if text.endswith(newline):
-            text = text[: -len(newline)]
-            break
-    return text
