@@ -1,30 +1,30 @@
 """SchedulerActor: the engine process's message I/O around its `EngineCore`.
 
 Requests and aborts are received by their own task, so they land between steps; the step loop
-runs the core's `overlap_step` (or `step` with --disable-overlap-schedule) and sends each
-step's tokens to the tokenizer workers that own the requests.
+runs the core's `overlap_step` (or `step` with --disable-overlap-schedule), sends each
+step's tokens to the tokenizer workers that own the requests and writes the engine's load
+figures to its `EngineMetrics`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
+from m3serve.actors.engine_metrics import EngineMetrics
 from m3serve.core.engine_core import EngineCore
 from m3serve.core.req import Req
 from m3serve.core.scheduler import Outputs, QueueFull
 from m3serve.runtime.actor import Actor, handles
 from m3serve.runtime.config import ServerArgs
-from m3serve.runtime.messages import Abort, Error, Shutdown, Stats, Tokenized
+from m3serve.runtime.messages import Abort, Error, Shutdown, Tokenized
 from m3serve.runtime.shm import unpack_token_ids
 from m3serve.runtime.transport import Inbox, Outbox
 
 log = logging.getLogger(__name__)
 
-STATS_INTERVAL_S = 0.5
 # With work queued but nothing schedulable (e.g. a retracted request's token in flight) the
 # loop re-plans after this long instead of busy-spinning.
 IDLE_RECHECK_S = 0.01
@@ -47,7 +47,7 @@ class SchedulerActor(Actor):
         self.model_path = model_path
         self.core: EngineCore | None = None
         self._wake = asyncio.Event()
-        self._stats_at = 0.0
+        self.metrics = EngineMetrics()
 
     async def on_start(self) -> dict[str, Any]:
         self.core = await asyncio.to_thread(EngineCore, self.args, self.model_path)
@@ -112,12 +112,13 @@ class SchedulerActor(Actor):
                 # Cleared before planning: a message that lands from here on wakes the idle wait.
                 self._wake.clear()
                 outputs = await step()
+                # Cheap per step: unchanged figures write nothing, changed ones a few floats
+                # (mmap writes when the actors run as processes).
+                self.metrics.update(core.scheduler)
                 if outputs is None:
-                    await self._publish_stats(force=True)
                     await self._idle(receiver)
                     continue
                 await self._emit(outputs)
-                await self._publish_stats()
             await self._emit(await core.drain())
         finally:
             receiver.cancel()
@@ -139,22 +140,3 @@ class SchedulerActor(Actor):
                 await self.tokenizers[worker].send(error)
         for worker, batch in outputs.batches.items():
             await self.tokenizers[worker].send(batch)
-
-    async def _publish_stats(self, force: bool = False) -> None:
-        """Load figures for /metrics, at most every STATS_INTERVAL_S while busy."""
-        now = time.monotonic()
-        if self.control is None or (not force and now - self._stats_at < STATS_INTERVAL_S):
-            return
-        self._stats_at = now
-        assert self.core is not None
-        s = self.core.scheduler
-        await self.control.send(
-            Stats(
-                running=len(s.running),
-                waiting=len(s.waiting),
-                kv_used_pages=s.pool.num_pages - s.pool.num_free,
-                kv_total_pages=s.pool.num_pages,
-                cached_pages=s.cache.tree.cached_pages,
-                retractions=s.retracted,
-            )
-        )

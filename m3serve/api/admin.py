@@ -11,8 +11,8 @@ from starlette.responses import JSONResponse, Response
 
 from m3serve.api.errors import APIError, decode, read_body
 from m3serve.api.metrics import CONTENT_TYPE
-from m3serve.api.protocol import REQUEST_TYPES, DetokenizeRequest, TokenizeRequest
-from m3serve.api.serving import ServerState, to_builtins
+from m3serve.api.protocol import REQUEST_TYPES, DetokenizeRequest, TokenizeRequest, to_builtins
+from m3serve.api.state import ServerState
 from m3serve.model.chat_template import ChatTemplateError, render_chat
 
 
@@ -26,16 +26,7 @@ async def health(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     state: ServerState = request.app.state.server
-    stats = state.engine.stats
-    if stats is not None:
-        state.metrics.set_engine_stats(
-            running=stats.running,
-            waiting=stats.waiting,
-            kv_used=stats.kv_used_pages,
-            kv_total=stats.kv_total_pages,
-            retractions=stats.retractions,
-        )
-    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+    return Response(state.metrics.render(state.engine.metrics), media_type=CONTENT_TYPE)
 
 
 async def models(request: Request) -> Response:

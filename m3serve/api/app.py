@@ -1,5 +1,5 @@
-"""The Starlette application: routes, Bearer auth, error mapping, metrics per request, and the
-engine's lifecycle when the app owns it.
+"""The Starlette application: routes, error mapping, the Bearer-key and request-counting
+middlewares, and the engine's lifecycle when the app owns it.
 
 `create_app(engine)` embeds the API around an engine you manage; `create_app(engine,
 own_engine=True)` starts it with the app and shuts it down with it (what `m3serve serve` does).
@@ -24,7 +24,7 @@ from m3serve.api.chat import chat_completions
 from m3serve.api.completions import completions
 from m3serve.api.errors import APIError, error_response
 from m3serve.api.metrics import ServerMetrics
-from m3serve.api.serving import ServerState
+from m3serve.api.state import ServerState
 from m3serve.engine.async_engine import AsyncEngine
 from m3serve.runtime.config import ApiArgs
 
@@ -77,7 +77,10 @@ def create_app(
             Exception: _internal,
         },
     )
-    app.add_middleware(_Guard, api_key=args.api_key, metrics=metrics)
+    # The last added runs first: requests are counted outside the key check, so its 401s count.
+    if args.api_key:
+        app.add_middleware(RequireApiKey, api_key=args.api_key)
+    app.add_middleware(CountRequests, metrics=metrics)
     return app
 
 
@@ -102,13 +105,35 @@ async def _internal(_: Request, exc: Exception) -> Response:
     return error_response(500, f"internal error: {type(exc).__name__}")
 
 
-class _Guard:
-    """Bearer auth (constant-time compare) and per-request metrics, as plain ASGI middleware
-    so that streaming responses pass through untouched."""
+class RequireApiKey:
+    """Lets a request through only if it carries `Authorization: Bearer <key>` (compared in
+    constant time) or goes to one of `OPEN_PATHS`; any other gets a 401 in OpenAI's error shape.
+    Plain ASGI, so streaming responses pass through untouched."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, metrics: ServerMetrics) -> None:
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.key = api_key.encode() if api_key else None
+        self.key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._authorized(scope):
+            await self.app(scope, receive, send)
+            return
+        response = error_response(401, "invalid or missing API key (Authorization: Bearer)")
+        await response(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+
+
+class CountRequests:
+    """Counts every HTTP request by endpoint and response status (`observe_request`), except
+    the scrapes `/metrics` answers. Plain ASGI, so streaming responses pass through untouched; a
+    request that fails before its response starts counts as 500, the status the client gets."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -116,11 +141,6 @@ class _Guard:
             await self.app(scope, receive, send)
             return
         path = scope["path"]
-        if self.key is not None and path not in OPEN_PATHS and not self._authorized(scope):
-            response = error_response(401, "invalid or missing API key (Authorization: Bearer)")
-            self.metrics.observe_request(_endpoint(path), 401)
-            await response(scope, receive, send)
-            return
         status: dict[str, Any] = {}
 
         async def record(message: dict[str, Any]) -> None:
@@ -131,14 +151,11 @@ class _Guard:
         try:
             await self.app(scope, receive, record)
         finally:
-            if path != "/metrics":
-                self.metrics.observe_request(_endpoint(path), status.get("code", 500))
-
-    def _authorized(self, scope: Scope) -> bool:
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
-        assert self.key is not None
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+            code = status.get("code", 500)
+            # The scraper's own requests would only count themselves; a refused one (wrong key)
+            # is worth seeing.
+            if path != "/metrics" or code != 200:
+                self.metrics.observe_request(_endpoint(path), code)
 
 
 def _endpoint(path: str) -> str:

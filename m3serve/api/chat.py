@@ -1,96 +1,88 @@
 """POST /v1/chat/completions: OpenAI chat, streamed (SSE) or not, with MiniMax reasoning and
-tool calls parsed out of the model's text, thinking controls, n choices and logprobs."""
+tool calls parsed out of the model's text, thinking controls, n choices and logprobs.
+
+This module validates a chat request into engine requests and renders the chat response
+format; the requests' life (submit, stream, abort, metrics) is the `Generation`'s.
+"""
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from m3serve.api.choice import ChoiceOutput, Delta
 from m3serve.api.errors import APIError, decode, read_body
+from m3serve.api.generation import Generation, Outputs
 from m3serve.api.parsers.reasoning import ReasoningParser
-from m3serve.api.parsers.tools import ToolCallParser
-from m3serve.api.protocol import ChatCompletionRequest, Message
-from m3serve.api.responses import (
-    EventStream,
-    finish_reason,
-    logprobs_content,
-    sse,
-    sse_events,
-    usage_dict,
-)
-from m3serve.api.serving import (
-    ClientGone,
-    ServerState,
-    Timing,
-    check_n,
-    collect,
-    log_exchange,
-    merged,
-    observe_finished,
-    sampling_params,
-    start,
-    to_builtins,
-    until_disconnect,
-)
+from m3serve.api.parsers.tools import ToolCall, ToolCallDelta, ToolCallParser
+from m3serve.api.protocol import ChatCompletionRequest, Message, to_builtins
+from m3serve.api.responses import finish_reason, logprobs_content, usage_dict
+from m3serve.api.sampling import check_n, sampling_params
+from m3serve.api.state import ServerState
 from m3serve.model.special_tokens import THINK_END, TOOL_CALL_START, TOOL_NAMESPACE
 from m3serve.model.thinking import ThinkingInvalid, resolve_thinking
 from m3serve.runtime.messages import GenerateReq, RequestOutput
 
 MEDIA_PARTS = ("image_url", "image", "video_url", "video", "input_audio")
-
-
-@dataclass
-class Plan:
-    """A validated chat request, ready to submit."""
-
-    reqs: list[GenerateReq]
-    thinking: str
-    tools: list[dict[str, Any]] | None
-    forced_prefix: str
-    body: ChatCompletionRequest
+THINKING_KEYS = ("thinking", "thinking_mode", "reasoning_effort")  # not for the template
 
 
 async def chat_completions(request: Request) -> Response:
     state: ServerState = request.app.state.server
     raw = await read_body(request, state.args.max_request_bytes)
     body = decode(raw, ChatCompletionRequest)
-    plan = _plan(body, state)
+    plan = _plan(body)
+    reqs = _requests(plan, state)
     rid = "chatcmpl-" + uuid.uuid4().hex
-    log_exchange(state, rid, "request", raw.decode(errors="replace"))
-    timing = Timing()
-    streams = await start(state.engine, plan.reqs)
-    outputs = [_choice_output(plan, state) for _ in plan.reqs]
+    state.log_exchange(rid, "request", raw.decode(errors="replace"))
+    response = _ChatResponse(rid, plan, state)
+    generation = await Generation.start(state, rid, reqs)
     if body.stream:
-        finished: list[list[RequestOutput]] = [[] for _ in streams]
-        events = _stream(rid, plan, state, streams, outputs, timing, finished)
-        return EventStream(sse_events(events, state, finished))
-    try:
-        chunks = await until_disconnect(request, collect(streams))
-    except ClientGone:
-        state.metrics.observe_aborted()
-        return Response(status_code=499)
-    response = _completion(rid, plan, state, outputs, chunks, timing)
-    log_exchange(state, rid, "response", response["choices"])
-    return JSONResponse(response)
+        return generation.event_stream(response.chunks(generation))
+    return await generation.json_response(request, response.completion)
 
 
 # ---------------------------------------------------------------------- validation
 
 
-def _plan(body: ChatCompletionRequest, state: ServerState) -> Plan:
+@dataclass
+class Plan:
+    """A validated chat request: what its engine requests and its parsers are made from."""
+
+    body: ChatCompletionRequest
+    thinking: str
+    effort: str | None
+    tools: list[dict[str, Any]] | None
+    forced_prefix: str  # the opening of a tool call that tool_choice forces, or ""
+
+
+def _plan(body: ChatCompletionRequest) -> Plan:
     if not body.messages:
         raise APIError(400, "messages must not be empty", "messages")
     check_n(body)
     _check_content(body.messages)
+    thinking, effort = _thinking(body)
+    tools = [to_builtins(t) for t in body.tools] if body.tools else None
+    forced = ""
+    if tools and body.tool_choice not in (None, "auto", "none"):
+        # The forced call is the answer: thinking would come before it, so it is off.
+        forced, thinking, effort = _forced_call(body, tools), "disabled", None
+    if body.tool_choice == "none":
+        tools = None
+    if body.logprobs and body.top_logprobs is None:
+        body.top_logprobs = 0
+    return Plan(body, thinking, effort, tools, forced)
+
+
+def _thinking(body: ChatCompletionRequest) -> tuple[str, str | None]:
     try:
-        thinking, effort = resolve_thinking(
+        return resolve_thinking(
             body.thinking.type if body.thinking else None,
             body.reasoning_effort,
             body.chat_template_kwargs,
@@ -98,29 +90,23 @@ def _plan(body: ChatCompletionRequest, state: ServerState) -> Plan:
     except ThinkingInvalid as exc:
         param = "reasoning_effort" if str(exc).startswith("reasoning_effort") else "thinking"
         raise APIError(400, str(exc), param) from exc
-    tools = [to_builtins(t) for t in body.tools] if body.tools else None
-    forced = ""
-    if tools and body.tool_choice not in (None, "auto", "none"):
-        forced, thinking, effort = _forced_call(body, tools), "disabled", None
-    if body.tool_choice == "none":
-        tools = None
-    if body.logprobs and body.top_logprobs is None:
-        body.top_logprobs = 0
-    template_kwargs = {
-        k: v
-        for k, v in (body.chat_template_kwargs or {}).items()
-        if k not in ("thinking", "thinking_mode", "reasoning_effort")
-    }
+
+
+def _requests(plan: Plan, state: ServerState) -> list[GenerateReq]:
+    """One engine request per choice; they differ only in id and seed."""
+    body = plan.body
+    kwargs = {k: v for k, v in (body.chat_template_kwargs or {}).items() if k not in THINKING_KEYS}
     messages = [to_builtins(m) for m in body.messages]
     parsing = state.args.reasoning_parser is not None or state.args.tool_call_parser is not None
-    reqs = [
+    prefix = ((THINK_END if plan.forced_prefix else "") + plan.forced_prefix) or None
+    return [
         GenerateReq(
             rid=f"{uuid.uuid4().hex}-{i}",
             messages=messages,
-            tools=tools,
+            tools=plan.tools,
             sampling=sampling_params(
                 body,
-                state,
+                state.defaults,
                 _max_tokens(body),
                 logprobs=body.logprobs,
                 top_logprobs=body.top_logprobs or 0,
@@ -129,14 +115,13 @@ def _plan(body: ChatCompletionRequest, state: ServerState) -> Plan:
                 seed_offset=i,
             ),
             stream=body.stream,
-            thinking=thinking,
-            reasoning_effort=effort,
-            chat_template_kwargs=template_kwargs or None,
-            assistant_prefix=((THINK_END if forced else "") + forced) or None,
+            thinking=plan.thinking,
+            reasoning_effort=plan.effort,
+            chat_template_kwargs=kwargs or None,
+            assistant_prefix=prefix,
         )
         for i in range(body.n)
     ]
-    return Plan(reqs, thinking, tools, forced, body)
 
 
 def _max_tokens(body: ChatCompletionRequest) -> int | None:
@@ -150,15 +135,17 @@ def _check_content(messages: list[Message]) -> None:
     for i, message in enumerate(messages):
         if isinstance(message.content, list):
             for part in message.content:
-                kind = part.get("type")
-                if kind in MEDIA_PARTS:
-                    raise APIError(
-                        400, f"{kind} input is not supported by this build yet", f"messages.{i}"
-                    )
-                if kind != "text" or not isinstance(part.get("text"), str):
-                    raise APIError(400, f"unsupported content part {kind!r}", f"messages.{i}")
+                _check_part(part, f"messages.{i}")
         if message.role == "tool" and message.content is None:
             raise APIError(400, "a tool message needs content", f"messages.{i}")
+
+
+def _check_part(part: dict[str, Any], param: str) -> None:
+    kind = part.get("type")
+    if kind in MEDIA_PARTS:
+        raise APIError(400, f"{kind} input is not supported by this build yet", param)
+    if kind != "text" or not isinstance(part.get("text"), str):
+        raise APIError(400, f"unsupported content part {kind!r}", param)
 
 
 def _forced_call(body: ChatCompletionRequest, tools: list[dict[str, Any]]) -> str:
@@ -172,6 +159,88 @@ def _forced_call(body: ChatCompletionRequest, tools: list[dict[str, Any]]) -> st
     return f'{opening}{name}">'
 
 
+# ---------------------------------------------------------------------- rendering
+
+
+class _ChatResponse:
+    """The chat response to one request: each choice's text through its own parsers, as one
+    `chat.completion` or as `chat.completion.chunk` events. Made before the request is
+    submitted, so that nothing it builds can fail once the engine is at work."""
+
+    def __init__(self, rid: str, plan: Plan, state: ServerState) -> None:
+        self.rid = rid
+        self.plan = plan
+        self.state = state
+        self.parsed = [_choice_output(plan, state) for _ in range(plan.body.n)]
+
+    def completion(self, outputs: Outputs) -> dict[str, Any]:
+        choices = [self._message_choice(i, pieces) for i, pieces in enumerate(outputs)]
+        return {
+            "id": self.rid,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.state.model_name,
+            "choices": choices,
+            "usage": usage_dict(outputs, self._reasoning_counts()),
+        }
+
+    async def chunks(self, generation: Generation) -> AsyncGenerator[dict[str, Any], None]:
+        head = {"id": self.rid, "object": "chat.completion.chunk", "created": int(time.time())}
+        head["model"] = self.state.model_name
+        for index in range(len(self.parsed)):
+            yield {**head, "choices": [_choice(index, {"role": "assistant", "content": ""})]}
+        async for index, output in generation.stream():
+            choice = self._delta_choice(index, output)
+            if choice is not None:
+                yield {**head, "choices": [choice]}
+        self.state.log_exchange(self.rid, "streamed", [o.text for o in self.parsed])
+        options = self.plan.body.stream_options
+        if options and options.include_usage:
+            usage = usage_dict(generation.outputs, self._reasoning_counts())
+            yield {**head, "choices": [], "usage": usage}
+
+    def _message_choice(self, index: int, pieces: list[RequestOutput]) -> dict[str, Any]:
+        output = self.parsed[index]
+        for piece in pieces:
+            output.feed(piece.text, len(piece.output_ids))
+        output.finish()
+        calls = output.calls
+        message: dict[str, Any] = {"role": "assistant", "content": output.text.content or None}
+        if output.reasoning is not None:
+            message["reasoning_content"] = output.text.reasoning or None
+        if calls:
+            message["tool_calls"] = [_call(c) for c in calls]
+        elif message["content"] is None:
+            message["content"] = ""
+        return {
+            "index": index,
+            "message": message,
+            "logprobs": logprobs_content(self.state, pieces) if self.plan.body.logprobs else None,
+            "finish_reason": finish_reason(pieces[-1].finish, bool(calls)),
+        }
+
+    def _delta_choice(self, index: int, piece: RequestOutput) -> dict[str, Any] | None:
+        """One output's chunk choice; None when it carries nothing (a tag held back)."""
+        output = self.parsed[index]
+        delta = output.feed(piece.text, len(piece.output_ids))
+        reason = None
+        if piece.finish is not None:
+            delta += output.finish()
+            reason = finish_reason(piece.finish, bool(output.calls))
+        logprobs = None
+        if self.plan.body.logprobs and piece.logprobs:
+            logprobs = logprobs_content(self.state, [piece])
+        body = _delta_dict(delta)
+        if not (body or reason or logprobs):
+            return None
+        return _choice(index, body, reason, logprobs)
+
+    def _reasoning_counts(self) -> list[int] | None:
+        if self.parsed[0].reasoning is None:
+            return None
+        return [o.reasoning_tokens for o in self.parsed]
+
+
 def _choice_output(plan: Plan, state: ServerState) -> ChoiceOutput:
     reasoning = None
     if state.args.reasoning_parser and plan.body.separate_reasoning:
@@ -182,114 +251,18 @@ def _choice_output(plan: Plan, state: ServerState) -> ChoiceOutput:
     return ChoiceOutput(reasoning, tools, plan.forced_prefix, plan.body.parallel_tool_calls)
 
 
-# ---------------------------------------------------------------------- non-streaming
-
-
-def _completion(
-    rid: str,
-    plan: Plan,
-    state: ServerState,
-    outputs: list[ChoiceOutput],
-    chunks: list[list[RequestOutput]],
-    timing: Timing,
-) -> dict[str, Any]:
-    choices = []
-    for index, (output, pieces) in enumerate(zip(outputs, chunks, strict=True)):
-        for chunk in pieces:
-            output.feed(chunk.text, len(chunk.output_ids))
-        output.finish()
-        calls = output.calls
-        message: dict[str, Any] = {"role": "assistant", "content": output.text.content or None}
-        if output.reasoning is not None:
-            message["reasoning_content"] = output.text.reasoning or None
-        if calls:
-            message["tool_calls"] = [
-                {
-                    "id": c.id,
-                    "type": "function",
-                    "function": {"name": c.name, "arguments": c.arguments},
-                }
-                for c in calls
-            ]
-        elif message["content"] is None:
-            message["content"] = ""
-        finish = pieces[-1].finish
-        choices.append(
-            {
-                "index": index,
-                "message": message,
-                "logprobs": logprobs_content(state, pieces) if plan.body.logprobs else None,
-                "finish_reason": finish_reason(finish, bool(calls)),
-            }
-        )
-        observe_finished(state, pieces, timing)
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": state.model_name,
-        "choices": choices,
-        "usage": usage_dict(chunks, _reasoning_counts(outputs)),
-    }
-
-
-# ---------------------------------------------------------------------- streaming
-
-
-async def _stream(
-    rid: str,
-    plan: Plan,
-    state: ServerState,
-    streams: list[AsyncIterator[RequestOutput]],
-    outputs: list[ChoiceOutput],
-    timing: Timing,
-    finished: list[list[RequestOutput]],
-) -> AsyncIterator[bytes]:
-    """The response's SSE events; `finished` collects each choice's chunks as they pass."""
-    created = int(time.time())
-    head = {"id": rid, "object": "chat.completion.chunk", "created": created}
-    head["model"] = state.model_name
-    include_usage = bool(plan.body.stream_options and plan.body.stream_options.include_usage)
-    for index in range(len(streams)):
-        yield sse({**head, "choices": [_choice(index, {"role": "assistant", "content": ""})]})
-    async for index, chunk in merged(streams):
-        timing.token()
-        finished[index].append(chunk)
-        output = outputs[index]
-        delta = output.feed(chunk.text, len(chunk.output_ids))
-        if chunk.finish is not None:
-            tail = output.finish()
-            delta = Delta(
-                delta.reasoning + tail.reasoning,
-                delta.content + tail.content,
-                delta.calls + tail.calls,
-            )
-        body = _delta_dict(delta)
-        logprobs = None
-        if plan.body.logprobs and chunk.logprobs:
-            logprobs = logprobs_content(state, [chunk])
-        reason = None
-        if chunk.finish is not None:
-            reason = finish_reason(chunk.finish, bool(output.calls))
-            observe_finished(state, finished[index], timing)
-        if body or reason or logprobs:
-            yield sse({**head, "choices": [_choice(index, body, reason, logprobs)]})
-    log_exchange(state, rid, "streamed", [o.text for o in outputs])
-    if include_usage:
-        usage = usage_dict(finished, _reasoning_counts(outputs))
-        yield sse({**head, "choices": [], "usage": usage})
-
-
-def _reasoning_counts(outputs: list[ChoiceOutput]) -> list[int] | None:
-    if outputs[0].reasoning is None:
-        return None
-    return [o.reasoning_tokens for o in outputs]
-
-
 def _choice(
     index: int, delta: dict[str, Any], reason: str | None = None, logprobs: Any = None
 ) -> dict[str, Any]:
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+
+
+def _call(call: ToolCall) -> dict[str, Any]:
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
 
 
 def _delta_dict(delta: Delta) -> dict[str, Any]:
@@ -303,7 +276,7 @@ def _delta_dict(delta: Delta) -> dict[str, Any]:
     return out
 
 
-def _call_delta(call: Any) -> dict[str, Any]:
+def _call_delta(call: ToolCallDelta) -> dict[str, Any]:
     out: dict[str, Any] = {"index": call.index, "function": {"arguments": call.arguments}}
     if call.id is not None:
         out["id"] = call.id

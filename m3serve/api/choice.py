@@ -19,6 +19,11 @@ class Delta:
     def __bool__(self) -> bool:
         return bool(self.reasoning or self.content or self.calls)
 
+    def __add__(self, later: Delta) -> Delta:
+        return Delta(
+            self.reasoning + later.reasoning, self.content + later.content, self.calls + later.calls
+        )
+
 
 class ChoiceOutput:
     def __init__(
@@ -55,11 +60,7 @@ class ChoiceOutput:
         if not self._pending:
             return delta
         pending, self._pending = self._pending, Delta()
-        return Delta(
-            pending.reasoning + delta.reasoning,
-            pending.content + delta.content,
-            pending.calls + delta.calls,
-        )
+        return pending + delta
 
     def finish(self) -> Delta:
         if self.reasoning is None:

@@ -1,299 +1,35 @@
-"""Prometheus metrics: a minimal text-exposition (format 0.0.4) implementation and the server's set.
+"""The API process's Prometheus metrics (`ServerMetrics`) and the `/metrics` text.
 
-`Counter`, `Gauge` and `Histogram` hold one series per combination of label values; a `Registry`
-renders them in registration order. Each metric guards its series with its own lock, so the API's
-event loop and an occasional other thread (the engine-stats reader) can update them safely.
+`ServerMetrics` owns what the request handlers record (requests by route and status, tokens,
+latencies, finish reasons) plus two gauges derived at scrape time, in a prometheus_client
+`CollectorRegistry` of its own: never the library's global one, so that several apps (tests,
+embedded servers) can live in one process. `render` writes that registry and then the engine's
+(`AsyncEngine.metrics`: running and waiting requests, KV usage, retractions) in the text format
+0.0.4.
 
-`ServerMetrics` is the set `/metrics` serves, named after SGLang's (`sglang:` becomes `m3serve:`)
-or vLLM's where those exist, so existing dashboards need only the prefix changed.
+Names follow SGLang's (`sglang:` becomes `m3serve:`) or vLLM's where those exist, so existing
+dashboards need only the prefix changed.
 """
 
 from __future__ import annotations
 
+import copy
 import math
-import re
 import threading
 import time
-from bisect import bisect_left
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from itertools import pairwise
-from typing import ClassVar, TypeVar
+from collections.abc import Callable, Iterator, Sequence
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
-_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
-_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
-# Integral floats below this are exact, so printing them as ints loses nothing.
-_EXACT_INT_LIMIT = 2.0**53
+from m3serve.actors.engine_metrics import PREFIX
 
-LabelKey = tuple[str, ...]
-
-
-# ---------------------------------------------------------------- text formatting
-
-
-def format_value(value: float) -> str:
-    """A sample value or `le` bound: integers without ".0" or exponent, infinities as +Inf/-Inf."""
-    value = float(value)
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if value.is_integer() and abs(value) < _EXACT_INT_LIMIT:
-        return str(int(value))
-    # repr is the shortest text that parses back to the same float.
-    return repr(value)
-
-
-def escape_label_value(value: str) -> str:
-    """Escapes backslash, double quote and newline, as the exposition format requires."""
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def escape_help(text: str) -> str:
-    """HELP text escapes only backslash and newline (a quote is literal there)."""
-    return text.replace("\\", "\\\\").replace("\n", "\\n")
-
-
-def _label_text(names: Sequence[str], values: Sequence[str]) -> str:
-    if not names:
-        return ""
-    pairs = (f'{n}="{escape_label_value(v)}"' for n, v in zip(names, values, strict=True))
-    return "{" + ",".join(pairs) + "}"
-
-
-# ---------------------------------------------------------------- metrics
-
-
-class Metric:
-    """A metric family: name, help, declared label names, and a lock over its series."""
-
-    kind: ClassVar[str]
-    reserved_labels: ClassVar[frozenset[str]] = frozenset()
-
-    def __init__(self, name: str, help: str, labels: tuple[str, ...] = ()) -> None:
-        _check_names(name, labels, self.reserved_labels)
-        self.name = name
-        self.help = help
-        self.labelnames = tuple(labels)
-        self._lock = threading.Lock()
-
-    def _key(self, labels: Mapping[str, object]) -> LabelKey:
-        if labels.keys() != set(self.labelnames):
-            raise ValueError(
-                f"{self.name}: labels {sorted(labels)} given, {list(self.labelnames)} declared"
-            )
-        return tuple(str(labels[n]) for n in self.labelnames)
-
-    def render(self) -> str:
-        """The HELP and TYPE lines followed by every sample line, each ending in a newline."""
-        head = [f"# HELP {self.name} {escape_help(self.help)}", f"# TYPE {self.name} {self.kind}"]
-        return "".join(line + "\n" for line in [*head, *self._samples()])
-
-    def _samples(self) -> Iterator[str]:
-        raise NotImplementedError
-
-
-def _check_names(name: str, labels: Iterable[str], reserved: frozenset[str]) -> None:
-    if not _METRIC_NAME.fullmatch(name):
-        raise ValueError(f"invalid metric name {name!r}")
-    seen: set[str] = set()
-    for label in labels:
-        # Names starting with "__" are reserved for Prometheus' internal use.
-        if not _LABEL_NAME.fullmatch(label) or label.startswith("__") or label in reserved:
-            raise ValueError(f"{name}: invalid label name {label!r}")
-        if label in seen:
-            raise ValueError(f"{name}: duplicate label name {label!r}")
-        seen.add(label)
-
-
-class _ScalarMetric(Metric):
-    """One float per series: the shared body of Counter and Gauge."""
-
-    def __init__(self, name: str, help: str, labels: tuple[str, ...] = ()) -> None:
-        super().__init__(name, help, labels)
-        # A label-less metric shows 0 before its first update rather than being absent.
-        self._values: dict[LabelKey, float] = {} if labels else {(): 0.0}
-
-    def _add(self, amount: float, labels: Mapping[str, object]) -> None:
-        key = self._key(labels)
-        with self._lock:
-            self._values[key] = self._values.get(key, 0.0) + amount
-
-    def value(self, **labels: str) -> float:
-        """The current value of one series (0 if it was never updated)."""
-        key = self._key(labels)
-        with self._lock:
-            return self._values.get(key, 0.0)
-
-    def _samples(self) -> Iterator[str]:
-        with self._lock:
-            items = list(self._values.items())
-        for key, value in items:
-            yield f"{self.name}{_label_text(self.labelnames, key)} {format_value(value)}"
-
-
-class Counter(_ScalarMetric):
-    """A monotonically increasing count."""
-
-    kind = "counter"
-
-    def inc(self, amount: float = 1.0, **labels: str) -> None:
-        if not amount >= 0:  # also catches NaN
-            raise ValueError(f"{self.name}: counter increment must be >= 0, got {amount}")
-        self._add(amount, labels)
-
-
-class Gauge(_ScalarMetric):
-    """A value that goes up and down."""
-
-    kind = "gauge"
-
-    def set(self, value: float, **labels: str) -> None:
-        key = self._key(labels)
-        with self._lock:
-            self._values[key] = float(value)
-
-    def inc(self, amount: float = 1.0, **labels: str) -> None:
-        self._add(amount, labels)
-
-    def dec(self, amount: float = 1.0, **labels: str) -> None:
-        self._add(-amount, labels)
-
-
-@dataclass(slots=True)
-class _HistogramSeries:
-    counts: list[int]  # per bucket, not cumulative: cumulated at render time
-    total: float = 0.0
-    count: int = 0
-
-
-@dataclass(frozen=True)
-class HistogramSnapshot:
-    """One series' state: cumulative bucket counts (aligned with `Histogram.bounds`), sum, count."""
-
-    cumulative: tuple[int, ...]
-    total: float
-    count: int
-
-
-class Histogram(Metric):
-    """Observations counted into buckets with upper bounds; +Inf is always the last bucket."""
-
-    kind = "histogram"
-    reserved_labels = frozenset({"le"})
-
-    def __init__(
-        self, name: str, help: str, buckets: tuple[float, ...], labels: tuple[str, ...] = ()
-    ) -> None:
-        super().__init__(name, help, labels)
-        self.bounds = _check_buckets(name, buckets)
-        self._series: dict[LabelKey, _HistogramSeries] = {} if labels else {(): self._new()}
-
-    def _new(self) -> _HistogramSeries:
-        return _HistogramSeries(counts=[0] * len(self.bounds))
-
-    def observe(self, value: float, **labels: str) -> None:
-        if math.isnan(value):
-            # NaN fits no bucket and would poison _sum for the life of the server.
-            raise ValueError(f"{self.name}: cannot observe NaN")
-        key = self._key(labels)
-        index = bisect_left(self.bounds, value)  # first bound >= value: buckets are "le"
-        with self._lock:
-            series = self._series.get(key)
-            if series is None:
-                series = self._series[key] = self._new()
-            series.counts[index] += 1
-            series.total += value
-            series.count += 1
-
-    def snapshot(self, **labels: str) -> HistogramSnapshot:
-        """The state of one series (all zero if it was never observed)."""
-        key = self._key(labels)
-        with self._lock:
-            series = self._series.get(key) or self._new()
-            return _snapshot(series)
-
-    def _samples(self) -> Iterator[str]:
-        with self._lock:
-            items = [(key, _snapshot(series)) for key, series in self._series.items()]
-        for key, snap in items:
-            yield from self._series_lines(key, snap)
-
-    def _series_lines(self, key: LabelKey, snap: HistogramSnapshot) -> Iterator[str]:
-        names = (*self.labelnames, "le")
-        for bound, cumulative in zip(self.bounds, snap.cumulative, strict=True):
-            labels = _label_text(names, (*key, format_value(bound)))
-            yield f"{self.name}_bucket{labels} {cumulative}"
-        labels = _label_text(self.labelnames, key)
-        yield f"{self.name}_sum{labels} {format_value(snap.total)}"
-        yield f"{self.name}_count{labels} {snap.count}"
-
-
-def _snapshot(series: _HistogramSeries) -> HistogramSnapshot:
-    cumulative: list[int] = []
-    running = 0
-    for count in series.counts:
-        running += count
-        cumulative.append(running)
-    return HistogramSnapshot(tuple(cumulative), series.total, series.count)
-
-
-def _check_buckets(name: str, buckets: Sequence[float]) -> tuple[float, ...]:
-    bounds = [float(b) for b in buckets]
-    if any(math.isnan(b) for b in bounds):
-        raise ValueError(f"{name}: NaN bucket bound")
-    if any(a >= b for a, b in pairwise(bounds)):
-        raise ValueError(f"{name}: bucket bounds must be strictly increasing, got {buckets}")
-    if not bounds or bounds[-1] != math.inf:
-        bounds.append(math.inf)
-    return tuple(bounds)
-
-
-# ---------------------------------------------------------------- registry
-
-
-# Keeps `Registry.counter()` typed as Counter rather than Metric.
-_M = TypeVar("_M", bound=Metric)
-
-
-class Registry:
-    """Metrics by name, rendered in registration order."""
-
-    def __init__(self) -> None:
-        self._metrics: dict[str, Metric] = {}
-        self._lock = threading.Lock()
-
-    def counter(self, name: str, help: str, labels: tuple[str, ...] = ()) -> Counter:
-        return self._register(Counter(name, help, labels))
-
-    def gauge(self, name: str, help: str, labels: tuple[str, ...] = ()) -> Gauge:
-        return self._register(Gauge(name, help, labels))
-
-    def histogram(
-        self, name: str, help: str, buckets: tuple[float, ...], labels: tuple[str, ...] = ()
-    ) -> Histogram:
-        return self._register(Histogram(name, help, buckets, labels))
-
-    def _register(self, metric: _M) -> _M:
-        with self._lock:
-            if metric.name in self._metrics:
-                raise ValueError(f"metric {metric.name!r} is already registered")
-            self._metrics[metric.name] = metric
-        return metric
-
-    def render(self) -> str:
-        """The whole exposition text (format 0.0.4)."""
-        with self._lock:
-            metrics = list(self._metrics.values())
-        return "".join(metric.render() for metric in metrics)
-
-
-# ---------------------------------------------------------------- the server's metrics
-
-PREFIX = "m3serve:"
+# The classic text format every Prometheus scrapes (prometheus_client's CONTENT_TYPE_LATEST is
+# 1.0.0 since 0.23).
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 
 # TTFT spans sub-ms (cache hit, short prompt) to a minute (long prompt under load); ITL lives at
 # the low end of the same range, so one bucket set serves both.
@@ -311,89 +47,109 @@ THROUGHPUT_WINDOW_S = 10.0
 
 
 class ServerMetrics:
-    """The metric set `/metrics` serves, with the bookkeeping its derived gauges need."""
+    """The API's metric set, with the bookkeeping its derived gauges need."""
 
     def __init__(
         self,
-        registry: Registry | None = None,
+        registry: CollectorRegistry | None = None,
         clock: Callable[[], float] = time.monotonic,
         window_s: float = THROUGHPUT_WINDOW_S,
     ) -> None:
-        self.registry = registry if registry is not None else Registry()
+        self.registry = registry if registry is not None else CollectorRegistry()
         self._clock = clock
         self._window_s = window_s
         self._started = clock()
         self._recent: deque[tuple[float, int]] = deque()
+        self._prompt_total = 0
+        self._cached_total = 0
         self._lock = threading.Lock()
         self._register_counters()
         self._register_histograms()
         self._register_gauges()
 
     def _register_counters(self) -> None:
+        # prometheus_client appends "_total" to a counter's name: m3serve:request_total etc.
         r = self.registry
-        self.requests = r.counter(
-            PREFIX + "request_total",
+        self.requests = Counter(
+            PREFIX + "request",
             "HTTP requests by route and status code",
             ("endpoint", "status"),
+            registry=r,
         )
-        self.prompt_tokens = r.counter(PREFIX + "prompt_tokens_total", "Prompt tokens processed")
-        self.generation_tokens = r.counter(
-            PREFIX + "generation_tokens_total", "Generation tokens produced"
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens", "Prompt tokens processed", registry=r
         )
-        self.cached_tokens = r.counter(
-            PREFIX + "cached_tokens_total", "Prompt tokens served from the prefix cache"
+        self.generation_tokens = Counter(
+            PREFIX + "generation_tokens", "Generation tokens produced", registry=r
         )
-        self.successes = r.counter(
-            PREFIX + "request_success_total",
+        self.cached_tokens = Counter(
+            PREFIX + "cached_tokens", "Prompt tokens served from the prefix cache", registry=r
+        )
+        self.successes = Counter(
+            PREFIX + "request_success",
             "Finished requests by finish reason",
             ("finish_reason",),
+            registry=r,
         )
-        self.aborts = r.counter(
-            PREFIX + "request_aborted_total", "Requests aborted before finishing"
+        self.aborts = Counter(
+            PREFIX + "request_aborted", "Requests aborted before finishing", registry=r
         )
 
     def _register_histograms(self) -> None:
         r = self.registry
-        self.ttft = r.histogram(
-            PREFIX + "time_to_first_token_seconds", "Time to first token", LATENCY_BUCKETS
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Time to first token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
-        self.itl = r.histogram(
-            PREFIX + "inter_token_latency_seconds", "Time between output tokens", LATENCY_BUCKETS
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Time between output tokens",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
-        self.e2e = r.histogram(
-            PREFIX + "e2e_request_latency_seconds", "End-to-end request latency", E2E_BUCKETS
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "End-to-end request latency",
+            buckets=E2E_BUCKETS,
+            registry=r,
         )
         # vLLM's names: "prompt_tokens" alone would share the family of prompt_tokens_total
         # once a scraper reads it as OpenMetrics.
-        self.request_prompt_tokens = r.histogram(
-            PREFIX + "request_prompt_tokens", "Prompt tokens per finished request", TOKEN_BUCKETS
+        self.request_prompt_tokens = Histogram(
+            PREFIX + "request_prompt_tokens",
+            "Prompt tokens per finished request",
+            buckets=TOKEN_BUCKETS,
+            registry=r,
         )
-        self.request_generation_tokens = r.histogram(
+        self.request_generation_tokens = Histogram(
             PREFIX + "request_generation_tokens",
             "Generation tokens per finished request",
-            TOKEN_BUCKETS,
+            buckets=TOKEN_BUCKETS,
+            registry=r,
         )
 
     def _register_gauges(self) -> None:
+        # Both are computed when the registry is collected, so any scrape sees current values.
         r = self.registry
-        self.running = r.gauge(PREFIX + "num_running_reqs", "Requests in the running batch")
-        self.waiting = r.gauge(PREFIX + "num_waiting_reqs", "Requests waiting to be scheduled")
-        self.kv_usage = r.gauge(PREFIX + "kv_cache_usage_ratio", "Fraction of the KV pool in use")
-        self.hit_rate = r.gauge(
-            PREFIX + "prefix_cache_hit_rate", "Cached over prompt tokens over the server's life"
+        self.hit_rate = Gauge(
+            PREFIX + "prefix_cache_hit_rate",
+            "Cached over prompt tokens over the server's life",
+            registry=r,
         )
-        self.throughput = r.gauge(
+        self.hit_rate.set_function(self._hit_rate)
+        self.throughput = Gauge(
             PREFIX + "generation_throughput_tokens_per_s",
-            f"Generated tokens per second over the last {format_value(self._window_s)} s",
+            f"Generated tokens per second over the last {self._window_s:g} s",
+            registry=r,
         )
-        self.retractions = r.gauge(
-            PREFIX + "num_retractions_total", "Requests the engine retracted (engine's counter)"
-        )
+        self.throughput.set_function(lambda: self._throughput(self._clock()))
 
     # ------------------------------------------------------------ observations
 
     def observe_request(self, endpoint: str, status: int) -> None:
-        self.requests.inc(endpoint=endpoint, status=str(status))
+        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
 
     def observe_finished(
         self,
@@ -405,11 +161,22 @@ class ServerMetrics:
         e2e_s: float,
         finish_reason: str,
     ) -> None:
-        """Records one finished request. `ttft_s` is None when no token was generated."""
+        """Records one finished request. `ttft_s` is None when no token was generated.
+
+        Checked before anything is recorded, so a bad call leaves every series as it was."""
+        if min(prompt_tokens, completion_tokens, cached_tokens) < 0:
+            raise ValueError("token counts must be >= 0")
+        latencies = [e2e_s, *itl_s] if ttft_s is None else [ttft_s, e2e_s, *itl_s]
+        if any(math.isnan(x) for x in latencies):
+            # NaN fits no bucket and would poison _sum for the life of the server.
+            raise ValueError("cannot observe a NaN latency")
+        with self._lock:
+            self._prompt_total += prompt_tokens
+            self._cached_total += cached_tokens
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)
         self.cached_tokens.inc(cached_tokens)
-        self.successes.inc(finish_reason=finish_reason)
+        self.successes.labels(finish_reason=finish_reason).inc()
         if ttft_s is not None:
             self.ttft.observe(ttft_s)
         for gap in itl_s:
@@ -421,14 +188,6 @@ class ServerMetrics:
     def observe_aborted(self) -> None:
         self.aborts.inc()
 
-    def set_engine_stats(
-        self, running: int, waiting: int, kv_used: int, kv_total: int, retractions: int
-    ) -> None:
-        self.running.set(running)
-        self.waiting.set(waiting)
-        self.kv_usage.set(kv_used / kv_total if kv_total > 0 else 0.0)
-        self.retractions.set(retractions)
-
     def count_tokens(self, n: int, now: float | None = None) -> None:
         """Counts `n` generated tokens toward the throughput gauge; called per streamed chunk."""
         now = self._clock() if now is None else now
@@ -438,14 +197,16 @@ class ServerMetrics:
 
     # ------------------------------------------------------------ rendering
 
-    def render(self) -> str:
-        self.hit_rate.set(self._hit_rate())
-        self.throughput.set(self._throughput(self._clock()))
-        return self.registry.render()
+    def render(self, engine: Collector | None = None) -> str:
+        """The `/metrics` text: this registry's families, then those of `engine` (the engine's
+        metrics, `AsyncEngine.metrics`) when given."""
+        sources = [self.registry] if engine is None else [self.registry, engine]
+        return generate_latest(_Scrape(sources)).decode()
 
     def _hit_rate(self) -> float:
-        prompt = self.prompt_tokens.value()
-        return self.cached_tokens.value() / prompt if prompt > 0 else 0.0
+        with self._lock:
+            prompt, cached = self._prompt_total, self._cached_total
+        return cached / prompt if prompt > 0 else 0.0
 
     def _throughput(self, now: float) -> float:
         with self._lock:
@@ -461,3 +222,22 @@ class ServerMetrics:
         cutoff = now - self._window_s
         while self._recent and self._recent[0][0] <= cutoff:
             self._recent.popleft()
+
+
+class _Scrape(Collector):
+    """Several collectors' families in order, without the `_created` samples prometheus_client
+    adds to counters and histograms. Dashboards have never seen them, and the library's own
+    switch (`disable_created_metrics`) would change every registry in the process, an embedding
+    application's included."""
+
+    def __init__(self, sources: Sequence[Collector]) -> None:
+        self._sources = sources
+
+    def collect(self) -> Iterator[Metric]:
+        for source in self._sources:
+            for family in source.collect():
+                created = family.name + "_created"
+                # A copy: a collector may hand out the same family object on every scrape.
+                kept = copy.copy(family)
+                kept.samples = [s for s in family.samples if s.name != created]
+                yield kept

@@ -1,6 +1,7 @@
 """OpenAI request bodies as msgspec Structs: decoding them is the type check, `/openapi.json` is
 generated from them, and fields OpenAI clients may add that we do not know are ignored.
-Structs that reach the chat template omit unset fields, so the template sees what was sent.
+Structs that reach the chat template omit unset fields, so the template sees what was sent;
+`to_builtins` turns them into the plain values the template and the tokenizer actor take.
 
 Responses are plain dicts built by the handlers (see `responses.py`): their shape is OpenAI's,
 and clients only read, never validate, them.
@@ -128,3 +129,8 @@ REQUEST_TYPES: dict[str, type[msgspec.Struct]] = {
     "/v1/tokenize": TokenizeRequest,
     "/v1/detokenize": DetokenizeRequest,
 }
+
+
+def to_builtins(value: Any) -> Any:
+    """Structs -> plain JSON values (what the chat template and the tokenizer actor take)."""
+    return msgspec.to_builtins(value, builtin_types=(bytes,))

@@ -1,61 +1,14 @@
-"""Pieces of OpenAI response bodies shared by the handlers: SSE framing, finish reasons, usage
-with cached and reasoning tokens, logprobs."""
+"""Pieces of OpenAI response bodies shared by the handlers: finish reasons, usage with cached
+and reasoning tokens, logprobs."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
-import orjson
-from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
-
-from m3serve.api.serving import ServerState
-from m3serve.engine import EngineDeadError, RequestError
+from m3serve.api.state import ServerState
 from m3serve.runtime.messages import Finish, RequestOutput, TokenLogprob
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}
-
-
-class EventStream(StreamingResponse):
-    """SSE response that closes its generator as soon as the response ends, also when the
-    client hung up: the generator's cleanup aborts the engine requests, so the KV is freed now
-    rather than whenever the garbage collector finalizes the generator."""
-
-    def __init__(self, events: AsyncIterator[bytes]) -> None:
-        super().__init__(events, media_type="text/event-stream")
-        self._events = events
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self._events.aclose()  # type: ignore[attr-defined]
-
-
-async def sse_events(
-    events: AsyncIterator[bytes], state: ServerState, finished: list[list[RequestOutput]]
-) -> AsyncIterator[bytes]:
-    """The frame around a handler's events: an engine failure mid-stream is reported in-band
-    (the status code is long sent), unfinished choices count as aborted, `[DONE]` ends it."""
-    try:
-        async for event in events:
-            yield event
-    except (RequestError, EngineDeadError) as exc:
-        code = getattr(exc, "code", 503)
-        yield sse({"error": {"message": str(exc), "type": "server_error", "code": code}})
-    finally:
-        if not all(pieces and pieces[-1].finish for pieces in finished):
-            state.metrics.observe_aborted()
-    yield sse_done()
-
-
-def sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(payload) + b"\n\n"
-
-
-def sse_done() -> bytes:
-    return b"data: [DONE]\n\n"
 
 
 def finish_reason(finish: Finish | None, called_tools: bool) -> str | None:
@@ -68,7 +21,7 @@ def finish_reason(finish: Finish | None, called_tools: bool) -> str | None:
 
 def usage_dict(
     chunks: list[list[RequestOutput]], reasoning_tokens: list[int] | None = None
-) -> dict:
+) -> dict[str, Any]:
     """Usage over all choices: the prompt counts once, completions add up. Reasoning tokens
     are those of the text the reasoning parser put in reasoning_content."""
     finals = [pieces[-1].usage for pieces in chunks if pieces]

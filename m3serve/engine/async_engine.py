@@ -3,7 +3,8 @@
 It starts the actor graph (`launch.py`) — as processes talking over ZeroMQ, or with
 `single_process=True` as tasks in the current loop — sends each request to the tokenizer worker
 that owns it and routes the returning `RequestOutput`s into per-request streams. A dead actor
-fails every pending request with `EngineDeadError`.
+fails every pending request with `EngineDeadError`. `metrics` is the engine's Prometheus
+metrics, readable in this process whichever way the actors run.
 """
 
 from __future__ import annotations
@@ -15,15 +16,18 @@ import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from m3serve.engine.launch import ActorGraph, start_in_process, start_processes
 from m3serve.runtime.actor import Actor
 from m3serve.runtime.config import ConfigInvalid, ServerArgs
-from m3serve.runtime.messages import Abort, Error, GenerateReq, RequestOutput, Stats, TextBatch
+from m3serve.runtime.messages import Abort, Error, GenerateReq, RequestOutput, TextBatch
 from m3serve.runtime.shm import new_session_id
 from m3serve.runtime.supervisor import Supervisor
 from m3serve.runtime.transport import Inbox, MailboxClosed, Outbox
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +60,6 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._graph: ActorGraph | None = None
         self._tasks: list[asyncio.Task[Any]] = []
-        self.stats: Stats | None = None  # the engine's latest load figures
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -120,6 +123,15 @@ class AsyncEngine:
         return self._graph.actors if self._graph is not None else []
 
     @property
+    def metrics(self) -> CollectorRegistry | None:
+        """The engine's Prometheus metrics (running and waiting requests, KV and prefix-cache
+        use, retractions) as a registry to collect or render next to your own; None while the
+        engine is not running. With actor processes it reads the files the engine process
+        writes (prometheus_client's multiprocess mode); single-process, it is the scheduler's
+        own registry."""
+        return self._graph.metrics if self._graph is not None else None
+
+    @property
     def supervisor(self) -> Supervisor | None:
         return self._graph.supervisor if self._graph is not None else None
 
@@ -181,8 +193,6 @@ class AsyncEngine:
                 self._deliver(message)
             elif isinstance(message, Error):
                 self._deliver_error(message)
-            elif isinstance(message, Stats):
-                self.stats = message
 
     def _deliver(self, batch: TextBatch) -> None:
         for output in batch.outputs:
@@ -199,6 +209,8 @@ class AsyncEngine:
             state.queue.put_nowait(RequestError(error.message, error.code))
 
     def _on_death(self, name: str, exitcode: int | None) -> None:
+        if self._graph is not None:
+            self._graph.forget_metrics_of(name)
         self._die(EngineDeadError(f"the {name} process exited unexpectedly (exit code {exitcode})"))
 
     def _die(self, error: EngineDeadError) -> None:

@@ -5,6 +5,11 @@ in-process mailboxes. Both give the caller the same `ActorGraph`.
 Children are started with the `spawn` method: each imports what it needs (a tokenizer worker
 never imports torch), connects its mailboxes, serves until Shutdown, and exits on its own if the
 parent process dies.
+
+The graph also says where the engine's Prometheus metrics (`EngineMetrics`) can be read. In
+process mode the engine process writes them through prometheus_client's multiprocess mode into
+`<run dir>/metrics`, and the graph holds a registry around a `MultiProcessCollector` over those
+files; in-process, it holds the scheduler actor's own registry.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Coroutine
@@ -43,6 +49,8 @@ from m3serve.runtime.transport import (
 )
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
     from m3serve.actors.tokenizer import TokenizerActor
 
 PARENT_POLL_S = 0.5
@@ -55,9 +63,10 @@ class ActorGraph:
     tokenizers: list[Outbox]  # a request goes to the worker that owns its rid
     scheduler: Outbox
     outputs: Inbox  # TextBatch and per-request Error from the tokenizer workers
-    control: Inbox  # Ready, Error and Stats from every actor
+    control: Inbox  # Ready and Error from every actor
     ready: dict[str, Ready]
     supervisor: Supervisor
+    metrics: CollectorRegistry  # the engine's metrics, as this process can read them
     # In-process mode: the actors and their serve() tasks (tests and embedded uses look inside).
     actors: list[Actor] = field(default_factory=list)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -74,6 +83,22 @@ class ActorGraph:
         await self.supervisor.shutdown()
         for box in self.closables:
             box.close()
+
+    def forget_metrics_of(self, name: str) -> None:
+        """Drops the live gauges of a child that died: a dead engine runs and holds nothing.
+        Its counters stay, as Prometheus counters do."""
+        proc = self.supervisor.procs.get(name)
+        if proc is None or proc.pid is None:
+            return  # in-process actors write no files
+        from prometheus_client.multiprocess import mark_process_dead
+
+        mark_process_dead(proc.pid, str(metrics_dir(self.supervisor)))
+
+
+def metrics_dir(supervisor: Supervisor) -> Path:
+    """Where the engine process of a process-mode graph writes its metric files (removed with
+    the run dir at shutdown)."""
+    return supervisor.run_dir / "metrics"
 
 
 @dataclass(frozen=True)
@@ -94,6 +119,9 @@ class Addresses:
 
 
 async def start_processes(args: ServerArgs, model_path: Path, supervisor: Supervisor) -> ActorGraph:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.multiprocess import MultiProcessCollector
+
     workers = args.runtime.tokenizer_worker_num
     addresses = Addresses.under(supervisor.run_dir, workers)
     outputs = ZmqInbox(addresses.api, Codec(ToApi))
@@ -102,7 +130,11 @@ async def start_processes(args: ServerArgs, model_path: Path, supervisor: Superv
     scheduler = ZmqOutbox(addresses.scheduler, Codec(ToScheduler))
     level = logging.getLogger().getEffectiveLevel()
     session = supervisor.session
-    supervisor.spawn("engine", engine_process, addresses, model_path, args, level)
+    metric_files = metrics_dir(supervisor)
+    metric_files.mkdir()
+    metrics = CollectorRegistry()
+    MultiProcessCollector(metrics, path=str(metric_files))
+    supervisor.spawn("engine", engine_process, addresses, model_path, args, level, metric_files)
     for i in range(workers):
         supervisor.spawn(
             f"tokenizer{i}", tokenizer_process, addresses, i, model_path, args, session, level
@@ -114,6 +146,7 @@ async def start_processes(args: ServerArgs, model_path: Path, supervisor: Superv
         control,
         {},
         supervisor,
+        metrics,
         closables=[outputs, control, *tokenizers, scheduler],
     )
     try:
@@ -132,11 +165,10 @@ async def start_in_process(
     workers = args.runtime.tokenizer_worker_num
     outputs, control, scheduler = InProcChannel(), InProcChannel(), InProcChannel()
     tokenizers = [InProcChannel() for _ in range(workers)]
-    actors: list[Actor] = [
-        SchedulerActor(
-            scheduler.inbox(), [t.outbox() for t in tokenizers], control.outbox(), args, model_path
-        )
-    ]
+    engine = SchedulerActor(
+        scheduler.inbox(), [t.outbox() for t in tokenizers], control.outbox(), args, model_path
+    )
+    actors: list[Actor] = [engine]
     for i, channel in enumerate(tokenizers):
         actors.append(
             _tokenizer_actor(
@@ -157,6 +189,7 @@ async def start_in_process(
         control.inbox(),
         {},
         supervisor,
+        engine.metrics.registry,
         actors=actors,
         tasks=[asyncio.create_task(a.serve(), name=a.name) for a in actors],
     )
@@ -201,8 +234,9 @@ def _tokenizer_actor(
 
 
 def engine_process(
-    addresses: Addresses, model_path: Path, args: ServerArgs, log_level: int
+    addresses: Addresses, model_path: Path, args: ServerArgs, log_level: int, metric_files: Path
 ) -> None:
+    _write_metrics_to(metric_files)
     from m3serve.actors.scheduler import SchedulerActor
 
     async def main() -> None:
@@ -240,6 +274,21 @@ def tokenizer_process(
         await actor.serve()
 
     _run(f"tokenizer{worker}", main(), log_level)
+
+
+def _write_metrics_to(directory: Path) -> None:
+    """Puts prometheus_client in multiprocess mode for this (engine) process: every metric made
+    from here on keeps its value in an mmap file under `directory`, where the API process's
+    `MultiProcessCollector` reads it. Only ever called in a spawned child."""
+    imported = "prometheus_client" in sys.modules
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(directory)
+    if imported:
+        # prometheus_client picks its value class when first imported, and a spawned child
+        # re-imports the parent's __main__ before running this: a script that imports
+        # prometheus_client at top level made that choice already, without the directory.
+        from prometheus_client import values
+
+        values.ValueClass = values.get_value_class()
 
 
 def _run(name: str, main: Coroutine[Any, Any, None], log_level: int) -> None:

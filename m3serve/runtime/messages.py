@@ -168,17 +168,6 @@ class TextBatch(msgspec.Struct, tag=True, array_like=True):
 # ---------------------------------------------------------------- control
 
 
-class Stats(msgspec.Struct, tag=True, array_like=True):
-    """The engine's load, published periodically to the API process (for /metrics)."""
-
-    running: int
-    waiting: int
-    kv_used_pages: int
-    kv_total_pages: int
-    cached_pages: int
-    retractions: int
-
-
 class Ready(msgspec.Struct, tag=True, array_like=True):
     actor: str
     pid: int
@@ -242,4 +231,4 @@ class StepResult(msgspec.Struct, tag=True, kw_only=True, array_like=True):
 ToTokenizer = GenerateReq | Abort | TokenBatch | Error | Shutdown
 ToScheduler = Tokenized | Abort | Shutdown
 ToApi = TextBatch | Error | Ready
-ToSupervisor = Ready | Error | Stats
+ToSupervisor = Ready | Error

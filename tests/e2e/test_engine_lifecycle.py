@@ -62,6 +62,9 @@ def test_killing_the_engine_process_fails_pending_requests_fast(model_path: Path
         worker = threading.Thread(target=run)
         worker.start()
         time.sleep(1.0)  # generation is under way
+        metrics = engine.async_engine.metrics
+        assert metrics is not None
+        assert metrics.get_sample_value("m3serve:num_running_reqs") == 1
         killed_at = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         worker.join(timeout=30)
@@ -71,6 +74,9 @@ def test_killing_the_engine_process_fails_pending_requests_fast(model_path: Path
         assert time.monotonic() - killed_at < 5.0
         with pytest.raises(EngineDeadError):
             engine.generate("after", {"max_new_tokens": 1})
+        # A dead engine runs nothing: its gauges are gone from the metrics, its counters stay.
+        assert metrics.get_sample_value("m3serve:num_running_reqs") is None
+        assert metrics.get_sample_value("m3serve:num_retractions_total") == 0
     finally:
         pids = list(engine.async_engine.processes.values())
         session = engine.async_engine.supervisor.session

@@ -24,7 +24,7 @@ class ScriptedEngine:
     args: ServerArgs = field(default_factory=ServerArgs)
     healthy: bool = True
     dead: Exception | None = None
-    stats: Any = None
+    metrics: Any = None  # no engine metrics to render
     delay_s: float = 0.0
     seen: list[GenerateReq] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)

@@ -130,7 +130,6 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
     m.Ready: st.builds(m.Ready, texts, small_ints, json_dicts),
     m.Error: st.builds(m.Error, st.none() | texts, texts, small_ints),
     m.Shutdown: st.just(m.Shutdown()),
-    m.Stats: st.builds(m.Stats, *(small_ints,) * 6),
     m.StepPlan: st.builds(
         m.StepPlan,
         step=small_ints,

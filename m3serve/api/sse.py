@@ -1,0 +1,38 @@
+"""Server-sent events on the wire: `data: <json>` frames, the in-band error frame, the closing
+`[DONE]`, and the response that carries them."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+DONE = b"data: [DONE]\n\n"
+
+
+def event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def error_event(message: str, code: int) -> bytes:
+    """An error after the response started: the status code is long sent, so it goes in-band."""
+    return event({"error": {"message": message, "type": "server_error", "code": code}})
+
+
+class EventStream(StreamingResponse):
+    """SSE response that closes its generator as soon as the response ends, also when the
+    client hung up: the generator's cleanup aborts the engine requests, so the KV is freed now
+    rather than whenever the garbage collector finalizes the generator."""
+
+    def __init__(self, events: AsyncIterator[bytes]) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self._events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()  # type: ignore[attr-defined]

@@ -1,0 +1,82 @@
+"""`EngineMetrics` reads a real scheduler's load, writes only what changed, and turns the
+scheduler's running retraction total into counter increments."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from m3serve.actors.engine_metrics import EngineMetrics
+from m3serve.core.req import Req
+from m3serve.core.scheduler import Scheduler
+from m3serve.runtime.config import SchedArgs
+from m3serve.runtime.messages import SamplingParams
+
+PAGE = 4
+
+
+def value(registry: CollectorRegistry, name: str) -> float | None:
+    return registry.get_sample_value("m3serve:" + name)
+
+
+def request(rid: str, prompt_len: int) -> Req:
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=8)
+    return Req(rid, list(range(10, 10 + prompt_len)), sampling, frozenset({7}), worker=0)
+
+
+def test_figures_of_a_real_scheduler() -> None:
+    scheduler = Scheduler(SchedArgs(max_running_requests=1), 40, PAGE, radix=True)
+    metrics = EngineMetrics()
+    metrics.update(scheduler)
+    assert value(metrics.registry, "num_running_reqs") == 0
+    assert value(metrics.registry, "kv_cache_usage_ratio") == 0
+    assert value(metrics.registry, "num_retractions_total") == 0
+    scheduler.add(request("a", 10))
+    scheduler.add(request("b", 10))
+    assert scheduler.schedule() is not None  # admits one: max_running_requests=1
+    metrics.update(scheduler)
+    used = scheduler.pool.num_pages - scheduler.pool.num_free
+    assert used > 0
+    assert value(metrics.registry, "num_running_reqs") == 1
+    assert value(metrics.registry, "num_waiting_reqs") == 1
+    assert value(metrics.registry, "kv_cache_usage_ratio") == pytest.approx(used / 40)
+    assert value(metrics.registry, "num_cached_pages") == 0
+
+
+def fake(retracted: int, running: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(
+        running=[object()] * running,
+        waiting=[],
+        pool=SimpleNamespace(num_pages=10, num_free=10),
+        cache=SimpleNamespace(tree=SimpleNamespace(cached_pages=0)),
+        retracted=retracted,
+    )
+
+
+def test_retractions_count_up_by_the_schedulers_increments() -> None:
+    metrics = EngineMetrics()
+    for total in (0, 2, 2, 5):
+        metrics.update(fake(total))  # type: ignore[arg-type]
+        assert value(metrics.registry, "num_retractions_total") == total
+
+
+def test_unchanged_figures_write_nothing() -> None:
+    metrics = EngineMetrics()
+    metrics.update(fake(1, running=2))  # type: ignore[arg-type]
+
+    def refuse(*_: object) -> None:
+        raise AssertionError("wrote an unchanged figure")
+
+    for metric in (metrics.running, metrics.waiting, metrics.kv_usage, metrics.cached_pages):
+        metric.set = refuse  # type: ignore[method-assign]
+    metrics.retractions.inc = refuse  # type: ignore[method-assign]
+    metrics.update(fake(1, running=2))  # type: ignore[arg-type]
+
+
+def test_each_engine_metrics_has_its_own_registry() -> None:
+    first, second = EngineMetrics(), EngineMetrics()
+    first.update(fake(0, running=3))  # type: ignore[arg-type]
+    assert value(first.registry, "num_running_reqs") == 3
+    assert value(second.registry, "num_running_reqs") == 0
