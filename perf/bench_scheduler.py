@@ -34,6 +34,7 @@ from m3serve.runtime.messages import SamplingParams, StepPlan, StepResult
 from m3serve.runtime.transport import InProcChannel
 
 PAGE = 128
+TINY_PAGE = 4  # the built-in tiny model's KV page
 PROMPT = 1000
 
 
@@ -159,7 +160,13 @@ def reference_backend_rows(steps: int) -> list[dict[str, Any]]:
         times = {}
         for overlap in (True, False):
             # Short prompts, so the measured window is decode steps.
-            core = TimedCore(ServerArgs.from_kwargs(max_running_requests=running), None)
+            # The pool and prefill budget of `make_scheduler`: every request admitted at once.
+            args = ServerArgs.from_kwargs(
+                max_running_requests=running,
+                max_prefill_tokens=1 << 20,
+                max_total_tokens=running * ((64 + 4096) // TINY_PAGE + 1) * TINY_PAGE,
+            )
+            core = TimedCore(args, None)
             core.seconds = []
             for req in requests(running, 64):
                 core.add(req)
