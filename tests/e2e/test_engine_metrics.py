@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers.metrics_text import samples
 
 from m3serve.api.app import create_app
 from m3serve.engine.async_engine import AsyncEngine
@@ -27,14 +28,9 @@ PROMPT = "The engine's gauges should show this request while it runs. " * 3
 async def scrape(http: httpx.AsyncClient) -> dict[str, float]:
     response = await http.get("/metrics")
     assert response.status_code == 200
-    samples: dict[str, float] = {}
-    for line in response.text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
     assert "# TYPE m3serve:num_retractions_total counter" in response.text
     assert "_created" not in response.text
-    return samples
+    return samples(response.text)
 
 
 async def settle(
@@ -42,12 +38,12 @@ async def settle(
 ) -> dict[str, float]:
     """Scrapes until `done` holds (the engine updates its figures after its next step)."""
     deadline = time.monotonic() + SETTLE_TIMEOUT_S
-    while not done(samples := await scrape(http)):
-        assert time.monotonic() < deadline, f"metrics did not settle: {samples}"
+    while not done(figures := await scrape(http)):
+        assert time.monotonic() < deadline, f"metrics did not settle: {figures}"
         # A scrape through ASGITransport never yields to the loop, where a single-process
         # engine runs.
         await asyncio.sleep(0.02)
-    return samples
+    return figures
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from helpers.metrics_text import samples
 
 API_KEY = "sk-test"
 MAX_REQUEST_BYTES = 65536
@@ -545,16 +546,12 @@ def test_metrics_are_prometheus_text_counting_requests(
     response = http.get("/metrics")
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
-    samples: dict[str, float] = {}
-    for line in response.text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
+    found = samples(response.text)
     assert "# TYPE m3serve:request_total counter" in response.text
-    ok_chats = samples['m3serve:request_total{endpoint="/v1/chat/completions",status="200"}']
+    ok_chats = found['m3serve:request_total{endpoint="/v1/chat/completions",status="200"}']
     assert ok_chats >= 2
-    assert samples["m3serve:num_running_reqs"] >= 0
-    assert "m3serve:num_waiting_reqs" in samples
+    assert found["m3serve:num_running_reqs"] >= 0
+    assert "m3serve:num_waiting_reqs" in found
 
 
 # ---------------------------------------------------------------------- the cookbook's examples
