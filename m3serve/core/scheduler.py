@@ -10,7 +10,7 @@ pages, the newest requests are retracted: their KV is cached in the radix tree a
 be recomputed.
 
 `schedule` may run before the previous step's result is processed (overlap): a plan never
-depends on tokens the CPU has not seen — decode inputs come from the executor's slot table.
+depends on tokens the CPU has not seen — decode inputs come from the engine core's slot table.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""The MiniMax-M3.1 network: config parsing, layers, paged forward, weight loading, quant formats.
+"""The MiniMax-M3.1 network: config parsing, layers, paged forward, weight loading, quant formats,
+chat template, special tokens, thinking controls.
 
-Model code never calls a kernel directly; every op goes through the backend it was built with.
+The layers call every op through the backend they were built with; `backend.py` is that
+contract, and nothing here imports a backend.
 """

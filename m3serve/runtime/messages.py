@@ -1,7 +1,7 @@
 """Every message that crosses an actor boundary, as msgspec Structs, grouped by channel.
 
 Channels: API → tokenizer, tokenizer → scheduler, scheduler → tokenizer, tokenizer → API,
-scheduler ↔ executor (in-process), control (any actor → supervisor). Each
+scheduler ↔ engine core (in-process), control (any actor → supervisor). Each
 channel has a tagged union type its receiver decodes. Request messages carry their `rid`; an
 `Error` with a rid fails that request, an `Error` without one means the sender is going down.
 """
@@ -187,7 +187,7 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-# ---------------------------------------------------------------- scheduler <-> executor
+# ---------------------------------------------------------------- scheduler <-> engine core
 
 
 class SeqStep(msgspec.Struct, array_like=True):

@@ -1,5 +1,5 @@
-"""Request slots: a running request owns one row of the executor's per-request device tables
-(page table, token table), and that row's index is its slot."""
+"""Request slots: a running request owns one row of the engine core's per-request device tables
+(the token each slot sampled last), and that row's index is its slot."""
 
 from __future__ import annotations
 
