@@ -1,4 +1,4 @@
-"""The scheduler against a model-free executor whose tokens depend on the KV it reads back:
+"""The scheduler against a model-free stand-in whose tokens depend on the KV it reads back:
 continuous batching, chunked prefill, prefix caching, retraction, aborts and overlap all have to
 reproduce each request's solo output, and every page comes back when the work is done."""
 
@@ -16,7 +16,7 @@ from m3serve.core.scheduler import QueueFull, Scheduler
 from m3serve.runtime.config import SchedArgs
 from m3serve.runtime.messages import SamplingParams, StepPlan
 
-from .fake_executor import FakeExecutor, reference_output
+from .fake_model import FakeModel, reference_output
 
 PAGE = 4
 STOP = frozenset({7})
@@ -25,7 +25,7 @@ STOP = frozenset({7})
 @dataclass
 class Run:
     scheduler: Scheduler
-    executor: FakeExecutor
+    model: FakeModel
     outputs: dict[str, list[int]]
     finishes: dict[str, str]
 
@@ -33,7 +33,7 @@ class Run:
 def make(num_pages: int, radix: bool = True, **sched: float | str) -> Run:
     args = SchedArgs(**{"max_running_requests": 8, "max_prefill_tokens": 64, **sched})
     scheduler = Scheduler(args, num_pages, PAGE, radix)
-    return Run(scheduler, FakeExecutor(num_pages, PAGE, args.max_running_requests), {}, {})
+    return Run(scheduler, FakeModel(num_pages, PAGE, args.max_running_requests), {}, {})
 
 
 def request(rid: str, prompt: list[int], max_new: int) -> Req:
@@ -69,7 +69,7 @@ def drive(
 
 
 def collect(run: Run, plan: StepPlan) -> None:
-    out = run.scheduler.process(run.executor.run(plan))
+    out = run.scheduler.process(run.model.run(plan))
     for batch in out.batches.values():
         for rid, ids, finish in zip(batch.rids, batch.new_ids, batch.finish, strict=True):
             run.outputs.setdefault(rid, []).extend(ids)

@@ -1,4 +1,4 @@
-"""A model-free executor that checks the scheduler's bookkeeping end to end.
+"""A model-free stand-in for `EngineCore.run` that checks the scheduler's bookkeeping end to end.
 
 Its "KV cache" stores token ids: every step writes each input token at the slot its page table
 names, and the next token is a hash of the whole sequence *read back through the page table*.
@@ -31,7 +31,7 @@ def reference_output(prompt: list[int], max_new: int, stop: frozenset[int]) -> l
     return out
 
 
-class FakeExecutor:
+class FakeModel:
     def __init__(self, num_pages: int, page_size: int, max_slots: int) -> None:
         self.page_size = page_size
         self.kv: list[int | None] = [None] * (num_pages * page_size)
