@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from m3serve.model import quant
+from m3serve.kernels import quant
 from m3serve.model.config import ModelConfig
 from m3serve.model.inventory import (
     IGNORED_PREFIXES,

@@ -2,7 +2,7 @@
 transformers running on its dequantized float32 copy.
 
 Every quantized tensor is decoded here from the raw safetensors bytes with numpy bit arithmetic
-(no m3serve.model.quant, no torch float8), and the checkpoint-name -> fused-parameter rules are
+(no m3serve.kernels.quant, no torch float8), and the checkpoint-name -> fused-parameter rules are
 written out here too, so a shared misunderstanding with the loader would show up as a mismatch.
 """
 

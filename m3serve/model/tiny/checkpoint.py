@@ -16,7 +16,7 @@ from typing import Any, Literal
 import torch
 from safetensors.torch import save_file
 
-from m3serve.model import quant
+from m3serve.kernels import quant
 from m3serve.model.config import ModelConfig, parse_model_config
 from m3serve.model.inventory import TensorSpec, text_inventory
 from m3serve.model.tiny.tokenizer import special_token_ids, write_tokenizer_files

@@ -1,4 +1,4 @@
-"""Tests for m3serve.model.quant: bit-exact MXFP8/NVFP4 decoding and ModelOpt-style encoding.
+"""Tests for m3serve.kernels.quant: bit-exact MXFP8/NVFP4 decoding and ModelOpt-style encoding.
 
 The decoders are checked against scalar reference decoders written here from the bit layouts,
 so a shared misunderstanding between the module and torch's float8 would still be caught.
@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from m3serve.model.quant import (
+from m3serve.kernels.quant import (
     E2M1_MAGNITUDES,
     MXFP8_BLOCK,
     NVFP4_GROUP,
