@@ -57,6 +57,17 @@ def random_model(cfg: TextConfig, device: torch.device) -> M3ForCausalLM:
     return model.eval()
 
 
+def random_kv(cfg: TextConfig, pages: int, device: torch.device) -> KVCache:
+    """A bf16 KV cache of random, not zero, values (zeros can run faster than real data)."""
+    kv = KVCache.allocate(cfg, pages, torch.bfloat16, device)
+    for layer in kv.layers:
+        layer.k.normal_()
+        layer.v.normal_()
+        if layer.index_k is not None:
+            layer.index_k.normal_()
+    return kv
+
+
 def decode_batch(batch_size: int, context: int, page: int, device: torch.device) -> ForwardBatch:
     pages_each = -(-(context + 1) // page)
     order = torch.randperm(batch_size * pages_each, generator=torch.Generator().manual_seed(1))
@@ -74,6 +85,7 @@ def time_us(fn: Any) -> float:
 
 
 def launches_per_layer(model: M3ForCausalLM, batch: ForwardBatch, kv: KVCache) -> float:
+    layers = model.cfg.num_layers
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -81,7 +93,7 @@ def launches_per_layer(model: M3ForCausalLM, batch: ForwardBatch, kv: KVCache) -
             model.hidden_states(batch, kv)
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return len(kernels) / LAYERS
+    return len(kernels) / layers
 
 
 def hf_step_us(model: M3ForCausalLM, cfg: TextConfig, batch_size: int, context: int) -> float:
@@ -89,11 +101,12 @@ def hf_step_us(model: M3ForCausalLM, cfg: TextConfig, batch_size: int, context: 
     from transformers.cache_utils import DynamicCache
     from transformers.models.minimax_m3_vl import MiniMaxM3VLForCausalLM, MiniMaxM3VLTextConfig
 
+    layers = cfg.num_layers
     hf_cfg = MiniMaxM3VLTextConfig(
         vocab_size=cfg.vocab_size,
-        num_hidden_layers=LAYERS,
-        layer_types=["minimax_m3_sparse"] * LAYERS,
-        mlp_layer_types=["dense"] + ["sparse"] * (LAYERS - 1),
+        num_hidden_layers=layers,
+        layer_types=["minimax_m3_sparse"] * layers,
+        mlp_layer_types=["sparse" if cfg.is_moe(i) else "dense" for i in range(layers)],
         rope_parameters={"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.5},
     )
     hf_cfg._attn_implementation = "eager"
@@ -103,15 +116,14 @@ def hf_step_us(model: M3ForCausalLM, cfg: TextConfig, batch_size: int, context: 
     ours = dict(model.named_parameters())
     hf_params = dict(hf.named_parameters())
     for name in list(hf_params):  # a list: setattr below changes the module's parameters
-        source = _our_name(name)
+        tensor = _our_tensor(name, model, ours)
+        if tensor is None:
+            tensor = torch.zeros_like(hf_params[name], device=device)
         module, attr = name.rsplit(".", 1)
-        tensor = (
-            ours[source] if source in ours else torch.zeros_like(hf_params[name], device=device)
-        )
         setattr(hf.get_submodule(module), attr, torch.nn.Parameter(tensor, requires_grad=False))
     for name, buf in list(hf.named_buffers()):
         module, attr = name.rsplit(".", 1)
-        value = ours.get(_our_name(name))
+        value = _our_tensor(name, model, ours)
         if value is None:
             value = torch.zeros_like(buf, device=device) if buf.is_meta else buf.to(device)
         setattr(hf.get_submodule(module), attr, value)
@@ -119,7 +131,7 @@ def hf_step_us(model: M3ForCausalLM, cfg: TextConfig, batch_size: int, context: 
     hf = hf.to(device).eval()
     cache = DynamicCache(config=hf_cfg)
     shape = (batch_size, cfg.num_kv_heads, context, cfg.head_dim)
-    for layer in range(LAYERS):
+    for layer in range(layers):
         k = torch.randn(shape, dtype=torch.bfloat16, device=device)
         cache.update(k, torch.randn_like(k), layer)
         ik = torch.randn(batch_size, 1, context, cfg.index_head_dim, dtype=torch.bfloat16)
@@ -132,13 +144,19 @@ def hf_step_us(model: M3ForCausalLM, cfg: TextConfig, batch_size: int, context: 
             hf(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True)
         cache.crop(context)
 
-    return time_us(step) / LAYERS
+    return time_us(step) / layers
 
 
-# transformers' module names -> ours (the layouts are the same; only the names differ).
+# transformers' module names -> ours (the layouts are the same; only the names differ), and
+# transformers' attention projections -> their rows of our fused qkv_proj.
+_QKV = {
+    "q_proj": 0,
+    "k_proj": 1,
+    "v_proj": 2,
+    "indexer.q_proj": 3,
+    "indexer.k_proj": 4,
+}
 _RENAMES = (
-    (".self_attn.indexer.q_proj", ".self_attn.index_q_proj"),
-    (".self_attn.indexer.k_proj", ".self_attn.index_k_proj"),
     (".self_attn.indexer.q_norm", ".self_attn.index_q_norm"),
     (".self_attn.indexer.k_norm", ".self_attn.index_k_norm"),
     (".mlp.gate.e_score_correction_bias", ".block_sparse_moe.e_score_correction_bias"),
@@ -149,10 +167,20 @@ _RENAMES = (
 )
 
 
-def _our_name(hf_name: str) -> str:
-    for theirs, ours in _RENAMES:
-        hf_name = hf_name.replace(theirs, ours)
-    return hf_name
+def _our_tensor(
+    hf_name: str, model: M3ForCausalLM, ours: dict[str, torch.Tensor]
+) -> torch.Tensor | None:
+    attn, _, rest = hf_name.partition(".self_attn.")
+    projection = rest.removesuffix(".weight")
+    if projection in _QKV:
+        module = model.get_submodule(attn + ".self_attn")
+        rows = module.splits
+        start = sum(rows[: _QKV[projection]])
+        return module.qkv_proj.weight[start : start + rows[_QKV[projection]]]
+    name = hf_name
+    for theirs, mine in _RENAMES:
+        name = name.replace(theirs, mine)
+    return ours.get(name)
 
 
 def main() -> None:
@@ -169,12 +197,7 @@ def main() -> None:
     page = cfg.page_size
     max_bs = max(args.batches)
     pages = max_bs * (-(-(args.context + 1) // page)) + 1
-    kv = KVCache.allocate(cfg, pages + 1, torch.bfloat16, device)
-    for layer in kv.layers:  # random, not zero, KV (zeros can run faster than real data)
-        layer.k.normal_()
-        layer.v.normal_()
-        if layer.index_k is not None:
-            layer.index_k.normal_()
+    kv = random_kv(cfg, pages + 1, device)
     rows = []
     for bs in args.batches:
         batch = decode_batch(bs, args.context, page, device)

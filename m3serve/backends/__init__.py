@@ -19,16 +19,24 @@ class BackendUnavailable(RuntimeError):
     """The requested backend cannot run here; the message says why and what to use instead."""
 
 
-def _reference(device: torch.device) -> Backend:
+# --moe-runner-backend: what runs the routed experts. auto: the backend's best; triton: the
+# W4A16 NVFP4 fused-MoE kernels (hopper); torch: dense experts (NVFP4 dequantized at load).
+MOE_RUNNERS: dict[str, tuple[str, ...]] = {
+    "reference": ("auto", "torch"),
+    "hopper": ("auto", "triton", "torch"),
+}
+
+
+def _reference(device: torch.device, moe_runner: str) -> Backend:
     from m3serve.backends.reference import ReferenceBackend
 
     return ReferenceBackend(device)
 
 
-def _hopper(device: torch.device) -> Backend:
+def _hopper(device: torch.device, moe_runner: str) -> Backend:
     from m3serve.backends.hopper import HopperBackend
 
-    return HopperBackend(device)
+    return HopperBackend(device, moe_runner)
 
 
 def _check_hopper(device: torch.device) -> None:
@@ -38,7 +46,7 @@ def _check_hopper(device: torch.device) -> None:
 
 
 # Names accepted by --backend; those mapped to None are registered but not built in this release.
-_BACKENDS: dict[str, Callable[[torch.device], Backend] | None] = {
+_BACKENDS: dict[str, Callable[[torch.device, str], Backend] | None] = {
     "reference": _reference,
     "hopper": _hopper,
     "blackwell": None,
@@ -57,20 +65,27 @@ def auto_backend(device: torch.device) -> str:
     return "hopper"
 
 
-def check_backend(name: str, device: torch.device) -> str:
-    """The backend name `name` resolves to on `device`; BackendUnavailable if it cannot run."""
+def check_backend(name: str, device: torch.device, moe_runner: str = "auto") -> str:
+    """The backend name `name` resolves to on `device`; BackendUnavailable if it cannot run
+    (or cannot run the experts with `moe_runner`)."""
     resolved = auto_backend(device) if name == "auto" else name
     _factory(resolved)
     if resolved == "hopper":
         _check_hopper(device)
+    runners = MOE_RUNNERS[resolved]
+    if moe_runner not in runners:
+        raise BackendUnavailable(
+            f"--moe-runner-backend {moe_runner} does not run on backend {resolved!r} "
+            f"(choose from {', '.join(runners)})"
+        )
     return resolved
 
 
-def create_backend(name: str, device: torch.device) -> Backend:
-    return _factory(check_backend(name, device))(device)
+def create_backend(name: str, device: torch.device, moe_runner: str = "auto") -> Backend:
+    return _factory(check_backend(name, device, moe_runner))(device, moe_runner)
 
 
-def _factory(name: str) -> Callable[[torch.device], Backend]:
+def _factory(name: str) -> Callable[[torch.device, str], Backend]:
     if name not in _BACKENDS:
         choices = ", ".join(BACKEND_NAMES)
         raise BackendUnavailable(f"unknown backend {name!r} (choose from {choices})")
@@ -84,6 +99,7 @@ def _factory(name: str) -> Callable[[torch.device], Backend]:
 
 __all__ = [
     "BACKEND_NAMES",
+    "MOE_RUNNERS",
     "Backend",
     "BackendUnavailable",
     "auto_backend",

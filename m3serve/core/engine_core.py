@@ -46,7 +46,9 @@ class EngineCore:
     def __init__(self, args: ServerArgs, model_path: Path | None) -> None:
         # ------------------------------------------------------------------ model
         self.device = resolve_device(args.backend.device)
-        self.backend = create_backend(args.backend.backend, self.device)
+        self.backend = create_backend(
+            args.backend.backend, self.device, args.kernel.moe_runner_backend
+        )
         self.loaded = load_model(model_path, self.backend, args.model.dtype, progress=False)
         self.model = self.loaded.model
         cfg = self.model.cfg

@@ -84,7 +84,9 @@ class AsyncEngine:
                 f"--page-size {page_size}: this model's KV page is its sparse block, "
                 f"{config.text.page_size} tokens"
             )
-        backend = check_backend(self.args.backend.backend, resolve_device(self.args.backend.device))
+        device = resolve_device(self.args.backend.device)
+        moe_runner = self.args.kernel.moe_runner_backend
+        backend = check_backend(self.args.backend.backend, device, moe_runner)
         if self.args.cache.kv_cache_dtype == "fp8_e4m3" and backend != "hopper":
             raise ConfigInvalid("--kv-cache-dtype fp8_e4m3 needs the hopper backend")
         session = new_session_id()

@@ -1,5 +1,8 @@
 """Self-attention of one decoder layer: GQA with per-head QK norm, partial RoPE, and (on sparse
-layers) the lightning indexer that picks which KV blocks each query attends to."""
+layers) the lightning indexer that picks which KV blocks each query attends to.
+
+The q, k, v (and indexer q, k) projections are one fused weight, `qkv_proj`, rows in that
+order, so the layer reads its input once and the backend runs them as one launch."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from m3serve.model.batch import ForwardBatch
 from m3serve.model.config import TextConfig
 from m3serve.model.kv_cache import LayerKV
 from m3serve.model.params import Linear, Norm
+from m3serve.model.weights import WeightFormats
 
 
 class Attention(nn.Module):
@@ -21,21 +25,21 @@ class Attention(nn.Module):
         backend: Backend,
         dtype: torch.dtype,
         device: torch.device | str,
+        formats: WeightFormats,
     ) -> None:
         super().__init__()
         self.cfg = cfg
         self.backend = backend
         self.sparse = cfg.is_sparse(layer)
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.q_proj = Linear(h, cfg.q_size, dtype, device)
-        self.k_proj = Linear(h, cfg.kv_size, dtype, device)
-        self.v_proj = Linear(h, cfg.kv_size, dtype, device)
-        self.o_proj = Linear(cfg.q_size, h, dtype, device)
+        self.splits = qkv_rows(cfg, self.sparse)
+        base = f"model.layers.{layer}.self_attn."
+        fused = [base + name for name in QKV_PROJECTIONS[: len(self.splits)]]
+        self.qkv_proj = Linear(h, sum(self.splits), dtype, device, formats.of(fused))
+        self.o_proj = Linear(cfg.q_size, h, dtype, device, formats.of([base + "o_proj"]))
         self.q_norm = Norm(cfg.head_dim, eps, dtype, device)
         self.k_norm = Norm(cfg.head_dim, eps, dtype, device)
         if self.sparse:
-            self.index_q_proj = Linear(h, cfg.index_n_heads * cfg.index_head_dim, dtype, device)
-            self.index_k_proj = Linear(h, cfg.index_head_dim, dtype, device)
             self.index_q_norm = Norm(cfg.index_head_dim, eps, dtype, device)
             self.index_k_norm = Norm(cfg.index_head_dim, eps, dtype, device)
 
@@ -44,16 +48,17 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         cfg, backend = self.cfg, self.backend
         n = x.shape[0]
-        q = self._project(x, self.q_proj, self.q_norm, cfg.num_heads, batch, inv_freq)
+        parts = backend.linear(x, self.qkv_proj.data).split(self.splits, dim=-1)
+        q = self._norm_rope(parts[0], self.q_norm, cfg.num_heads, batch, inv_freq)
         # Keys are normalized, rotated and written to the cache in one backend op.
-        k = backend.linear(x, self.k_proj.weight).view(n, cfg.num_kv_heads, cfg.head_dim)
-        v = backend.linear(x, self.v_proj.weight).view(n, cfg.num_kv_heads, cfg.head_dim)
+        k = parts[1].view(n, cfg.num_kv_heads, cfg.head_dim)
+        v = parts[2].view(n, cfg.num_kv_heads, cfg.head_dim)
         block_ids = None
         if self.sparse:
-            index_q = self._project(
-                x, self.index_q_proj, self.index_q_norm, cfg.index_n_heads, batch, inv_freq
+            index_q = self._norm_rope(
+                parts[3], self.index_q_norm, cfg.index_n_heads, batch, inv_freq
             )
-            index_k = backend.linear(x, self.index_k_proj.weight)
+            index_k = parts[4]
             backend.store_kv(
                 kv,
                 batch,
@@ -78,16 +83,28 @@ class Attention(nn.Module):
                 kv, batch, k, v, self.k_norm.weight, None, None, self.k_norm.eps, inv_freq
             )
         out = backend.attention(q, kv, batch, cfg.head_dim**-0.5, block_ids)
-        return backend.linear(out.reshape(n, cfg.q_size), self.o_proj.weight)
+        return backend.linear(out.reshape(n, cfg.q_size), self.o_proj.data)
 
-    def _project(
+    def _norm_rope(
         self,
-        x: torch.Tensor,
-        proj: Linear,
+        y: torch.Tensor,
         norm: Norm,
         heads: int,
         batch: ForwardBatch,
         inv_freq: torch.Tensor,
     ) -> torch.Tensor:
-        y = self.backend.linear(x, proj.weight).view(x.shape[0], heads, -1)
+        y = y.view(y.shape[0], heads, -1)
         return self.backend.head_norm_rope(y, norm.weight, norm.eps, batch.positions, inv_freq)
+
+
+# The checkpoint projections fused into `qkv_proj`, in row order (full-attention layers have no
+# indexer: the first three).
+QKV_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "index_q_proj", "index_k_proj")
+
+
+def qkv_rows(cfg: TextConfig, sparse: bool) -> list[int]:
+    """The row count of each projection fused into `qkv_proj`, in `QKV_PROJECTIONS` order."""
+    rows = [cfg.q_size, cfg.kv_size, cfg.kv_size]
+    if sparse:
+        rows += [cfg.index_n_heads * cfg.index_head_dim, cfg.index_head_dim]
+    return rows

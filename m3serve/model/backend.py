@@ -6,12 +6,17 @@ implements it (the exact torch reference, Triton kernels on Hopper) and is chose
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 import torch
 
 from m3serve.model.batch import ForwardBatch
 from m3serve.model.kv_cache import LayerKV
+from m3serve.model.weights import ExpertWeights, LinearWeight
+
+A = TypeVar("A")
+B = TypeVar("B")
 
 
 class Backend(Protocol):
@@ -20,8 +25,13 @@ class Backend(Protocol):
     # True when no op reads the batch's host-side lists or syncs with the host, so that a whole
     # decode step can be captured in a CUDA graph and replayed.
     capturable: bool
+    # The checkpoint formats this backend's ops read as stored ("MXFP8", "NVFP4"); weights in
+    # any other format are dequantized at load.
+    weight_formats: frozenset[str]
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+    def linear(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
+        """x [T, K] @ W^T for a dense or MXFP8 weight W [N, K] -> [T, N] in x's dtype."""
+        ...
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
@@ -86,11 +96,16 @@ class Backend(Protocol):
         x: torch.Tensor,
         router_weight: torch.Tensor,
         bias: torch.Tensor,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
+        experts: ExpertWeights,
         top_k: int,
         alpha: float,
         limit: float,
+        scale: float,
     ) -> torch.Tensor:
-        """The routed experts' weighted sum (before the routed scaling factor)."""
+        """The routed experts' weighted sum times the routed scaling factor `scale`."""
+        ...
+
+    def concurrently(self, first: Callable[[], A], second: Callable[[], B]) -> tuple[A, B]:
+        """Both results; a backend may overlap the two (the shared expert beside the routed
+        ones). Each must only read what exists before the call."""
         ...

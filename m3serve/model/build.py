@@ -14,6 +14,7 @@ from m3serve.model.backend import Backend
 from m3serve.model.config import ModelConfig, load_model_config
 from m3serve.model.loader import load_weights
 from m3serve.model.m3 import M3ForCausalLM
+from m3serve.model.weights import WeightFormats
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,8 @@ def load_model(
     device = backend.device
     torch_dtype = resolve_dtype(dtype, config, device)
     started = time.monotonic()
-    model = M3ForCausalLM(config.text, backend, torch_dtype, device)
+    formats = WeightFormats(config.quant, backend.weight_formats)
+    model = M3ForCausalLM(config.text, backend, torch_dtype, device, formats)
     load_weights(model, path, config, progress=progress)
     model.eval()
     log.info(

@@ -8,9 +8,19 @@ from torch import nn
 from m3serve.model.backend import Backend
 from m3serve.model.config import TextConfig
 from m3serve.model.params import Linear, weight
+from m3serve.model.weights import (
+    NVFP4_GROUP,
+    DenseExperts,
+    ExpertWeights,
+    Nvfp4Experts,
+    WeightFormat,
+    WeightFormats,
+)
 
 
 class DenseMLP(nn.Module):
+    """`base` is the checkpoint module the MLP comes from (`model.layers.0.mlp`)."""
+
     def __init__(
         self,
         cfg: TextConfig,
@@ -18,29 +28,56 @@ class DenseMLP(nn.Module):
         backend: Backend,
         dtype: torch.dtype,
         device: torch.device | str,
+        formats: WeightFormats,
+        base: str,
     ) -> None:
         super().__init__()
         self.cfg = cfg
         self.backend = backend
+        h = cfg.hidden_size
         # gate_proj and up_proj of the checkpoint, fused: gate rows first.
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * width, dtype, device)
-        self.down_proj = Linear(width, cfg.hidden_size, dtype, device)
+        gate_up = formats.of([f"{base}.gate_proj", f"{base}.up_proj"])
+        self.gate_up_proj = Linear(h, 2 * width, dtype, device, gate_up)
+        self.down_proj = Linear(width, h, dtype, device, formats.of([f"{base}.down_proj"]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         backend = self.backend
-        gate_up = backend.linear(x, self.gate_up_proj.weight)
+        gate_up = backend.linear(x, self.gate_up_proj.data)
         hidden = backend.swiglu(gate_up, self.cfg.swiglu_alpha, self.cfg.swiglu_limit)
-        return backend.linear(hidden, self.down_proj.weight)
+        return backend.linear(hidden, self.down_proj.data)
 
 
 class Experts(nn.Module):
-    """All routed experts of a layer, stacked: w13 [E, 2I, H] (w1 rows, then w3), w2 [E, H, I]."""
+    """All routed experts of a layer, stacked. Dense: w13 [E, 2I, H] (w1 rows, then w3) and
+    w2 [E, H, I]. NVFP4: the packed codes under the same names, plus `*_scale` (e4m3 per 16
+    inputs) and `*_global` (float32; w13's per half) as `Nvfp4Experts` describes."""
 
-    def __init__(self, cfg: TextConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self, cfg: TextConfig, dtype: torch.dtype, device: torch.device | str, fmt: WeightFormat
+    ) -> None:
         super().__init__()
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
-        self.w13 = weight(e, 2 * i, h, dtype=dtype, device=device)
-        self.w2 = weight(e, h, i, dtype=dtype, device=device)
+        self.fmt = fmt
+        if fmt != "NVFP4":
+            self.w13 = weight(e, 2 * i, h, dtype=dtype, device=device)
+            self.w2 = weight(e, h, i, dtype=dtype, device=device)
+            return
+        codes, scale, f32 = torch.uint8, torch.float8_e4m3fn, torch.float32
+        self.w13 = weight(e, 2 * i, h // 2, dtype=codes, device=device)
+        self.w13_scale = weight(e, 2 * i, h // NVFP4_GROUP, dtype=scale, device=device)
+        self.w13_global = weight(e, 2, dtype=f32, device=device)
+        self.w2 = weight(e, h, i // 2, dtype=codes, device=device)
+        self.w2_scale = weight(e, h, i // NVFP4_GROUP, dtype=scale, device=device)
+        self.w2_global = weight(e, dtype=f32, device=device)
+
+    @property
+    def data(self) -> ExpertWeights:
+        """What the backend's `moe` reads."""
+        if self.fmt == "NVFP4":
+            return Nvfp4Experts(
+                self.w13, self.w13_scale, self.w13_global, self.w2, self.w2_scale, self.w2_global
+            )
+        return DenseExperts(self.w13, self.w2)
 
 
 class Router(nn.Module):
@@ -52,28 +89,44 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
+    """`base` is the checkpoint module (`model.layers.3.block_sparse_moe`)."""
+
     def __init__(
-        self, cfg: TextConfig, backend: Backend, dtype: torch.dtype, device: torch.device | str
+        self,
+        cfg: TextConfig,
+        backend: Backend,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        formats: WeightFormats,
+        base: str,
     ) -> None:
         super().__init__()
         self.cfg = cfg
         self.backend = backend
         self.gate = Router(cfg, device)
         self.e_score_correction_bias = weight(cfg.num_experts, dtype=torch.float32, device=device)
-        self.experts = Experts(cfg, dtype, device)
-        self.shared_experts = DenseMLP(cfg, cfg.shared_intermediate_size, backend, dtype, device)
+        experts = [
+            f"{base}.experts.{e}.{w}" for e in range(cfg.num_experts) for w in ("w1", "w2", "w3")
+        ]
+        self.experts = Experts(cfg, dtype, device, formats.of(experts))
+        shared = f"{base}.shared_experts"
+        width = cfg.shared_intermediate_size
+        self.shared_experts = DenseMLP(cfg, width, backend, dtype, device, formats, shared)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
-        routed = self.backend.moe(
-            x,
-            self.gate.weight,
-            self.e_score_correction_bias,
-            self.experts.w13,
-            self.experts.w2,
-            cfg.num_experts_per_tok,
-            cfg.swiglu_alpha,
-            cfg.swiglu_limit,
-        )
         # The routed scaling factor applies to the routed sum only, not to the shared expert.
-        return routed * cfg.routed_scaling_factor + self.shared_experts(x)
+        routed, shared = self.backend.concurrently(
+            lambda: self.backend.moe(
+                x,
+                self.gate.weight,
+                self.e_score_correction_bias,
+                self.experts.data,
+                cfg.num_experts_per_tok,
+                cfg.swiglu_alpha,
+                cfg.swiglu_limit,
+                cfg.routed_scaling_factor,
+            ),
+            lambda: self.shared_experts(x),
+        )
+        return routed + shared

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
+from m3serve.model.attention import QKV_PROJECTIONS, qkv_rows
 from m3serve.model.config import TextConfig
 
 Kind = Literal["linear", "norm", "table", "router", "bias"]
@@ -63,22 +64,32 @@ def _layer(cfg: TextConfig, layer: int, prefix: str) -> Iterator[TensorSpec]:
     yield _spec(prefix, base + "input_layernorm.weight", (h,), "norm")
     yield _spec(prefix, base + "post_attention_layernorm.weight", (h,), "norm")
     attn = base + "self_attn."
-    yield _spec(prefix, attn + "q_proj.weight", (cfg.q_size, h), "linear")
-    yield _spec(prefix, attn + "k_proj.weight", (cfg.kv_size, h), "linear")
-    yield _spec(prefix, attn + "v_proj.weight", (cfg.kv_size, h), "linear")
+    sparse = cfg.is_sparse(layer)
+    qkv = _fused_rows(attn + "qkv_proj.weight", QKV_PROJECTIONS, qkv_rows(cfg, sparse), h, attn)
+    yield from (_spec(prefix, *qkv[name]) for name in QKV_PROJECTIONS[:3])
     yield _spec(prefix, attn + "o_proj.weight", (h, cfg.q_size), "linear")
     yield _spec(prefix, attn + "q_norm.weight", (cfg.head_dim,), "norm")
     yield _spec(prefix, attn + "k_norm.weight", (cfg.head_dim,), "norm")
-    if cfg.is_sparse(layer):
-        index_q = (cfg.index_n_heads * cfg.index_head_dim, h)
-        yield _spec(prefix, attn + "index_q_proj.weight", index_q, "linear")
-        yield _spec(prefix, attn + "index_k_proj.weight", (cfg.index_head_dim, h), "linear")
+    if sparse:
+        yield from (_spec(prefix, *qkv[name]) for name in QKV_PROJECTIONS[3:])
         yield _spec(prefix, attn + "index_q_norm.weight", (cfg.index_head_dim,), "norm")
         yield _spec(prefix, attn + "index_k_norm.weight", (cfg.index_head_dim,), "norm")
     if cfg.is_moe(layer):
         yield from _moe(cfg, base + "block_sparse_moe.", prefix)
     else:
         yield from _gated_mlp(cfg.dense_intermediate_size, h, base + "mlp.", prefix)
+
+
+def _fused_rows(
+    fused: str, names: tuple[str, ...], rows: list[int], cols: int, base: str
+) -> dict[str, tuple[str, tuple[int, ...], Kind, str, tuple[slice]]]:
+    """`_spec` arguments of projections stacked row-wise into the parameter `fused`."""
+    specs, start = {}, 0
+    for name, count in zip(names, rows, strict=False):
+        where = (slice(start, start + count),)
+        specs[name] = (f"{base}{name}.weight", (count, cols), "linear", fused, where)
+        start += count
+    return specs
 
 
 def _gated_mlp(width: int, hidden: int, base: str, prefix: str) -> Iterator[TensorSpec]:

@@ -2,14 +2,15 @@
 
 Before any data is read, the checkpoint's names, shapes and dtypes are checked against the
 config's inventory; every problem is reported in one `CheckpointError` naming the tensors.
-Quantized modules (ModelOpt MXFP8 / NVFP4) are dequantized exactly into the model's dtype.
+Quantized modules (ModelOpt MXFP8 / NVFP4) are copied as stored into a model that holds them
+quantized (`model/weights.py`), and dequantized exactly into the model's dtype otherwise.
+Tensors are read one at a time, shard by shard: the host never holds more than one of them.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -220,11 +221,7 @@ def read_logical(files: CheckpointFiles, spec: TensorSpec, algo: str | None) -> 
 
 
 def load_weights(
-    model: torch.nn.Module,
-    model_dir: str | Path,
-    cfg: ModelConfig,
-    progress: bool = True,
-    transform: Callable[[TensorSpec, torch.Tensor], torch.Tensor] | None = None,
+    model: torch.nn.Module, model_dir: str | Path, cfg: ModelConfig, progress: bool = True
 ) -> None:
     """Fill every parameter of `model` from the checkpoint in `model_dir`."""
     files = CheckpointFiles(Path(model_dir))
@@ -233,13 +230,46 @@ def load_weights(
     bar = Progress("Loading weights", len(plan), enabled=progress)
     # Read shard by shard so the OS page cache streams each file once.
     plan.sort(key=lambda item: (str(files.location[_stored_name(item[0])]), item[0].name))
-    for spec, algo in plan:
-        value = read_logical(files, spec, algo)
-        if transform is not None:
-            value = transform(spec, value)
-        with torch.no_grad():
-            params[spec.param][spec.index].copy_(value)
-        bar.advance()
+    with torch.no_grad():
+        for spec, algo in plan:
+            if algo is not None and _held_quantized(params[spec.param], algo, spec):
+                _copy_stored(files, spec, algo, params)
+            else:
+                params[spec.param][spec.index].copy_(read_logical(files, spec, algo))
+            bar.advance()
+
+
+_HOLDER_DTYPES = {"MXFP8": torch.float8_e4m3fn, "NVFP4": torch.uint8}
+
+
+def _held_quantized(param: torch.Tensor, algo: str, spec: TensorSpec) -> bool:
+    """Whether the model holds this weight in its stored format (else it is dense)."""
+    if param.is_floating_point() and param.dtype != torch.float8_e4m3fn:
+        return False
+    if param.dtype != _HOLDER_DTYPES[algo]:
+        raise CheckpointError(
+            f"{spec.module} is stored as {algo} but {spec.param} holds {param.dtype}"
+        )
+    return True
+
+
+def _copy_stored(
+    files: CheckpointFiles, spec: TensorSpec, algo: str, params: dict[str, torch.Tensor]
+) -> None:
+    """Copy a quantized weight's stored tensors into the model's holders: codes into the
+    parameter itself, scales into `<param>_scale`, NVFP4's global scale into `<param>_global`
+    (w13: one per half, so at [expert, half])."""
+    base = spec.module
+    if algo == "MXFP8":
+        params[spec.param][spec.index].copy_(files.tensor(f"{base}.weight"))
+        scales = files.tensor(f"{base}.weight_scale_inv")
+        params[spec.param + "_scale"][spec.index].copy_(scales)
+        return
+    params[spec.param][spec.index].copy_(files.tensor(f"{base}.weight"))
+    params[spec.param + "_scale"][spec.index].copy_(files.tensor(f"{base}.weight_scale"))
+    expert, *rows = spec.index
+    half = (rows[0].start // spec.shape[0],) if rows else ()
+    params[spec.param + "_global"][(expert, *half)].copy_(files.tensor(f"{base}.weight_scale_2"))
 
 
 def _stored_name(spec: TensorSpec) -> str:

@@ -13,6 +13,7 @@ from m3serve.model.config import TextConfig
 from m3serve.model.ffn import DenseMLP, MoE
 from m3serve.model.kv_cache import KVCache
 from m3serve.model.params import Norm, Table
+from m3serve.model.weights import WeightFormats
 
 
 class DecoderLayer(nn.Module):
@@ -23,19 +24,23 @@ class DecoderLayer(nn.Module):
         backend: Backend,
         dtype: torch.dtype,
         device: torch.device | str,
+        formats: WeightFormats,
     ) -> None:
         super().__init__()
         self.backend = backend
         self.index = index
         self.input_layernorm = Norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = Norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(cfg, index, backend, dtype, device)
+        self.self_attn = Attention(cfg, index, backend, dtype, device, formats)
         self.is_moe = cfg.is_moe(index)
         # Attribute names follow the checkpoint: `block_sparse_moe` on MoE layers, `mlp` otherwise.
+        base = f"model.layers.{index}"
         if self.is_moe:
-            self.block_sparse_moe = MoE(cfg, backend, dtype, device)
+            moe = base + ".block_sparse_moe"
+            self.block_sparse_moe = MoE(cfg, backend, dtype, device, formats, moe)
         else:
-            self.mlp = DenseMLP(cfg, cfg.dense_intermediate_size, backend, dtype, device)
+            width = cfg.dense_intermediate_size
+            self.mlp = DenseMLP(cfg, width, backend, dtype, device, formats, base + ".mlp")
 
     def forward(
         self,
@@ -57,19 +62,26 @@ class DecoderLayer(nn.Module):
 
 class Backbone(nn.Module):
     def __init__(
-        self, cfg: TextConfig, backend: Backend, dtype: torch.dtype, device: torch.device | str
+        self,
+        cfg: TextConfig,
+        backend: Backend,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        formats: WeightFormats,
     ) -> None:
         super().__init__()
         self.embed_tokens = Table(cfg.vocab_size, cfg.hidden_size, dtype, device)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, backend, dtype, device) for i in range(cfg.num_layers)
+            DecoderLayer(cfg, i, backend, dtype, device, formats) for i in range(cfg.num_layers)
         )
         self.norm = Norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
 
 class M3ForCausalLM(nn.Module):
     """Parameter names mirror the checkpoint's `language_model.*` names (minus that prefix),
-    except where the loader fuses tensors: gate/up projections and the stacked experts."""
+    except where the loader fuses tensors: q/k/v + indexer projections, gate/up projections and
+    the stacked experts. `formats` says which weights stay in the checkpoint's quantized format
+    (default: every weight dense)."""
 
     def __init__(
         self,
@@ -77,12 +89,13 @@ class M3ForCausalLM(nn.Module):
         backend: Backend,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        formats: WeightFormats | None = None,
     ) -> None:
         super().__init__()
         self.cfg = cfg
         self.backend = backend
         self.dtype = dtype
-        self.model = Backbone(cfg, backend, dtype, device)
+        self.model = Backbone(cfg, backend, dtype, device, formats or WeightFormats())
         self.lm_head = Table(cfg.vocab_size, cfg.hidden_size, dtype, device)
         self.register_buffer(
             "inv_freq", rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, device), persistent=False

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from m3serve.model.weights import MXFP8_BLOCK, LinearWeight, Mxfp8Weight, WeightFormat
+
 
 def weight(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
     # Uninitialized on purpose: the loader writes every element and checks nothing is missing.
@@ -12,13 +14,35 @@ def weight(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Pa
 
 
 class Linear(nn.Module):
-    """A bias-free projection y = x W^T whose math the backend owns."""
+    """A bias-free projection y = x W^T whose math the backend owns. Dense: `weight` [out, in]
+    in the compute dtype. MXFP8: `weight` holds the e4m3 codes and `weight_scale` the E8M0
+    exponents of each 32 inputs, as the checkpoint stores them."""
 
     def __init__(
-        self, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device | str
+        self,
+        in_features: int,
+        out_features: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        fmt: WeightFormat = "dense",
     ) -> None:
         super().__init__()
-        self.weight = weight(out_features, in_features, dtype=dtype, device=device)
+        self.fmt = fmt
+        if fmt == "MXFP8":
+            self.weight = weight(
+                out_features, in_features, dtype=torch.float8_e4m3fn, device=device
+            )
+            blocks = in_features // MXFP8_BLOCK
+            self.weight_scale = weight(out_features, blocks, dtype=torch.uint8, device=device)
+        else:
+            self.weight = weight(out_features, in_features, dtype=dtype, device=device)
+
+    @property
+    def data(self) -> LinearWeight:
+        """What the backend's `linear` reads."""
+        if self.fmt == "MXFP8":
+            return Mxfp8Weight(self.weight, self.weight_scale)
+        return self.weight
 
 
 class Norm(nn.Module):

@@ -195,6 +195,10 @@ class HiCacheArgs:
     hicache_host_memory_fraction: float | None = option(None, "cap on host memory use")
 
 
+# What this build can run the routed experts with (which of them a backend takes: backends/).
+MOE_RUNNERS = ("auto", "triton", "torch")
+
+
 @dataclass(frozen=True)
 class KernelArgs:
     disable_cuda_graph: bool = option(False, "run decode eagerly")
@@ -203,7 +207,11 @@ class KernelArgs:
     )
     cuda_graph_max_bs_prefill: int | None = option(None, "largest CUDA-graph prefill tokens")
     cuda_graph_backend_prefill: str | None = option(None, "prefill graph backend")
-    moe_runner_backend: str = option("auto", "MoE kernel backend")
+    moe_runner_backend: str = option(
+        "auto",
+        "what runs the routed experts: auto, triton (W4A16 NVFP4 fused MoE; hopper) or torch "
+        "(dense experts, NVFP4 dequantized at load)",
+    )
     monokernel_backend: str | None = option(None, "persistent decode kernel backend")
     disable_attn_tp_gather: bool = option(False, "attention TP gather off (MonoKernel)")
     prefill_decode_interval: int | None = option(None, "decode steps between prefill batches")
@@ -248,6 +256,9 @@ class ServerArgs:
                     problems.append(f"{_flag(f)}{_shown(value)} ({reason})")
         if self.cache.kv_cache_dtype == "fp8_e5m2":
             problems.append("--kv-cache-dtype fp8_e5m2 (only fp8_e4m3 is built)")
+        if self.kernel.moe_runner_backend not in MOE_RUNNERS:
+            built = ", ".join(MOE_RUNNERS)
+            problems.append(f"--moe-runner-backend {self.kernel.moe_runner_backend} ({built})")
         return problems
 
     def check_supported(self) -> None:
@@ -302,7 +313,7 @@ _PLANNED: tuple[tuple[type, str], ...] = (
     (KernelArgs, "this kernel option is not built yet"),
 )
 # Planned-section settings that already hold in this build (nothing to refuse).
-_HONOURED = frozenset({"disable_cuda_graph", "cuda_graph_max_bs_decode"})
+_HONOURED = frozenset({"disable_cuda_graph", "cuda_graph_max_bs_decode", "moe_runner_backend"})
 
 
 def _flag(f: dataclasses.Field[Any]) -> str:

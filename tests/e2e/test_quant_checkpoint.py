@@ -19,8 +19,9 @@ import pytest
 import torch
 from helpers.devices import CPU_REFERENCE
 from helpers.param_names import destination, param_block
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
+from m3serve.backends.reference import ReferenceBackend
 from m3serve.model.batch import ForwardBatch
 from m3serve.model.build import LoadedModel, load_model
 from m3serve.model.generate import generate
@@ -244,8 +245,9 @@ def test_loaded_weights_equal_independently_dequantized_values_exactly(
     assert all(p.dtype == torch.float32 for p in params.values())
     covered = {name: torch.zeros(p.shape, dtype=torch.bool) for name, p in params.items()}
     mismatched = []
+    rows = {name: value.shape[0] for name, value in tensors.items() if value.ndim == 2}
     for name, value in tensors.items():
-        where = destination(name)
+        where = destination(name, rows)
         if where is None:
             continue
         param, expert, half = where
@@ -259,7 +261,7 @@ def test_loaded_weights_equal_independently_dequantized_values_exactly(
     assert not uncovered, f"parameters not fully written by any checkpoint weight: {uncovered}"
     # The comparison above really went through both formats.
     quantized = {f"{m}.weight" for m in formats}
-    assert sum(1 for n in quantized if destination(n) is not None) == len(formats)
+    assert sum(1 for n in quantized if destination(n, rows) is not None) == len(formats)
 
 
 def test_logits_match_transformers_on_dequantized_copy_at_every_position(
@@ -292,3 +294,51 @@ def test_greedy_generation_matches_transformers_on_dequantized_copy(
         assert len(tokens) == NEW_TOKENS or tokens[-1] in eos
     assert ours == theirs
     assert len(ours) >= 1
+
+
+# ------------------------------------------------------------ weights held as stored
+
+
+@pytest.fixture(scope="module")
+def held(quant_dir: Path) -> LoadedModel:
+    """The checkpoint with its quantized weights kept as stored (the hopper backend's way),
+    read by the reference ops, which dequantize them per call."""
+    backend = ReferenceBackend(torch.device("cpu"), keep_quantized=True)
+    return load_model(quant_dir, backend, "float32", progress=False)
+
+
+def test_quantized_weights_are_held_in_their_stored_dtypes(
+    held: LoadedModel, reference: tuple[dict[str, np.ndarray], dict[str, str]]
+) -> None:
+    _, formats = reference
+    params = dict(held.model.named_parameters())
+    layer = next(m for m in formats if ".self_attn.q_proj" in m).split(".self_attn.")[0]
+    local = layer.removeprefix(PREFIX)
+    assert params[f"{local}.self_attn.qkv_proj.weight"].dtype == torch.float8_e4m3fn
+    assert params[f"{local}.self_attn.qkv_proj.weight_scale"].dtype == torch.uint8
+    moe = next(m for m in formats if ".experts." in m).split(".experts.")[0].removeprefix(PREFIX)
+    assert params[f"{moe}.experts.w13"].dtype == torch.uint8
+    assert params[f"{moe}.experts.w13_scale"].dtype == torch.float8_e4m3fn
+    assert params[f"{moe}.experts.w13_global"].shape == (QUANT_SPEC.num_experts, 2)
+    # Nothing quantized is held dense: its bytes in memory are the checkpoint's (less the
+    # activation scales, which W4A16 does not use).
+    tensors = {
+        n: t for shard in held.path.glob("*.safetensors") for n, t in load_file(shard).items()
+    }
+    stored = sum(
+        t.nbytes
+        for n, t in tensors.items()
+        if n.rsplit(".", 1)[0] in formats and not n.endswith(".input_scale")
+    )
+    quantized = (torch.uint8, torch.float8_e4m3fn)
+    held_bytes = sum(
+        p.nbytes for n, p in params.items() if p.dtype in quantized or n.endswith("_global")
+    )
+    assert held_bytes == stored
+
+
+def test_weights_held_quantized_give_the_logits_of_weights_dequantized_at_load(
+    held: LoadedModel, loaded: LoadedModel
+) -> None:
+    ids = prompt(seed=12, length=45)
+    assert torch.equal(our_logits(held.model, ids), our_logits(loaded.model, ids))

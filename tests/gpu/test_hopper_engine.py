@@ -8,15 +8,14 @@ from pathlib import Path
 
 import pytest
 from helpers.devices import CPU_REFERENCE
+from helpers.greedy import engine_outputs, first_divergence
 from helpers.hf_oracle import full_logits, random_prompt
 
-from m3serve import Engine
 from m3serve.model.build import load_model
 from m3serve.model.tiny.checkpoint import TinySpec
 
 SPEC = TinySpec(dtype="bfloat16", seed=1)
 PROMPTS = [random_prompt(s, 20 + 9 * s, SPEC.vocab_size - 64) for s in range(1, 6)]
-GREEDY = {"temperature": 0.0, "max_new_tokens": 24}
 MATCHING_PREFIX = 8  # bf16 tokens that must equal the fp32 reference's before any drift
 
 
@@ -26,20 +25,14 @@ def path(tiny_checkpoint: Callable[[TinySpec], Path]) -> Path:
 
 
 def outputs(path: Path, **kwargs: object) -> list[list[int]]:
-    with Engine(str(path), single_process=True, max_total_tokens=65536, **kwargs) as engine:
-        results = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
-        info = engine.server_info
+    got, info = engine_outputs(path, PROMPTS, **kwargs)
     assert info["backend"] == kwargs.get("backend", info["backend"])
-    return [r["output_ids"] for r in results]
+    return got
 
 
 @pytest.fixture(scope="module")
 def reference(path: Path) -> list[list[int]]:
     return outputs(path, backend="reference", device="cpu", dtype="float32")
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
 
 
 def test_hopper_fp32_matches_the_reference_backend(path: Path, reference: list[list[int]]) -> None:

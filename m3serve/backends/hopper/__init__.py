@@ -1,12 +1,17 @@
 """The Hopper (sm_90) backend: Triton kernels for the norms, fused norm/RoPE/KV writes, the
-lightning indexer and sparse paged attention; grouped bf16 matmuls for the experts. The
-projections and the activation are the reference backend's torch ops (bf16 weights).
+lightning indexer, sparse paged attention, the router, W8A16 MXFP8 projections and the W4A16
+NVFP4 fused MoE; the shared expert runs on a side stream beside the routed experts.
 
-Nothing here reads the batch's host-side lists, so the engine core captures decode steps in
-CUDA graphs (`capturable`).
+Weights stay in the checkpoint's formats (`weight_formats`); dense (bf16) projections run as
+torch matmuls and dense experts as grouped bf16 matmuls (`--moe-runner-backend torch`, or a
+bf16 checkpoint). Nothing here reads the batch's host-side lists, so the engine core captures
+decode steps in CUDA graphs (`capturable`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -17,9 +22,12 @@ from m3serve.backends.hopper.moe import (
     moe_experts_masked,
 )
 from m3serve.backends.reference import ReferenceBackend
-from m3serve.kernels.moe import route_topk
 from m3serve.model.batch import ForwardBatch
 from m3serve.model.kv_cache import LayerKV
+from m3serve.model.weights import ExpertWeights, LinearWeight, Mxfp8Weight, Nvfp4Experts
+
+A = TypeVar("A")
+B = TypeVar("B")
 
 
 def check_hopper(device: torch.device) -> None:
@@ -44,15 +52,48 @@ class HopperBackend(ReferenceBackend):
     name = "hopper"
     capturable = True
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, moe_runner: str = "auto") -> None:
         check_hopper(device)
-        from m3serve.kernels.triton import attention, indexer, norm, rope_kv
+        from m3serve.kernels.triton import (
+            attention,
+            indexer,
+            mxfp8_linear,
+            norm,
+            nvfp4_moe,
+            rope_kv,
+            router,
+        )
 
         super().__init__(device)
         self._attention = attention
         self._indexer = indexer
         self._norm = norm
         self._rope_kv = rope_kv
+        self._mxfp8 = mxfp8_linear
+        self._router = router
+        self._nvfp4_moe = nvfp4_moe
+        # The torch runner reads dense experts: NVFP4 ones are dequantized to bf16 at load.
+        experts = {"NVFP4"} if moe_runner in ("auto", "triton") else set()
+        self.weight_formats = frozenset({"MXFP8", *experts})
+        self._side = torch.cuda.Stream(device)
+
+    def linear(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
+        if isinstance(weight, Mxfp8Weight):
+            return self._mxfp8.mxfp8_linear(x, weight.codes, weight.scales)
+        return torch.nn.functional.linear(x, weight)
+
+    def concurrently(self, first: Callable[[], A], second: Callable[[], B]) -> tuple[A, B]:
+        """`second` on a side stream while `first` runs on the current one (also inside a CUDA
+        graph capture, where the two become parallel branches)."""
+        main = torch.cuda.current_stream(self.device)
+        self._side.wait_stream(main)
+        with torch.cuda.stream(self._side):
+            b = second()
+        a = first()
+        main.wait_stream(self._side)
+        if isinstance(b, torch.Tensor):
+            b.record_stream(main)  # made on the side stream, read on this one
+        return a, b
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self._norm.rms_norm(x, weight, eps)
@@ -152,13 +193,20 @@ class HopperBackend(ReferenceBackend):
         x: torch.Tensor,
         router_weight: torch.Tensor,
         bias: torch.Tensor,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
+        experts: ExpertWeights,
         top_k: int,
         alpha: float,
         limit: float,
+        scale: float,
     ) -> torch.Tensor:
-        weights, ids = route_topk(x, router_weight, bias, top_k)
+        # The routed scaling factor rides on the mixing weights (2.0: exact).
+        weights, ids = self._router.route(x, router_weight, bias, top_k, scale)
+        if isinstance(experts, Nvfp4Experts):
+            e = experts
+            return self._nvfp4_moe.nvfp4_moe(
+                x, weights, ids, e.w13, e.w13_scale, e.w13_global, e.w2, e.w2_scale,
+                e.w2_global, alpha, limit,
+            )  # fmt: skip
         if grouped_mm_available(x.device, x.dtype):
-            return moe_experts_grouped(x, weights, ids, w13, w2, alpha, limit)
-        return moe_experts_masked(x, weights, ids, w13, w2, alpha, limit)
+            return moe_experts_grouped(x, weights, ids, experts.w13, experts.w2, alpha, limit)
+        return moe_experts_masked(x, weights, ids, experts.w13, experts.w2, alpha, limit)

@@ -1,9 +1,14 @@
 """The reference backend: every op is the exact torch reference from `m3serve.kernels`.
 
-Runs on any device torch runs on; weights are plain dequantized tensors.
+Runs on any device torch runs on. Weights are dequantized at load (`weight_formats` is empty);
+with `keep_quantized=True` (tests of the quantized holders) they stay as stored and each op
+dequantizes them exactly, which gives the same values.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -12,9 +17,21 @@ from m3serve.kernels.attention import paged_attention
 from m3serve.kernels.indexer import paged_index_topk
 from m3serve.kernels.moe import moe_experts, route_topk
 from m3serve.kernels.norm import add_gemma_rms_norm, gemma_rms_norm
+from m3serve.kernels.quant import dequant_mxfp8, unpack_e2m1
 from m3serve.kernels.rope import apply_rope, rope_cos_sin
 from m3serve.model.batch import ForwardBatch
 from m3serve.model.kv_cache import LayerKV
+from m3serve.model.weights import (
+    NVFP4_GROUP,
+    DenseExperts,
+    ExpertWeights,
+    LinearWeight,
+    Mxfp8Weight,
+    Nvfp4Experts,
+)
+
+A = TypeVar("A")
+B = TypeVar("B")
 
 
 class ReferenceBackend:
@@ -22,10 +39,13 @@ class ReferenceBackend:
     # The attention and indexer references loop over the batch's host-side lists.
     capturable = False
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, keep_quantized: bool = False) -> None:
         self.device = device
+        self.weight_formats = frozenset({"MXFP8", "NVFP4"} if keep_quantized else ())
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
+        if isinstance(weight, Mxfp8Weight):
+            weight = dequant_mxfp8(weight.codes, weight.scales).to(x.dtype)
         return torch.nn.functional.linear(x, weight)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -120,11 +140,32 @@ class ReferenceBackend:
         x: torch.Tensor,
         router_weight: torch.Tensor,
         bias: torch.Tensor,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
+        experts: ExpertWeights,
         top_k: int,
         alpha: float,
         limit: float,
+        scale: float,
     ) -> torch.Tensor:
         weights, ids = route_topk(x, router_weight, bias, top_k)
-        return moe_experts(x, weights, ids, w13, w2, alpha, limit)
+        dense = dequant_experts(experts, x.dtype) if isinstance(experts, Nvfp4Experts) else experts
+        return moe_experts(x, weights, ids, dense.w13, dense.w2, alpha, limit) * scale
+
+    def concurrently(self, first: Callable[[], A], second: Callable[[], B]) -> tuple[A, B]:
+        return first(), second()
+
+
+def dequant_experts(experts: Nvfp4Experts, dtype: torch.dtype) -> DenseExperts:
+    """The experts' exact values: e2m1 * e4m3 (exact in fp32), then times the global scale of
+    each row's half (w1 rows, w3 rows) or of w2, rounded once, as `dequant_nvfp4` does."""
+    w13_rows = experts.w13.shape[1]
+    row_global = experts.w13_global.repeat_interleave(w13_rows // 2, dim=1)
+    w13 = _nvfp4_rows(experts.w13, experts.w13_scale, row_global)
+    w2_global = experts.w2_global[:, None].expand(-1, experts.w2.shape[1])
+    w2 = _nvfp4_rows(experts.w2, experts.w2_scale, w2_global)
+    return DenseExperts(w13.to(dtype), w2.to(dtype))
+
+
+def _nvfp4_rows(codes: torch.Tensor, scale: torch.Tensor, row_global: torch.Tensor) -> torch.Tensor:
+    values = unpack_e2m1(codes).unflatten(-1, (scale.shape[-1], NVFP4_GROUP))
+    scaled = values * scale.to(torch.float32).unsqueeze(-1) * row_global[..., None, None]
+    return scaled.flatten(-2)

@@ -1,0 +1,356 @@
+"""W8A16 MXFP8 linear in Triton: ``y = x @ W^T`` with W dequantized in registers.
+
+Layout (the checkpoint's, unchanged: `prepare_mxfp8` only validates and makes it contiguous):
+codes [N, K] float8_e4m3fn, row-major (K contiguous); scales [N, K/32] uint8 E8M0, row-major.
+W[n, k] = float(codes[n, k]) * 2**(scales[n, k // 32] - 127). A program's [BLOCK_N, BLOCK_K]
+code tile is BLOCK_N rows of BLOCK_K contiguous bytes (whole 128-byte lines at BLOCK_K 128), and
+its scales are BLOCK_N runs of BLOCK_K/32 bytes that the next K steps reuse from L2, so DRAM
+reads every byte once; a transposed or tile-packed scale layout would save only L2 traffic.
+
+Algorithm. One kernel computes the transposed tile ``acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile^T``
+over a range of K, so the weights are the dot's left operand: the dequantized tile can feed the
+MMA from registers (wgmma takes A from registers, B only from shared memory), the weight rows fill
+the MMA's 64-row side even at one token, and the token count only has to reach the dot's
+16-column minimum. Per K step it loads BLOCK_K codes per weight row and
+their BLOCK_K/32 scale bytes, builds 2**(e - 127) from the exponent bits (exact; byte 0 is the
+subnormal 2**-127, byte 255 NaN, as in `m3serve.kernels.quant`), multiplies in fp32 and casts to
+bf16. That cast is exact whenever W is a normal number (|W| >= 2**-126, i.e. every weight a real
+checkpoint holds): an E4M3 code has 4 significant bits and the scale is a power of two. The dot
+runs on bf16 tiles with an fp32 accumulator. Activations are split into bf16 terms so that their
+products with the exact W are exact too: bf16 x is one term, fp16 x two (hi + remainder, exact),
+fp32 x three (hi + mid + lo: all 24 bits). Under Triton's interpreter (CPU tests) the dot
+operands are fp32 instead, since its bf16 dot multiplies raw bits; the split is still taken.
+
+Paths, chosen from shapes only by `plan_mxfp8` (no autotuning, no runtime search):
+
+* decode, M <= 64: BLOCK_M = 16, 32 or 64 (M padded to the next one), BLOCK_N 64, BLOCK_K 128,
+  4 warps, 4 stages. One M tile, so every weight byte is read once per call. When the N tiles alone
+  do not give ~2 programs per SM, K is split across programs (at least 2 K steps each); each split
+  writes an fp32 partial [split, M, N] and a second kernel sums the splits in a fixed order and
+  casts (deterministic, no atomics). That kernel is launched with programmatic dependent launch
+  on sm_90, so its launch overlaps the first kernel.
+* prefill, M > 64: BLOCK_M 128, BLOCK_N 128, BLOCK_K 64, 8 warps, 3 stages; tiles in groups of 16
+  M tiles (2048 tokens) so the programs running together share their weight tiles through L2.
+  Split-K applies too while the tiles leave SMs idle (e.g. M = 128 on a narrow N).
+
+Compiled variants: one per (tile config: the 3 decode buckets + prefill) x (direct store or
+split partials) x x dtype, times EVEN_K (K % BLOCK_K == 0, true for every model shape), plus one
+reduction kernel per output dtype. M is not specialized on (`do_not_specialize`), and every other
+integer argument is a multiple of 16 at the model's shapes, so one call per (layer shape, M
+bucket) compiles everything a server will run.
+
+x may have leading dims ([..., K] -> [..., N], as torch.nn.functional.linear) and any strides;
+`out` rows may be strided (e.g. a column slice of a fused buffer).
+
+CUDA graphs: the grid and the split count are functions of (M, N, K) and the SM count; nothing
+reads device data on the host or synchronizes, and the split partials come from the caching
+allocator (the graph's pool under capture).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+MXFP8_BLOCK = 32
+# M up to this is the decode path: one M tile, so the weights are read once per call.
+DECODE_MAX_M = 64
+# Smallest tl.dot dimension: decode pads M up to this.
+MIN_BLOCK_M = 16
+# Split K while the tiles give fewer programs than this many per SM (decode programs are small:
+# 4 warps and ~50 KB of shared memory, so 3-4 share an SM and their loads overlap).
+_DECODE_PROGRAMS_PER_SM = 2
+_PREFILL_PROGRAMS_PER_SM = 1
+_MAX_SPLIT = 32
+# Each split streams at least this many K steps, so that the pipeline has loads to overlap.
+_MIN_STEPS_PER_SPLIT = 2
+# Prefill tile order: this many M tiles share each weight tile while it is in L2.
+_GROUP_M = 16
+_REDUCE_BLOCK_N = 1024
+
+_X_TERMS = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+
+
+@dataclass(frozen=True)
+class Mxfp8Plan:
+    """Launch parameters of one call; `plan_mxfp8` derives them from the shapes."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int  # programs along K; > 1 adds the partial-sum reduction kernel
+    num_warps: int
+    num_stages: int
+
+
+@cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@cache
+def _sm90(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def _interpreted(t: Tensor) -> bool:
+    return t.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _num_sms(t: Tensor) -> int:
+    # The interpreter runs programs one after another: the fewest programs is the fastest there.
+    return 1 if _interpreted(t) else _sm_count(t.device.index or 0)
+
+
+def plan_mxfp8(m: int, n: int, k: int, num_sms: int) -> Mxfp8Plan:
+    """Tiles and split count for x [m, k] @ W[n, k]^T on a device with `num_sms` SMs."""
+    if m <= DECODE_MAX_M:
+        block_m = max(MIN_BLOCK_M, triton.next_power_of_2(max(m, 1)))
+        block_n, block_k, warps, stages = 64, 128, 4, 4
+        per_sm = _DECODE_PROGRAMS_PER_SM
+    else:
+        block_m, block_n, block_k, warps, stages = 128, 128, 64, 8, 3
+        per_sm = _PREFILL_PROGRAMS_PER_SM
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    k_steps = triton.cdiv(k, block_k)
+    target = per_sm * num_sms
+    split = 1
+    if tiles < target:
+        wanted = min(triton.next_power_of_2(triton.cdiv(target, tiles)), _MAX_SPLIT)
+        steps = max(triton.cdiv(k_steps, wanted), min(_MIN_STEPS_PER_SPLIT, k_steps))
+        split = triton.cdiv(k_steps, steps)
+    return Mxfp8Plan(block_m, block_n, block_k, split, warps, stages)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _mxfp8_linear_kernel(
+    x_ptr,
+    codes_ptr,
+    scales_ptr,
+    out_ptr,
+    part_ptr,
+    M,
+    N,
+    K,
+    k_per_split,
+    stride_xm,
+    stride_xk,
+    stride_cn,
+    stride_sn,
+    stride_om,
+    stride_on,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    X_TERMS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DIRECT: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    if PDL:  # let the reduction kernel start launching; it waits for this grid on the device
+        tl.extra.cuda.gdc_launch_dependents()
+    # Grouped tile order: consecutive programs walk GROUP_M M tiles of one weight tile first.
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    # Rows past N or M read a real row instead (results dropped at the store): the loads in the
+    # K loop stay unmasked, so they vectorize and pipeline.
+    rn_load = tl.minimum(rn, N - 1).to(tl.int64)
+    rm_load = tl.minimum(rm, M - 1).to(tl.int64)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    rk = tl.arange(0, BLOCK_K)
+    rg = tl.arange(0, BLOCK_K // 32)
+    c_ptrs = codes_ptr + rn_load[:, None] * stride_cn + (k_lo + rk)[None, :]
+    s_ptrs = scales_ptr + rn_load[:, None] * stride_sn + (k_lo // 32 + rg)[None, :]
+    # x is loaded transposed ([BLOCK_K, BLOCK_M]): the dot's right operand.
+    x_ptrs = x_ptr + rm_load[None, :] * stride_xm + (k_lo + rk)[:, None] * stride_xk
+
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            codes = tl.load(c_ptrs)
+            e = tl.load(s_ptrs)
+            xt = tl.load(x_ptrs)
+        else:
+            k_ok = (k0 + rk) < K
+            # K is a multiple of 32: a scale group is either wholly inside K or wholly past it.
+            codes = tl.load(c_ptrs, mask=k_ok[None, :], other=0.0)
+            e = tl.load(s_ptrs, mask=((k0 // 32 + rg) < K // 32)[None, :], other=127)
+            xt = tl.load(x_ptrs, mask=k_ok[:, None], other=0.0)
+        # 2**(e - 127) written as float32 bits, exact: the biased exponent is the byte itself.
+        e = e.to(tl.int32)
+        bits = e << 23
+        bits = tl.where(e == 0, 1 << 22, bits)  # 2**-127 is below float32's normal range
+        bits = tl.where(e == 255, 0x7FC00000, bits)  # E8M0 NaN
+        scale = bits.to(tl.float32, bitcast=True)
+        w = tl.reshape(codes.to(tl.float32), [BLOCK_N, BLOCK_K // 32, 32]) * scale[:, :, None]
+        w = tl.reshape(w, [BLOCK_N, BLOCK_K]).to(tl.bfloat16).to(DOT_DTYPE)
+        hi = xt.to(tl.bfloat16)
+        acc = tl.dot(w, hi.to(DOT_DTYPE), acc, input_precision="ieee")
+        if X_TERMS >= 2:
+            rest = xt.to(tl.float32) - hi.to(tl.float32)
+            mid = rest.to(tl.bfloat16)
+            acc = tl.dot(w, mid.to(DOT_DTYPE), acc, input_precision="ieee")
+            if X_TERMS >= 3:
+                lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+                acc = tl.dot(w, lo.to(DOT_DTYPE), acc, input_precision="ieee")
+        c_ptrs += BLOCK_K
+        s_ptrs += BLOCK_K // 32
+        x_ptrs += BLOCK_K * stride_xk
+
+    ok = (rn < N)[:, None] & (rm < M)[None, :]
+    rn64 = rn.to(tl.int64)
+    rm64 = rm.to(tl.int64)
+    if DIRECT:
+        o_ptrs = out_ptr + rm64[None, :] * stride_om + rn64[:, None] * stride_on
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        p_ptrs = part_ptr + (pid_k.to(tl.int64) * M + rm64)[None, :] * N + rn64[:, None]
+        tl.store(p_ptrs, acc, mask=ok)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _splitk_reduce_kernel(
+    part_ptr,
+    out_ptr,
+    M,
+    N,
+    split,
+    stride_om,
+    stride_on,
+    BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    if PDL:  # launched early (programmatic dependent launch): the partials are not written yet
+        tl.extra.cuda.gdc_wait()
+    m = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = n < N
+    ptrs = part_ptr + m * N + n
+    split_stride = M.to(tl.int64) * N
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # Splits summed in index order: the result does not depend on which program finished first.
+    for _ in range(split):
+        acc += tl.load(ptrs, mask=ok, other=0.0)
+        ptrs += split_stride
+    tl.store(out_ptr + m * stride_om + n * stride_on, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _check_weight(codes: Tensor, scales: Tensor) -> tuple[int, int]:
+    if codes.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"codes: expected dtype torch.float8_e4m3fn, got {codes.dtype}")
+    if scales.dtype != torch.uint8:
+        raise ValueError(f"scales: expected dtype torch.uint8, got {scales.dtype}")
+    if codes.dim() != 2 or codes.shape[1] % MXFP8_BLOCK != 0:
+        raise ValueError(
+            f"codes: expected shape [N, K] with K divisible by {MXFP8_BLOCK}, "
+            f"got {tuple(codes.shape)}"
+        )
+    n, k = codes.shape
+    if tuple(scales.shape) != (n, k // MXFP8_BLOCK):
+        raise ValueError(
+            f"scales: expected shape {(n, k // MXFP8_BLOCK)} for codes {tuple(codes.shape)}, "
+            f"got {tuple(scales.shape)}"
+        )
+    if scales.device != codes.device:
+        raise ValueError("codes and scales must be on the same device")
+    return n, k
+
+
+def prepare_mxfp8(codes: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
+    """Checkpoint MXFP8 weight -> the layout `mxfp8_linear` reads, once at load.
+
+    The kernel reads the checkpoint layout itself (see the module docstring): this validates the
+    pair and makes both contiguous, returning the same tensors when they already are.
+    """
+    _check_weight(codes, scales)
+    return codes.contiguous(), scales.contiguous()
+
+
+def mxfp8_linear(
+    x: Tensor,
+    codes: Tensor,
+    scales: Tensor,
+    out: Tensor | None = None,
+    *,
+    plan: Mxfp8Plan | None = None,
+) -> Tensor:
+    """y = x @ W^T for W stored as MXFP8. x [M, K] (bf16, fp16 or fp32), codes [N, K]
+    float8_e4m3fn, scales [N, K // 32] uint8 (E8M0). Returns [M, N] in x.dtype (fp32 accumulation).
+
+    Leading dims are flattened as in `torch.nn.functional.linear` (x [..., K] -> [..., N]).
+    `out` [..., N] in x.dtype receives the result (preallocated buffers for CUDA graphs); its
+    rows may be strided. `plan` overrides the launch parameters `plan_mxfp8` derives from the
+    shapes (tests and tuning); block sizes must be powers of two >= 16, block_k a multiple of 32.
+    """
+    n, k = _check_weight(codes, scales)
+    if x.dtype not in _X_TERMS:
+        raise ValueError(f"x: expected bf16, fp16 or fp32, got {x.dtype}")
+    if x.dim() == 0 or x.shape[-1] != k:
+        raise ValueError(f"x: expected shape [..., {k}] for codes [{n}, {k}], got {tuple(x.shape)}")
+    if x.device != codes.device:
+        raise ValueError("x and the weight must be on the same device")
+    if codes.stride(1) != 1 or scales.stride(1) != 1:
+        raise ValueError("codes and scales must be contiguous along K (see prepare_mxfp8)")
+    out_shape = (*x.shape[:-1], n)
+    if out is None:
+        out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
+    elif tuple(out.shape) != out_shape or out.dtype != x.dtype or out.device != x.device:
+        raise ValueError(f"out must be {list(out_shape)} {x.dtype} on {x.device}")
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)
+    try:
+        out2 = out if out.dim() == 2 else out.view(-1, n)
+    except RuntimeError as err:
+        raise ValueError("out must be viewable as [rows, N]") from err
+    m = x2.shape[0]
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        out.zero_()
+        return out
+
+    p = plan or plan_mxfp8(m, n, k, _num_sms(x))
+    if p.block_k % MXFP8_BLOCK != 0 or min(p.block_m, p.block_n, p.block_k) < 16:
+        raise ValueError(f"invalid plan {p}: blocks must be >= 16, block_k a multiple of 32")
+    k_steps = triton.cdiv(k, p.block_k)
+    steps_per_split = triton.cdiv(k_steps, max(p.split_k, 1))
+    split = triton.cdiv(k_steps, steps_per_split)  # no empty splits
+    direct = split == 1
+    interpreted = _interpreted(x)
+    pdl = not direct and not interpreted and _sm90(x.device.index or 0)
+    part = out2 if direct else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    tiles = triton.cdiv(m, p.block_m) * triton.cdiv(n, p.block_n)
+    _mxfp8_linear_kernel[(tiles, split)](
+        x2, codes, scales, out2, part, m, n, k, steps_per_split * p.block_k,
+        x2.stride(0), x2.stride(1), codes.stride(0), scales.stride(0),
+        out2.stride(0), out2.stride(1),
+        BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k, GROUP_M=_GROUP_M,
+        X_TERMS=_X_TERMS[x.dtype], DOT_DTYPE=tl.float32 if interpreted else tl.bfloat16,
+        EVEN_K=k % p.block_k == 0, DIRECT=direct, PDL=pdl,
+        num_warps=p.num_warps, num_stages=p.num_stages,
+    )  # fmt: skip
+    if not direct:
+        _splitk_reduce_kernel[(m, triton.cdiv(n, _REDUCE_BLOCK_N))](
+            part, out2, m, n, split, out2.stride(0), out2.stride(1),
+            BLOCK_N=_REDUCE_BLOCK_N, PDL=pdl, num_warps=4,
+            **({"launch_pdl": True} if pdl else {}),
+        )  # fmt: skip
+    return out

@@ -1,0 +1,165 @@
+"""Device helpers of the NVFP4 MoE kernels: E2M1 nibbles and e4m3 group scales to exact bf16
+tiles (inline PTX on the GPU, plain Triton in the interpreter), the MMA K order, and the
+W4A16 tile product with the exact split of fp32 activations."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Decoded tiles carry e2m1 * scale * 2^-7 (see the module docstring); the accumulator undoes it.
+TILE_SCALE = tl.constexpr(2.0**-7)
+ACC_SCALE = tl.constexpr(2.0**7)
+# The PTX decode is e2m1 * 2^-126; times scale * 2^(126 - 7) it is e2m1 * scale * 2^-7.
+SCALE_BOOST = tl.constexpr(2.0**119)
+
+
+# Values of the DEQUANT constexpr (the kernels compare against the literals).
+DEQUANT_ASM = 0
+DEQUANT_TRITON = 1
+
+
+# Per byte of $4 (element j of the pack of 4): low nibble -> $0/$1, high nibble -> $2/$3 (bf16x2,
+# bytes 0-1 then 2-3), each times its scale in $5/$6. prmt spreads bytes 0,1 (2,3) to the two
+# halves; (nibble * (2^6 + 2^12)) & 0x81C0 puts magnitude bits at 6-8 and the sign at 15 (the two
+# shifted copies do not overlap, so the multiply is an exact OR).
+E2M1_PTX = tl.constexpr("""
+{
+.reg .b32 u, v, t;
+prmt.b32 u, $4, 0, 0x4140;
+prmt.b32 v, $4, 0, 0x4342;
+and.b32 t, u, 0x000F000F;
+mul.lo.u32 t, t, 0x1040;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 $0, t, $5;
+and.b32 t, v, 0x000F000F;
+mul.lo.u32 t, t, 0x1040;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 $1, t, $6;
+and.b32 t, u, 0x00F000F0;
+mul.lo.u32 t, t, 0x104;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 $2, t, $5;
+and.b32 t, v, 0x00F000F0;
+mul.lo.u32 t, t, 0x104;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 $3, t, $6;
+}
+""")
+
+
+@triton.jit
+def _e2m1_value(code):
+    """float32 value of 4-bit E2M1 codes (int32 tensor), exactly."""
+    mag = code & 7
+    e = mag >> 1
+    m = mag & 1
+    # e >= 1: 2^(e-1) * (1 + m/2) == ((2 + m) << e) / 4; e == 0: m / 2 (the subnormal 0.5).
+    normal = ((2 + m) << e).to(tl.float32) * 0.25
+    value = tl.where(e == 0, m.to(tl.float32) * 0.5, normal)
+    return tl.where((code & 8) != 0, -value, value)
+
+
+@triton.jit
+def _group_scales(s, DEQUANT: tl.constexpr):
+    """e4m3 group scales [R, G] -> the factor the decode multiplies by, before the broadcast to
+    bytes (so each scale converts once): bf16 scale * 2^119 (asm) or fp32 scale * 2^-7."""
+    if DEQUANT == 0:  # inline PTX
+        out = (s.to(tl.float32) * SCALE_BOOST).to(tl.bfloat16)
+    else:
+        out = s.to(tl.float32) * TILE_SCALE
+    return out
+
+
+@triton.jit
+def _dequant(b, s, DEQUANT: tl.constexpr, DOT: tl.constexpr):
+    """Packed bytes b [R, C] uint8 and their `_group_scales` s [R, C] -> (even elements, odd
+    elements) [R, C] in DOT, each e2m1 * scale * 2^-7 exactly."""
+    if DEQUANT == 0:  # inline PTX
+        lo, hi = tl.inline_asm_elementwise(
+            asm=E2M1_PTX,
+            constraints="=r,=r,=r,=r,r,r,r",
+            args=[b, s],
+            dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        bi = b.to(tl.int32)
+        lo = (_e2m1_value(bi & 15) * s).to(DOT)
+        hi = (_e2m1_value(bi >> 4) * s).to(DOT)
+    return lo, hi
+
+
+@triton.jit
+def _mma_k_order(t, R: tl.constexpr, C: tl.constexpr):
+    """Reorder the C columns of t [R, C]: column j = (C/4)q + 4b + 2h + e goes to 16b + 8h + 2q + e.
+
+    In the k16 MMA operand fragment, lane q of a quad holds columns 2q, 2q+1, 2q+8, 2q+9 of each
+    16-column block; after this reorder those are C/4 consecutive source columns per thread, so
+    the weight bytes come out of shared memory 16 at a time and no byte is shuffled between
+    registers before the decode (checked in the sm_90 SASS). Applied to both operands of a dot it
+    leaves the result unchanged.
+    """
+    t = tl.reshape(t, [R, 4, C // 16, 2, 2])
+    t = tl.permute(t, (0, 2, 3, 1, 4))
+    return tl.reshape(t, [R, C])
+
+
+@triton.jit
+def nvfp4_mma(
+    a_ptr,
+    a_rows,
+    a_ok,
+    w_ptr,
+    s_ptr,
+    w_rows,
+    w_ok,
+    k_end,
+    stride_wn,
+    stride_sn,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DEQUANT: tl.constexpr,
+    DOT: tl.constexpr,
+):
+    """acc [BLOCK_N, BLOCK_M] fp32 = W[w_rows, :k_end] @ A[a_rows, :k_end]^T, W NVFP4 (without its
+    global scale, times 2^-7), A bf16 at element offsets a_rows (int64) from a_ptr."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    kb = tl.arange(0, HALF)
+    kg = tl.arange(0, BLOCK_K // 16)
+    kk = tl.arange(0, BLOCK_K)
+    # Each scale covers 8 bytes: read the [N, K/16] tile once, broadcast it in registers.
+    w_tile = w_ptr + w_rows[:, None] * stride_wn + kb[None, :]
+    s_tile = s_ptr + w_rows[:, None] * stride_sn + kg[None, :]
+    a_tile = a_ptr + a_rows[:, None] + kk[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, k_end, BLOCK_K):
+        b = tl.load(w_tile + k0 // 2, mask=w_ok[:, None], other=0)
+        s = _group_scales(tl.load(s_tile + k0 // 16, mask=w_ok[:, None], other=0.0), DEQUANT)
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_N, BLOCK_K // 16, 8]), [BLOCK_N, HALF])
+        lo, hi = _dequant(
+            _mma_k_order(b, BLOCK_N, HALF), _mma_k_order(s, BLOCK_N, HALF), DEQUANT, DOT
+        )
+        a = tl.load(a_tile + k0, mask=a_ok[:, None], other=0.0)
+        a_even, a_odd = tl.split(tl.reshape(a, [BLOCK_M, HALF, 2]))
+        acc = _dot_exact(lo, tl.trans(_mma_k_order(a_even, BLOCK_M, HALF)), acc, DOT)
+        acc = _dot_exact(hi, tl.trans(_mma_k_order(a_odd, BLOCK_M, HALF)), acc, DOT)
+    return acc
+
+
+@triton.jit
+def _dot_exact(w, a, acc, DOT: tl.constexpr):
+    """acc + w @ a with `a` rounded to DOT. An fp32 `a` against a bf16 DOT (fp32 models on the
+    GPU) is split into three bf16 terms, hi + mid + lo, which hold all 24 bits: the products
+    with the exact bf16 weights stay exact, so an fp32 model computes in fp32."""
+    hi = a.to(DOT)
+    acc = tl.dot(w, hi, acc, input_precision="ieee")
+    if a.dtype == tl.float32 and tl.bfloat16 == DOT:
+        rest = a - hi.to(tl.float32)
+        mid = rest.to(DOT)
+        acc = tl.dot(w, mid, acc, input_precision="ieee")
+        lo = (rest - mid.to(tl.float32)).to(DOT)
+        acc = tl.dot(w, lo, acc, input_precision="ieee")
+    return acc

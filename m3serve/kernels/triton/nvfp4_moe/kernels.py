@@ -1,0 +1,297 @@
+"""The NVFP4 MoE kernels: gate_up with the SwiGLU-OAI epilogue, down with the top-k weight,
+and the fixed-order combine; pairs found per expert in-kernel (slots) or from sorted blocks."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from m3serve.kernels.triton.nvfp4_moe.decode import ACC_SCALE, nvfp4_mma
+
+
+@triton.jit
+def _slot_expert(ids_ptr, num_pairs, slot, P_PAD: tl.constexpr, E_PAD: tl.constexpr):
+    """(expert, its pair count) of the slot-th distinct expert present in the ids, ascending;
+    count 0 past the last one."""
+    pairs = tl.arange(0, P_PAD)
+    ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=0).to(tl.int32)
+    experts = tl.arange(0, E_PAD)
+    # Padding lanes read id 0: take them back out of bin 0.
+    counts = tl.histogram(ids, E_PAD)
+    counts = tl.where(experts == 0, counts - (P_PAD - num_pairs), counts)
+    present = (counts > 0).to(tl.int32)
+    mine = (present > 0) & (tl.cumsum(present, 0) - 1 == slot)
+    return tl.sum(tl.where(mine, experts, 0), 0), tl.sum(tl.where(mine, counts, 0), 0)
+
+
+@triton.jit
+def _slot_rows(ids_ptr, num_pairs, expert, first, P_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Pair indices [BLOCK_M] of the expert's pairs number first, first + 1, ... in ascending
+    pair order (0 past its last pair). The ids are rescanned in chunks: a [BLOCK_M, P_PAD]
+    selection at once would set the register budget of the whole kernel."""
+    CHUNK: tl.constexpr = 32 if P_PAD > 32 else P_PAD
+    want = first + tl.arange(0, BLOCK_M)
+    rows = tl.zeros([BLOCK_M], dtype=tl.int32)
+    seen = 0
+    for c in tl.static_range(P_PAD // CHUNK):
+        pairs = c * CHUNK + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
+        match = ids == expert
+        rank = seen + tl.cumsum(match.to(tl.int32), 0) - 1
+        hit = match[None, :] & (rank[None, :] == want[:, None])
+        rows += tl.sum(tl.where(hit, pairs[None, :], 0), 1)
+        seen += tl.sum(match.to(tl.int32), 0)
+    return rows
+
+
+@triton.jit
+def _gate_up_tile(
+    x_ptr,
+    stride_xt,
+    w_ptr,
+    s_ptr,
+    g_ptr,
+    act_ptr,
+    stride_ap,
+    expert,
+    pair,
+    pair_ok,
+    hidden,
+    inter,
+    stride_wn,
+    stride_sn,
+    alpha,
+    limit,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DEQUANT: tl.constexpr,
+    DOT: tl.constexpr,
+):
+    HALF_N: tl.constexpr = BLOCK_N // 2
+    r = tl.arange(0, BLOCK_N)
+    j = tl.program_id(0) * HALF_N + (r % HALF_N)
+    # Rows [0, HALF_N) of the tile are gate rows j, the rest the matching up rows I + j.
+    is_up = r >= HALF_N
+    w_rows = tl.where(is_up, inter + j, j)
+    tok = (pair // TOP_K).to(tl.int64)
+    acc = nvfp4_mma(
+        x_ptr,
+        tok * stride_xt,
+        pair_ok,
+        w_ptr,
+        s_ptr,
+        w_rows,
+        j < inter,
+        hidden,
+        stride_wn,
+        stride_sn,
+        BLOCK_N,
+        BLOCK_M,
+        BLOCK_K,
+        DEQUANT,
+        DOT,
+    )
+    g_gate = tl.load(g_ptr + expert * 2)
+    g_up = tl.load(g_ptr + expert * 2 + 1)
+    acc = acc * (tl.where(is_up, g_up, g_gate) * ACC_SCALE)[:, None]
+    gate, up = tl.split(tl.permute(tl.reshape(acc, [2, HALF_N, BLOCK_M]), (1, 2, 0)))
+    # NaN passes through, as in torch.clamp: a corrupted weight must not look like a clamped one.
+    gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
+    up = tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL)
+    up = tl.minimum(up, limit, propagate_nan=tl.PropagateNan.ALL)
+    h = (up + 1.0) * (gate * tl.sigmoid(alpha * gate))
+    n = tl.program_id(0) * HALF_N + tl.arange(0, HALF_N)
+    ptrs = act_ptr + pair.to(tl.int64)[None, :] * stride_ap + n[:, None]
+    tl.store(ptrs, h.to(act_ptr.dtype.element_ty), mask=(n < inter)[:, None] & pair_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def gate_up_kernel(
+    x_ptr,
+    stride_xt,
+    ids_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    w_ptr,
+    stride_we,
+    stride_wn,
+    s_ptr,
+    stride_se,
+    stride_sn,
+    g_ptr,
+    act_ptr,
+    stride_ap,
+    num_pairs,
+    hidden,
+    inter,
+    alpha,
+    limit,
+    TOP_K: tl.constexpr,
+    ROUTE: tl.constexpr,
+    P_PAD: tl.constexpr,
+    E_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DEQUANT: tl.constexpr,
+    DOT: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    if PDL:  # the down kernel may start launching; it waits for this grid on the device
+        tl.extra.cuda.gdc_launch_dependents()
+    if ROUTE == 0:  # slots
+        expert, count = _slot_expert(ids_ptr, num_pairs, tl.program_id(1), P_PAD, E_PAD)
+        w_base = w_ptr + expert.to(tl.int64) * stride_we
+        s_base = s_ptr + expert.to(tl.int64) * stride_se
+        for first in range(0, count, BLOCK_M):
+            pair = _slot_rows(ids_ptr, num_pairs, expert, first, P_PAD, BLOCK_M)
+            pair_ok = first + tl.arange(0, BLOCK_M) < count
+            _gate_up_tile(
+                x_ptr, stride_xt, w_base, s_base, g_ptr, act_ptr, stride_ap, expert, pair,
+                pair_ok, hidden, inter, stride_wn, stride_sn, alpha, limit, TOP_K, BLOCK_N,
+                BLOCK_M, BLOCK_K, DEQUANT, DOT,
+            )  # fmt: skip
+    else:
+        expert = tl.load(block_expert_ptr + tl.program_id(1))
+        if expert >= 0:
+            pair = tl.load(sorted_ptr + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M))
+            w_base = w_ptr + expert.to(tl.int64) * stride_we
+            s_base = s_ptr + expert.to(tl.int64) * stride_se
+            _gate_up_tile(
+                x_ptr, stride_xt, w_base, s_base, g_ptr, act_ptr, stride_ap, expert,
+                tl.maximum(pair, 0), pair >= 0, hidden, inter, stride_wn, stride_sn, alpha, limit,
+                TOP_K, BLOCK_N, BLOCK_M, BLOCK_K, DEQUANT, DOT,
+            )  # fmt: skip
+
+
+@triton.jit
+def _down_tile(
+    act_ptr,
+    stride_ap,
+    w_ptr,
+    s_ptr,
+    g_ptr,
+    tw_ptr,
+    y_ptr,
+    stride_yp,
+    expert,
+    pair,
+    pair_ok,
+    hidden,
+    inter,
+    stride_wn,
+    stride_sn,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DEQUANT: tl.constexpr,
+    DOT: tl.constexpr,
+):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pair64 = pair.to(tl.int64)
+    acc = nvfp4_mma(
+        act_ptr,
+        pair64 * stride_ap,
+        pair_ok,
+        w_ptr,
+        s_ptr,
+        n,
+        n < hidden,
+        inter,
+        stride_wn,
+        stride_sn,
+        BLOCK_N,
+        BLOCK_M,
+        BLOCK_K,
+        DEQUANT,
+        DOT,
+    )
+    mix = tl.load(tw_ptr + pair64, mask=pair_ok, other=0.0)
+    acc = acc * (tl.load(g_ptr + expert) * ACC_SCALE) * mix[None, :]
+    ptrs = y_ptr + pair64[None, :] * stride_yp + n[:, None]
+    tl.store(ptrs, acc, mask=(n < hidden)[:, None] & pair_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def down_kernel(
+    act_ptr,
+    stride_ap,
+    ids_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    w_ptr,
+    stride_we,
+    stride_wn,
+    s_ptr,
+    stride_se,
+    stride_sn,
+    g_ptr,
+    tw_ptr,
+    y_ptr,
+    stride_yp,
+    num_pairs,
+    hidden,
+    inter,
+    ROUTE: tl.constexpr,
+    P_PAD: tl.constexpr,
+    E_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DEQUANT: tl.constexpr,
+    DOT: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if ROUTE == 0:  # slots
+        expert, count = _slot_expert(ids_ptr, num_pairs, tl.program_id(1), P_PAD, E_PAD)
+        w_base = w_ptr + expert.to(tl.int64) * stride_we
+        s_base = s_ptr + expert.to(tl.int64) * stride_se
+        if PDL:  # routing needs only the ids; act is the gate_up grid's output
+            tl.extra.cuda.gdc_wait()
+        for first in range(0, count, BLOCK_M):
+            pair = _slot_rows(ids_ptr, num_pairs, expert, first, P_PAD, BLOCK_M)
+            pair_ok = first + tl.arange(0, BLOCK_M) < count
+            _down_tile(
+                act_ptr, stride_ap, w_base, s_base, g_ptr, tw_ptr, y_ptr, stride_yp, expert, pair,
+                pair_ok, hidden, inter, stride_wn, stride_sn, BLOCK_N, BLOCK_M, BLOCK_K, DEQUANT,
+                DOT,
+            )  # fmt: skip
+    else:
+        expert = tl.load(block_expert_ptr + tl.program_id(1))
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        if expert >= 0:
+            pair = tl.load(sorted_ptr + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M))
+            w_base = w_ptr + expert.to(tl.int64) * stride_we
+            s_base = s_ptr + expert.to(tl.int64) * stride_se
+            _down_tile(
+                act_ptr, stride_ap, w_base, s_base, g_ptr, tw_ptr, y_ptr, stride_yp, expert,
+                tl.maximum(pair, 0), pair >= 0, hidden, inter, stride_wn, stride_sn, BLOCK_N,
+                BLOCK_M, BLOCK_K, DEQUANT, DOT,
+            )  # fmt: skip
+
+
+@triton.jit
+def combine_kernel(
+    y_ptr,
+    stride_yp,
+    out_ptr,
+    stride_ot,
+    hidden,
+    TOP_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = n < hidden
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):  # slot order: the sum is the same on every run
+        acc += tl.load(y_ptr + (t * TOP_K + j) * stride_yp + n, mask=ok, other=0.0)
+    tl.store(out_ptr + t * stride_ot + n, acc.to(out_ptr.dtype.element_ty), mask=ok)

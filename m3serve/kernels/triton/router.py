@@ -1,0 +1,457 @@
+"""MoE router in Triton: fp32 logits, sigmoid, bias-selected top-k, renormalized scaled weights.
+
+Semantics are those of `m3serve.kernels.moe.route_topk` with the routed scaling folded in:
+logits = x·Wr^T in fp32 (x upcast to fp32; the dot runs with input_precision="ieee", so the
+products and their accumulation are fp32, never TF32), s = sigmoid(logits), the k experts with
+the largest s + e_score_correction_bias win, and their weights are their *unbiased* s divided by
+the winners' sum, times `scale`. The sigmoid and the renormalization divide with IEEE rounding;
+the exp is Triton's (ex2-based, a few ulps at these magnitudes), so scores match torch's to
+about 1e-6 relative on the same logits.
+
+Work split. A program computes a [BLOCK_T tokens, BLOCK_E experts] tile of logits over a chunk
+of the hidden dimension, as a loop of [BLOCK_T, BLOCK_K] x [BLOCK_K, BLOCK_E] fp32 dots, so
+each weight tile it loads serves all BLOCK_T tokens (up to 64: prefill reuses every 16 KB weight
+tile 64 times). The grid is (token tiles, expert blocks, hidden splits), sized from shapes only:
+- When the token tiles alone nearly fill the GPU (>= 3/4 of a program per SM: prefill of ~8K
+  tokens), a program owns whole rows (all experts, all of H) and runs the top-k epilogue
+  itself: one kernel, no intermediate.
+- Otherwise (decode, verify, short prefill) the 3 MB weight is split over H — and for small token
+  counts over experts as well — until there are ~2 programs per SM, so that the whole GPU streams
+  the weight. Each program writes its fp32 partial logits to a [splits, T, E] scratch buffer; a
+  second small kernel sums the partials of a token over the splits in a fixed order (a tl.sum
+  over the split axis: same reduction tree every run, no atomics, so results are deterministic)
+  and runs the epilogue. On sm_90 the second kernel is launched with programmatic dependent
+  launch and waits on the device for the first, hiding its launch latency.
+H splits are preferred to expert blocks: a split costs 8·E bytes per token (its partials written
+and read back), an expert block a re-read of the token's row of x (2·H bytes, 12x more here).
+
+Top-k in registers (the epilogue). A program holds whole rows of E scores. k rounds, each: the
+row max of the biased scores among experts not yet taken, the lowest expert id attaining it
+(exact ties go to the lowest id), that expert's unbiased score, then it is marked taken. Ids are
+returned in that order: descending biased score, ties by ascending id. NaN biased scores rank
+below every number (route_topk would rank them first); either way the k ids are distinct and in
+[0, E), so a NaN input cannot produce an out-of-range expert id.
+
+Capturability. Grids, block sizes and the split plan depend only on (T, E, H) and the device's SM
+count (a cached host query); nothing reads device data on the host, so a call never
+synchronizes and can be captured in a CUDA graph (the scratch buffer then comes from the graph's
+memory pool). T is not specialized on (`do_not_specialize`), so token counts share compiled
+kernels within a tile size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from m3serve.kernels.triton.attention.config import next_pow2, pdl_supported, sm_count
+
+# Hidden columns per dot step: a 16 KB fp32 weight tile at E = 128.
+BLOCK_K = 32
+# A split takes at least two dot steps; at most this many splits (bounds the combine's tile).
+_MIN_CHUNK = 2 * BLOCK_K
+MAX_SPLITS = 64
+# Programs per SM to aim for when the token tiles alone do not fill the GPU.
+_PROGRAMS_PER_SM = 2
+# Logits a stage-1 program keeps in registers (BLOCK_T x BLOCK_E), and partials the combine
+# loads at once (BLOCK_S x tokens x BLOCK_E).
+_TILE = 8192
+_COMBINE_TILE = 8192
+# Rows of E scores live in registers: beyond this a 16-token tile spills.
+MAX_EXPERTS = 512
+# tl.dot needs every dimension >= 16.
+_MIN_DOT = 16
+
+
+@dataclass(frozen=True)
+class RoutePlan:
+    """Launch shape of one `route` call (a function of T, E, H and the device only)."""
+
+    block_t: int  # tokens per program: the dot's M (>= 16; padded rows are masked off)
+    expert_blocks: int  # programs sharing one token tile's experts
+    block_e: int  # experts per program (a power of two >= 16; padding masked off)
+    splits: int  # programs sharing the hidden dimension
+    chunk: int  # hidden columns per split, a multiple of BLOCK_K
+    fused: bool  # one program per token tile does everything (no scratch, no second kernel)
+
+    @property
+    def programs(self) -> int:
+        """Stage-1 programs per token tile."""
+        return self.expert_blocks * self.splits
+
+    @property
+    def num_warps(self) -> int:
+        """Stage-1 warps: a 64 x 128 tile (and the fused epilogue's copies of it) needs 8
+        warps' registers; smaller tiles keep more logits per thread on 4."""
+        return 8 if self.block_t * self.block_e >= _TILE else 4
+
+
+def _pow2_floor(n: int) -> int:
+    return triton.next_power_of_2(n + 1) // 2
+
+
+def route_plan(
+    num_tokens: int,
+    num_experts: int,
+    hidden: int,
+    device: torch.device,
+    *,
+    block_t: int | None = None,
+    splits: int | None = None,
+    expert_blocks: int | None = None,
+) -> RoutePlan:
+    """The launch plan `route` uses; block_t, splits and expert_blocks override the heuristic.
+
+    Token tiles of up to 64 tokens (the token count rounded up to a power of two, >= 16). If the
+    tiles give at least 3/4 of a program per SM, the kernel runs fused (the hidden split would
+    only add a scratch round trip to a full wave). Else H is split until ~2 programs per SM
+    (chunks of >= 64 columns, <= 64 splits), then the experts, in blocks of >= 16, while the
+    grid is at most half the target. A requested split count is rounded to whole
+    BLOCK_K steps per chunk, which can lower it.
+    """
+    if num_experts < 1 or num_experts > MAX_EXPERTS:
+        raise ValueError(f"{num_experts} experts: 1..{MAX_EXPERTS} fit a row in registers")
+    all_e = max(next_pow2(num_experts), _MIN_DOT)
+    if block_t is None:
+        block_t = min(max(next_pow2(num_tokens), _MIN_DOT), max(_TILE // all_e, _MIN_DOT))
+    elif block_t < _MIN_DOT or block_t & (block_t - 1):
+        raise ValueError(f"block_t must be a power of two >= {_MIN_DOT}, got {block_t}")
+    tiles = triton.cdiv(max(num_tokens, 1), block_t)
+    # The interpreter runs programs one after the other: fewest programs is fastest there.
+    sms = 1 if device.type != "cuda" else sm_count(device.index or 0)
+    target = _PROGRAMS_PER_SM * sms
+    fill = 4 * tiles >= 3 * sms
+
+    max_splits = max(1, min(MAX_SPLITS, hidden // _MIN_CHUNK))
+    if splits is None:
+        splits = 1 if fill else min(triton.cdiv(target, tiles), max_splits)
+    elif not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"splits must be in [1, {MAX_SPLITS}], got {splits}")
+    chunk = triton.cdiv(triton.cdiv(hidden, splits), BLOCK_K) * BLOCK_K
+    splits = triton.cdiv(hidden, chunk)
+
+    max_blocks = all_e // _MIN_DOT
+    if expert_blocks is None:
+        wanted = 1 if fill else max(target // (tiles * splits), 1)
+        expert_blocks = min(_pow2_floor(wanted), max_blocks)
+    elif expert_blocks < 1 or expert_blocks > max_blocks or expert_blocks & (expert_blocks - 1):
+        raise ValueError(f"expert_blocks must be a power of two in [1, {max_blocks}]")
+    fused = splits == 1 and expert_blocks == 1
+    return RoutePlan(block_t, expert_blocks, all_e // expert_blocks, splits, chunk, fused)
+
+
+@triton.jit
+def _select_store(
+    logits,
+    tok,
+    tok_ok,
+    bias_ptr,
+    weights_ptr,
+    ids_ptr,
+    num_experts,
+    scale,
+    stride_wt,
+    stride_it,
+    TOP_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_TOPK: tl.constexpr,
+):
+    """Epilogue on whole rows: logits [BLOCK_T, BLOCK_E] fp32 (all experts) -> k weights, ids."""
+    e = tl.arange(0, BLOCK_E)
+    e_ok = e < num_experts
+    bias = tl.load(bias_ptr + e, mask=e_ok, other=0.0)
+    # IEEE division (Triton's `/` is approximate for fp32), as in torch's sigmoid.
+    scores = tl.math.div_rn(tl.full([BLOCK_T, BLOCK_E], 1.0, tl.float32), 1.0 + tl.exp(-logits))
+    biased = scores + bias[None, :]
+    # NaN never equals the row max: as -inf it can still be taken once the numbers run out.
+    biased = tl.where(biased == biased, biased, float("-inf"))
+    free = tl.broadcast_to(e_ok[None, :], [BLOCK_T, BLOCK_E])
+
+    slot = tl.arange(0, BLOCK_TOPK)
+    top_w = tl.zeros([BLOCK_T, BLOCK_TOPK], tl.float32)
+    top_id = tl.zeros([BLOCK_T, BLOCK_TOPK], tl.int32)
+    total = tl.zeros([BLOCK_T], tl.float32)
+    for j in tl.static_range(TOP_K):
+        cand = tl.where(free, biased, float("-inf"))
+        best = tl.max(cand, 1)
+        # The lowest free id at the max: exact ties resolve the same way every run.
+        pick = tl.min(tl.where(free & (cand == best[:, None]), e[None, :], BLOCK_E), 1)
+        won = e[None, :] == pick[:, None]
+        # One lane survives the mask, so the sum is that score exactly.
+        w = tl.sum(tl.where(won, scores, 0.0), 1)
+        total += w
+        top_w = tl.where(slot[None, :] == j, w[:, None], top_w)
+        top_id = tl.where(slot[None, :] == j, pick[:, None], top_id)
+        free = free & ~won
+
+    # Normalize first, then scale: the reference's order (route_topk, then the routed scaling).
+    weights = tl.math.div_rn(top_w, tl.broadcast_to(total[:, None], [BLOCK_T, BLOCK_TOPK])) * scale
+    out_ok = tok_ok[:, None] & (slot[None, :] < TOP_K)
+    tok64 = tok.to(tl.int64)
+    tl.store(weights_ptr + tok64[:, None] * stride_wt + slot[None, :], weights, mask=out_ok)
+    tl.store(ids_ptr + tok64[:, None] * stride_it + slot[None, :], top_id.to(tl.int64), mask=out_ok)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _router_logits_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    part_ptr,
+    weights_ptr,
+    ids_ptr,
+    num_tokens,
+    hidden,
+    num_experts,
+    chunk,
+    scale,
+    stride_xt,
+    stride_we,
+    stride_ps,
+    stride_pt,
+    stride_wt,
+    stride_it,
+    TOP_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_TOPK: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    FUSED: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    if PDL:  # let the combine kernel start launching; it waits for this grid on the device
+        tl.extra.cuda.gdc_launch_dependents()
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    split = tl.program_id(2)
+    tok_ok = tok < num_tokens
+    e_ok = e < num_experts
+    kk = tl.arange(0, BLOCK_K)
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, hidden)
+    # int64 rows: a long prefill times H can pass 2**31 elements.
+    x_rows = x_ptr + tok.to(tl.int64)[:, None] * stride_xt
+    w_cols = w_ptr + e[None, :] * stride_we
+
+    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    for k0 in range(lo, hi, BLOCK_K):
+        cols = k0 + kk
+        # With H a multiple of BLOCK_K every chunk is whole steps: no column mask, so the loads
+        # stay vectorized along H.
+        if EVEN_K:
+            x_mask = tok_ok[:, None]
+            w_mask = e_ok[None, :]
+        else:
+            x_mask = tok_ok[:, None] & (cols < hi)[None, :]
+            w_mask = e_ok[None, :] & (cols < hi)[:, None]
+        # Padded token rows and expert columns load no memory and add exact zeros.
+        xt = tl.load(x_rows + cols[None, :], mask=x_mask, other=0.0).to(tl.float32)
+        wt = tl.load(w_cols + cols[:, None], mask=w_mask, other=0.0)
+        acc = tl.dot(xt, wt, acc, input_precision="ieee")
+
+    if FUSED:
+        _select_store(
+            acc,
+            tok,
+            tok_ok,
+            bias_ptr,
+            weights_ptr,
+            ids_ptr,
+            num_experts,
+            scale,
+            stride_wt,
+            stride_it,
+            TOP_K,
+            BLOCK_T,
+            BLOCK_E,
+            BLOCK_TOPK,
+        )
+    else:
+        part = part_ptr + split.to(tl.int64) * stride_ps + tok.to(tl.int64)[:, None] * stride_pt
+        tl.store(part + e[None, :], acc, mask=tok_ok[:, None] & e_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _router_combine_kernel(
+    part_ptr,
+    bias_ptr,
+    weights_ptr,
+    ids_ptr,
+    num_tokens,
+    num_experts,
+    num_splits,
+    scale,
+    stride_ps,
+    stride_pt,
+    stride_wt,
+    stride_it,
+    TOP_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_TOPK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_ok = tok < num_tokens
+    e = tl.arange(0, BLOCK_E)
+    s = tl.arange(0, BLOCK_S)
+    if PDL:  # launched early (programmatic dependent launch): the partials are not written yet
+        tl.extra.cuda.gdc_wait()
+    ptrs = (
+        part_ptr
+        + s.to(tl.int64)[:, None, None] * stride_ps
+        + tok.to(tl.int64)[None, :, None] * stride_pt
+        + e[None, None, :]
+    )
+    live = (
+        (s < num_splits)[:, None, None] & tok_ok[None, :, None] & (e < num_experts)[None, None, :]
+    )
+    # All splits of the tile in one load, summed by one reduction: a fixed order every run, and
+    # no chain of dependent loads.
+    logits = tl.sum(tl.load(ptrs, mask=live, other=0.0), 0)
+    _select_store(
+        logits,
+        tok,
+        tok_ok,
+        bias_ptr,
+        weights_ptr,
+        ids_ptr,
+        num_experts,
+        scale,
+        stride_wt,
+        stride_it,
+        TOP_K,
+        BLOCK_T,
+        BLOCK_E,
+        BLOCK_TOPK,
+    )
+
+
+def route(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    top_k: int,
+    scale: float,
+    *,
+    block_t: int | None = None,
+    splits: int | None = None,
+    expert_blocks: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Routing of x [T, H] (any float dtype) over weight [E, H] fp32 with bias [E] fp32.
+
+    Returns (weights [T, k] fp32, ids [T, k] int64): the k experts with the largest
+    sigmoid(x·W^T) + bias, in descending order of that biased score (exact ties: lower id
+    first), and their unbiased sigmoid scores renormalized to sum to one, times `scale`.
+    block_t, splits and expert_blocks override the launch plan (see `route_plan`); num_warps
+    and num_stages the stage-1 kernel's launch.
+    """
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"x {tuple(x.shape)} and weight {tuple(weight.shape)}: want [T, H], [E, H]"
+        )
+    num_tokens, hidden = x.shape
+    num_experts = weight.shape[0]
+    if weight.dtype != torch.float32 or bias.dtype != torch.float32:
+        raise ValueError("weight and bias must be float32")
+    if bias.shape != (num_experts,):
+        raise ValueError(f"bias shape {tuple(bias.shape)} does not match {num_experts} experts")
+    if not x.is_floating_point():
+        raise ValueError(f"x must be a float tensor, got {x.dtype}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+    if weight.stride(1) != 1 or not bias.is_contiguous():
+        raise ValueError("weight rows and bias must be contiguous")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    device = x.device
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=device)
+    if num_tokens == 0:
+        return weights, ids
+
+    plan = route_plan(
+        num_tokens,
+        num_experts,
+        hidden,
+        device,
+        block_t=block_t,
+        splits=splits,
+        expert_blocks=expert_blocks,
+    )
+    all_e = plan.block_e * plan.expert_blocks
+    block_topk = max(next_pow2(top_k), 2)
+    pdl = not plan.fused and pdl_supported(x)
+    if plan.fused:
+        part = weights  # never touched: the fused kernel writes the outputs itself
+    else:
+        part = torch.empty(plan.splits, num_tokens, num_experts, dtype=torch.float32, device=device)
+    grid = (triton.cdiv(num_tokens, plan.block_t), plan.expert_blocks, plan.splits)
+    _router_logits_kernel[grid](
+        x,
+        weight,
+        bias,
+        part,
+        weights,
+        ids,
+        num_tokens,
+        hidden,
+        num_experts,
+        plan.chunk,
+        float(scale),
+        x.stride(0),
+        weight.stride(0),
+        part.stride(0) if not plan.fused else 0,
+        part.stride(1) if not plan.fused else 0,
+        weights.stride(0),
+        ids.stride(0),
+        TOP_K=top_k,
+        BLOCK_T=plan.block_t,
+        BLOCK_E=plan.block_e,
+        BLOCK_K=BLOCK_K,
+        BLOCK_TOPK=block_topk,
+        EVEN_K=hidden % BLOCK_K == 0,
+        FUSED=plan.fused,
+        PDL=pdl,
+        num_warps=num_warps or plan.num_warps,
+        num_stages=num_stages or 3,
+    )
+    if plan.fused:
+        return weights, ids
+
+    block_s = max(next_pow2(plan.splits), 2)
+    combine_t = max(1, min(_pow2_floor(_COMBINE_TILE // (block_s * all_e)), next_pow2(num_tokens)))
+    # ~32 partials per thread: one wide load in flight, no spills.
+    combine_warps = max(1, min(8, block_s * combine_t * all_e // 1024))
+    _router_combine_kernel[(triton.cdiv(num_tokens, combine_t),)](
+        part,
+        bias,
+        weights,
+        ids,
+        num_tokens,
+        num_experts,
+        plan.splits,
+        float(scale),
+        part.stride(0),
+        part.stride(1),
+        weights.stride(0),
+        ids.stride(0),
+        TOP_K=top_k,
+        BLOCK_T=combine_t,
+        BLOCK_E=all_e,
+        BLOCK_S=block_s,
+        BLOCK_TOPK=block_topk,
+        PDL=pdl,
+        num_warps=combine_warps,
+        **({"launch_pdl": True} if pdl else {}),
+    )
+    return weights, ids

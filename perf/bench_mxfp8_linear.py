@@ -1,0 +1,184 @@
+"""W8A16 MXFP8 linear (Triton) on the GPU: decode time vs the read-bandwidth floor, prefill
+TFLOP/s vs torch's bf16 matmul.
+
+Shapes (N, K) are the model's MXFP8 projections: fused q/k/v/index-q/index-k (9856, 6144), o_proj
+(6144, 8192), shared-expert down (6144, 3072), shared gate_up (6144, 6144), dense gate_up
+(24576, 6144), dense down (6144, 12288).
+
+* decode, M in {1, 8, 32, 64, 128}: `mxfp8_linear` replayed from a CUDA graph (the engine's decode
+  mode). Achieved bandwidth counts the weight bytes (codes + scales) once per call, against the
+  read-only bandwidth of a streaming Triton kernel measured in the same run; activations and
+  outputs (< 2 % of the bytes at M 64) are left out of the count. The replays rotate through
+  enough copies of the weight to overflow L2 (50 MB on H200) between visits, as the model's
+  layers do. Also timed: torch's bf16 matmul on the dequantized weight (twice the bytes), the
+  alternative of dequantizing at load.
+* prefill, M 2048: both timed the same way (graph replay), TFLOP/s = 2 M N K / time.
+
+    python perf/bench_mxfp8_linear.py [--ms 1,8,32,64,128] [--prefill-m 2048]
+        [--shapes qkv_index,o_proj,...] [--out PATH]
+
+Timing and the bandwidth measurement come from perf/gpu_timing.py (run the script by path, so
+that perf/ is on sys.path).
+
+Prints a table; writes JSON to $OUT/bench_mxfp8_linear.json when $OUT is set, else to
+perf/results/bench_mxfp8_linear.json (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import triton
+from gpu_timing import graph_us, read_bandwidth
+
+from m3serve.kernels.quant import dequant_mxfp8, quant_mxfp8
+from m3serve.kernels.triton.mxfp8_linear import mxfp8_linear, plan_mxfp8
+
+SHAPES = {
+    "qkv_index": (9856, 6144),
+    "o_proj": (6144, 8192),
+    "shared_down": (6144, 3072),
+    "shared_gate_up": (6144, 6144),
+    "dense_gate_up": (24576, 6144),
+    "dense_down": (6144, 12288),
+}
+L2_BYTES = 50 * 2**20
+
+
+# ------------------------------------------------------------------------------ benchmark
+
+
+class Weight:
+    """`copies` MXFP8 copies of one random [n, k] weight (distinct addresses, so rotating
+    through them misses L2) and the bf16 dequantized weight for torch's matmul."""
+
+    def __init__(self, n: int, k: int, copies: int, bf16_copies: int) -> None:
+        g = torch.Generator(device="cuda").manual_seed(n + k)
+        w = torch.randn(n, k, device="cuda", generator=g) * 0.02
+        codes, scales = quant_mxfp8(w)
+        del w
+        self.codes = [codes] + [codes.clone() for _ in range(copies - 1)]
+        self.scales = [scales] + [scales.clone() for _ in range(copies - 1)]
+        dense = dequant_mxfp8(codes, scales).to(torch.bfloat16)
+        self.dense = [dense] + [dense.clone() for _ in range(bf16_copies - 1)]
+        self.bytes = codes.numel() + scales.numel()
+
+
+def copies_for(nbytes: int) -> int:
+    return max(1, min(16, -(-3 * L2_BYTES // nbytes)))
+
+
+def point(
+    name: str, weight: Weight, m: int, bandwidth: float, kind: str
+) -> dict[str, float | int | str]:
+    n, k = SHAPES[name]
+    g = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    outs = [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for _ in weight.codes]
+    dense_outs = [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for _ in weight.dense]
+
+    def ours(i: int) -> Callable[[], object]:
+        return lambda: mxfp8_linear(x, weight.codes[i], weight.scales[i], out=outs[i])
+
+    def torch_bf16(i: int) -> Callable[[], object]:
+        return lambda: torch.mm(x, weight.dense[i].t(), out=dense_outs[i])
+
+    plan = plan_mxfp8(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+    row: dict[str, float | int | str] = {"shape": name, "n": n, "k": k, "m": m, "kind": kind}
+    row.update(block_m=plan.block_m, block_n=plan.block_n, block_k=plan.block_k)
+    row["split_k"] = plan.split_k
+    row["us"] = graph_us([ours(i) for i in range(len(outs))])
+    row["torch_bf16_us"] = graph_us([torch_bf16(i) for i in range(len(dense_outs))])
+    row["weight_bytes"] = weight.bytes
+    row["gb_per_s"] = weight.bytes / row["us"] / 1e3
+    row["read_fraction"] = weight.bytes / (row["us"] * 1e-6) / bandwidth
+    flops = 2 * m * n * k
+    row["tflops"] = flops / row["us"] / 1e6
+    row["torch_bf16_tflops"] = flops / row["torch_bf16_us"] / 1e6
+    row["speedup_vs_torch_bf16"] = row["torch_bf16_us"] / row["us"]
+    # Sanity: both timed calls compute the same product (bf16 rounding apart).
+    ours(0)()
+    torch_bf16(0)()
+    ref = dense_outs[0].float()
+    row["rel_diff_vs_torch"] = float((outs[0].float() - ref).norm() / ref.norm())
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ms", default="1,8,32,64,128")
+    parser.add_argument("--prefill-m", type=int, default=2048)
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    ms = [int(m) for m in args.ms.split(",")]
+    shapes = args.shapes.split(",")
+
+    bandwidth = read_bandwidth()
+    print(f"device read-only bandwidth: {bandwidth / 1e12:.2f} TB/s")
+
+    decode, prefill = [], []
+    print("\ndecode (CUDA-graph replay; GB/s of weight bytes = codes + scales)")
+    print(
+        f"{'shape':>15} {'N':>6} {'K':>6} {'M':>4} {'bm':>4} {'split':>5} {'µs':>8} {'GB/s':>7} "
+        f"{'%read':>6} {'bf16 µs':>8} {'×bf16':>6} {'rel diff':>9}"
+    )
+    for name in shapes:
+        n, k = SHAPES[name]
+        weight = Weight(n, k, copies_for(n * k * 33 // 32), copies_for(2 * n * k))
+        for m in ms:
+            r = point(name, weight, m, bandwidth, "decode")
+            decode.append(r)
+            print(
+                f"{name:>15} {r['n']:>6} {r['k']:>6} {m:>4} {r['block_m']:>4} {r['split_k']:>5} "
+                f"{r['us']:>8.2f} {r['gb_per_s']:>7.0f} {100 * r['read_fraction']:>5.1f}% "
+                f"{r['torch_bf16_us']:>8.2f} {r['speedup_vs_torch_bf16']:>6.2f} "
+                f"{r['rel_diff_vs_torch']:>9.2e}"
+            )
+
+        # Prefill now, while this shape's weights exist: one shape's copies in memory at a time.
+        prefill.append(point(name, weight, args.prefill_m, bandwidth, "prefill"))
+        del weight
+        torch.cuda.empty_cache()
+
+    print(f"\nprefill M = {args.prefill_m} (CUDA-graph replay)")
+    print(
+        f"{'shape':>15} {'N':>6} {'K':>6} {'µs':>9} {'TFLOP/s':>8} {'bf16 µs':>9} "
+        f"{'bf16 TFLOP/s':>12} {'vs bf16':>7} {'rel diff':>9}"
+    )
+    for r in prefill:
+        name = r["shape"]
+        print(
+            f"{name:>15} {r['n']:>6} {r['k']:>6} {r['us']:>9.1f} {r['tflops']:>8.1f} "
+            f"{r['torch_bf16_us']:>9.1f} {r['torch_bf16_tflops']:>12.1f} "
+            f"{100 * r['speedup_vs_torch_bf16']:>6.0f}% {r['rel_diff_vs_torch']:>9.2e}"
+        )
+
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "read_bandwidth_bytes_per_s": bandwidth,
+        "decode": decode,
+        "prefill": prefill,
+    }
+    if args.out is not None:
+        path = args.out
+    elif os.environ.get("OUT"):
+        path = Path(os.environ["OUT"]) / "bench_mxfp8_linear.json"
+    else:
+        path = Path(__file__).parent / "results" / "bench_mxfp8_linear.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,345 @@
+"""NVFP4 routed experts (Triton W4A16, m3serve.kernels.triton.nvfp4_moe) on the GPU: decode
+bandwidth and prefill throughput at the real shapes (E 128, H 6144, I 3072, top-4).
+
+Random valid NVFP4 weights (uniform codes, e4m3 group scales, per-half globals), unit-RMS bf16
+activations, top-4 of uniform random scores per token.
+
+* Decode, T in {1, 2, 4, 8, 16, 32, 64, 128}, timed as CUDA-graph replay (the engine's decode
+  mode) rotating over several routings so experts are not found in L2 (50 MB; one expert is
+  31.8 MB). Bytes = distinct selected experts x (packed weights + group scales) of both
+  projections, i.e. what must cross HBM; GB/s and the fraction of the read-only bandwidth
+  measured in the same run (a Triton kernel that only reads; target >= 70% at T 1-32).
+* Prefill, T = 2048 (8192 pairs, the sorted route): TFLOP/s of the useful work
+  2 * pairs * (2I*H + H*I), against a bf16 torch matmul doing the same work in two dense GEMMs
+  (M = pairs) measured in the same run (target >= 50%).
+* The same T through today's bf16 path, `moe_experts_grouped` (torch._grouped_mm) on the
+  weights dequantized to bf16 once (14.5 GB), for comparison; its output is also the sanity
+  check (relative difference of the two, both on identical weight values).
+
+    python perf/bench_nvfp4_moe.py [--tokens 1,2,4,8,16,32,64,128] [--prefill 2048]
+        [--ablations] [--out PATH]
+
+`--ablations` adds, at T in {1, 8, 32}: the plain-Triton decode (no inline PTX), the other route,
+no PDL, and a few tile/stage/warp variants (`ABLATIONS`); and tile variants of the prefill
+(`PREFILL_ABLATIONS`), to guide tuning of `_plan`.
+Prints a table; writes JSON to $OUT/bench_nvfp4_moe.json when $OUT is set, else to
+perf/results/bench_nvfp4_moe.json (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import triton
+from gpu_timing import graph_us, launch_us, read_bandwidth
+
+from m3serve.backends.hopper.moe import grouped_mm_available, moe_experts_grouped
+from m3serve.kernels.quant import dequant_nvfp4
+from m3serve.kernels.triton.nvfp4_moe import NVFP4MoEConfig, nvfp4_moe
+
+E, H, INTER, TOP_K = 128, 6144, 3072, 4
+ALPHA, LIMIT = 1.702, 7.0
+DEV = torch.device("cuda")
+SETS = 4  # routings rotated through in one graph
+DECODE_TOKENS = "1,2,4,8,16,32,64,128"
+
+
+@dataclasses.dataclass
+class Experts:
+    w13: torch.Tensor
+    w13_scale: torch.Tensor
+    w13_global: torch.Tensor
+    w2: torch.Tensor
+    w2_scale: torch.Tensor
+    w2_global: torch.Tensor
+
+    def args(self) -> tuple[torch.Tensor, ...]:
+        return (self.w13, self.w13_scale, self.w13_global, self.w2, self.w2_scale, self.w2_global)
+
+    def bytes_per_expert(self) -> int:
+        tensors = (self.w13, self.w13_scale, self.w2, self.w2_scale)
+        return sum(t[0].numel() * t.element_size() for t in tensors)
+
+    def bf16(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same weights dequantized to bf16 (exact), [E, 2I, H] and [E, H, I]."""
+        w13 = torch.empty(E, 2 * INTER, H, dtype=torch.bfloat16, device=DEV)
+        w2 = torch.empty(E, H, INTER, dtype=torch.bfloat16, device=DEV)
+        for e in range(E):
+            gate = dequant_nvfp4(
+                self.w13[e, :INTER], self.w13_scale[e, :INTER], self.w13_global[e, 0]
+            )
+            up = dequant_nvfp4(
+                self.w13[e, INTER:], self.w13_scale[e, INTER:], self.w13_global[e, 1]
+            )
+            w13[e] = torch.cat([gate, up])
+            w2[e] = dequant_nvfp4(self.w2[e], self.w2_scale[e], self.w2_global[e])
+        return w13, w2
+
+
+def random_experts(seed: int = 0) -> Experts:
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+
+    def nvfp4(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        codes = torch.randint(0, 256, (E, rows, cols // 2), generator=gen, device=DEV)
+        scale = torch.rand(E, rows, cols // 16, generator=gen, device=DEV) * 1.75 + 0.25
+        return codes.to(torch.uint8), scale.to(torch.float8_e4m3fn)
+
+    w13, w13_scale = nvfp4(2 * INTER, H)
+    w2, w2_scale = nvfp4(H, INTER)
+    w13_global = (torch.rand(E, 2, generator=gen, device=DEV) + 0.5) * torch.tensor(
+        [0.012, 0.009], device=DEV
+    )
+    w2_global = (torch.rand(E, generator=gen, device=DEV) + 0.5) * 0.002
+    return Experts(w13, w13_scale, w13_global, w2, w2_scale, w2_global)
+
+
+@dataclasses.dataclass
+class Step:
+    x: torch.Tensor
+    weights: torch.Tensor
+    ids: torch.Tensor
+
+    def distinct(self) -> int:
+        return int(self.ids.unique().numel())
+
+
+def steps(tokens: int, count: int, seed: int) -> list[Step]:
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    out = []
+    for _ in range(count):
+        x = torch.randn(tokens, H, generator=gen, device=DEV).to(torch.bfloat16)
+        scores = torch.rand(tokens, E, generator=gen, device=DEV)
+        weights, ids = torch.topk(scores, TOP_K, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True) * 2.0
+        out.append(Step(x, weights.float(), ids.to(torch.int32)))
+    return out
+
+
+def moe_call(
+    ex: Experts, step: Step, config: NVFP4MoEConfig | None = None
+) -> Callable[[], torch.Tensor]:
+    cfg = config or NVFP4MoEConfig()
+    return lambda: nvfp4_moe(step.x, step.weights, step.ids, *ex.args(), ALPHA, LIMIT, config=cfg)
+
+
+def grouped_call(w13: torch.Tensor, w2: torch.Tensor, step: Step) -> Callable[[], torch.Tensor]:
+    return lambda: moe_experts_grouped(step.x, step.weights, step.ids, w13, w2, ALPHA, LIMIT)
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12))
+
+
+def decode_point(
+    ex: Experts, bf16: tuple[torch.Tensor, torch.Tensor] | None, tokens: int, read_bw: float
+) -> dict[str, float | int]:
+    group = steps(tokens, SETS, seed=tokens)
+    distinct = sum(s.distinct() for s in group) / len(group)
+    nbytes = distinct * ex.bytes_per_expert()
+    row: dict[str, float | int] = {"tokens": tokens, "pairs": tokens * TOP_K}
+    row["distinct_experts"] = distinct
+    row["bytes"] = nbytes
+    row["nvfp4_us"] = graph_us([moe_call(ex, s) for s in group])
+    row["gb_per_s"] = nbytes / row["nvfp4_us"] / 1e3
+    row["read_fraction"] = nbytes / (row["nvfp4_us"] * 1e-6) / read_bw
+    if bf16 is not None:
+        row["grouped_bf16_us"] = graph_us([grouped_call(*bf16, s) for s in group])
+        row["speedup_vs_grouped_bf16"] = row["grouped_bf16_us"] / row["nvfp4_us"]
+        row["rel_diff_vs_grouped_bf16"] = rel_diff(
+            moe_call(ex, group[0])(), grouped_call(*bf16, group[0])()
+        )
+    return row
+
+
+def dense_bf16_us(pairs: int) -> float:
+    """The prefill's useful FLOPs as two dense bf16 GEMMs (M = pairs), CUDA-graph timed."""
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    a = torch.randn(pairs, H, generator=gen, device=DEV).to(torch.bfloat16)
+    w13 = torch.randn(2 * INTER, H, generator=gen, device=DEV).to(torch.bfloat16)
+    h = torch.randn(pairs, INTER, generator=gen, device=DEV).to(torch.bfloat16)
+    w2 = torch.randn(H, INTER, generator=gen, device=DEV).to(torch.bfloat16)
+
+    def run() -> None:
+        torch.mm(a, w13.t())
+        torch.mm(h, w2.t())
+
+    return graph_us([run], budget_ms=100.0)
+
+
+def prefill_point(
+    ex: Experts, bf16: tuple[torch.Tensor, torch.Tensor] | None, tokens: int
+) -> dict[str, float | int]:
+    pairs = tokens * TOP_K
+    flops = 2.0 * pairs * (2 * INTER * H + H * INTER)
+    group = steps(tokens, 2, seed=tokens)
+    row: dict[str, float | int] = {"tokens": tokens, "pairs": pairs, "flops": flops}
+    row["nvfp4_us"] = graph_us([moe_call(ex, s) for s in group], budget_ms=100.0)
+    row["nvfp4_tflops"] = flops / row["nvfp4_us"] / 1e6
+    row["dense_bf16_us"] = dense_bf16_us(pairs)
+    row["dense_bf16_tflops"] = flops / row["dense_bf16_us"] / 1e6
+    row["fraction_of_dense_bf16"] = row["nvfp4_tflops"] / row["dense_bf16_tflops"]
+    if bf16 is not None:
+        row["grouped_bf16_us"] = graph_us([grouped_call(*bf16, s) for s in group], 100.0)
+        row["grouped_bf16_tflops"] = flops / row["grouped_bf16_us"] / 1e6
+        row["rel_diff_vs_grouped_bf16"] = rel_diff(
+            moe_call(ex, group[0])(), grouped_call(*bf16, group[0])()
+        )
+    return row
+
+
+ABLATIONS = {
+    "default": NVFP4MoEConfig(),
+    "dequant_triton": NVFP4MoEConfig(dequant="triton"),
+    "route_sorted": NVFP4MoEConfig(route="sorted"),
+    "no_pdl": NVFP4MoEConfig(pdl=False),
+    "block_k128": NVFP4MoEConfig(block_k=128),
+    "stages4": NVFP4MoEConfig(num_stages=4),
+    "stages2": NVFP4MoEConfig(num_stages=2),
+    "block_n128_w8": NVFP4MoEConfig(block_n=128, num_warps=8),
+    "warps8": NVFP4MoEConfig(num_warps=8),
+}
+
+
+PREFILL_ABLATIONS = {
+    "default": NVFP4MoEConfig(),
+    "block_m32": NVFP4MoEConfig(block_m=32),
+    "block_m128": NVFP4MoEConfig(block_m=128),
+    "block_m128_n128_w8": NVFP4MoEConfig(block_m=128, block_n=128, num_warps=8),
+    "stages4": NVFP4MoEConfig(num_stages=4),
+    "block_k64": NVFP4MoEConfig(block_k=64),
+    "dequant_triton": NVFP4MoEConfig(dequant="triton"),
+}
+
+
+def prefill_ablations(ex: Experts, tokens: int) -> list[dict[str, float | int]]:
+    """Tile variants of the sorted route at one prefill size (graph µs, TFLOP/s)."""
+    flops = 2.0 * tokens * TOP_K * (2 * INTER * H + H * INTER)
+    group = steps(tokens, 2, seed=tokens)
+    rows = []
+    for name, cfg in PREFILL_ABLATIONS.items():
+        us = graph_us([moe_call(ex, s, cfg) for s in group], budget_ms=100.0)
+        rows.append({"tokens": tokens, "variant": name, "us": us, "tflops": flops / us / 1e6})
+    return rows
+
+
+def ablations(ex: Experts, tokens: list[int], read_bw: float) -> list[dict[str, float | int]]:
+    """Other decodes, routes and tiles at a few sizes (graph µs, fraction of read bandwidth)."""
+    rows = []
+    for t in tokens:
+        group = steps(t, SETS, seed=t)
+        nbytes = sum(s.distinct() for s in group) / len(group) * ex.bytes_per_expert()
+        for name, cfg in ABLATIONS.items():
+            us = graph_us([moe_call(ex, s, cfg) for s in group])
+            frac = nbytes / (us * 1e-6) / read_bw
+            rows.append({"tokens": t, "variant": name, "us": us, "read_fraction": frac})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", default=DECODE_TOKENS)
+    parser.add_argument("--prefill", type=int, default=2048)
+    parser.add_argument("--no-grouped", action="store_true", help="skip the bf16 grouped-mm path")
+    parser.add_argument("--ablations", action="store_true")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+    read_bw = read_bandwidth()
+    launch = launch_us()
+    print(
+        f"device read-only bandwidth {read_bw / 1e12:.2f} TB/s; "
+        f"empty-kernel launch in a graph {launch:.2f} µs"
+    )
+    ex = random_experts()
+    use_grouped = not args.no_grouped and grouped_mm_available(DEV, torch.bfloat16)
+    bf16 = ex.bf16() if use_grouped else None
+    print(f"expert bytes (w13 + w2, packed + scales): {ex.bytes_per_expert() / 1e6:.1f} MB")
+
+    decode = []
+    print("\ndecode, CUDA-graph replay (bytes: distinct experts x packed weights + scales)")
+    print(
+        f"{'T':>4} {'pairs':>5} {'experts':>7} {'MB':>8} {'nvfp4 µs':>9} {'GB/s':>7} "
+        f"{'%read':>6} {'bf16 grp µs':>11} {'×grp':>6} {'rel diff':>9}"
+    )
+    for t in [int(v) for v in args.tokens.split(",")]:
+        r = decode_point(ex, bf16, t, read_bw)
+        decode.append(r)
+        grouped = (
+            f"{r['grouped_bf16_us']:>11.1f} {r['speedup_vs_grouped_bf16']:>6.2f} "
+            f"{r['rel_diff_vs_grouped_bf16']:>9.2e}"
+            if bf16 is not None
+            else f"{'-':>11} {'-':>6} {'-':>9}"
+        )
+        print(
+            f"{t:>4} {r['pairs']:>5} {r['distinct_experts']:>7.1f} {r['bytes'] / 1e6:>8.1f} "
+            f"{r['nvfp4_us']:>9.1f} {r['gb_per_s']:>7.0f} {100 * r['read_fraction']:>5.1f}% "
+            + grouped
+        )
+
+    prefill = []
+    if args.prefill > 0:
+        r = prefill_point(ex, bf16, args.prefill)
+        prefill.append(r)
+        print(f"\nprefill T = {args.prefill} ({r['pairs']} pairs), CUDA-graph replay")
+        print(
+            f"  nvfp4 {r['nvfp4_us']:9.1f} µs  {r['nvfp4_tflops']:6.1f} TFLOP/s   "
+            f"dense bf16 matmul {r['dense_bf16_us']:9.1f} µs  {r['dense_bf16_tflops']:6.1f} "
+            f"TFLOP/s   -> {100 * r['fraction_of_dense_bf16']:.1f}% of dense"
+        )
+        if bf16 is not None:
+            print(
+                f"  bf16 grouped-mm {r['grouped_bf16_us']:9.1f} µs  "
+                f"{r['grouped_bf16_tflops']:6.1f} TFLOP/s   rel diff "
+                f"{r['rel_diff_vs_grouped_bf16']:.2e}"
+            )
+
+    abl = []
+    if args.ablations:
+        print("\nablations (graph µs / % of read bandwidth)")
+        abl = ablations(ex, [1, 8, 32], read_bw)
+        for r in abl:
+            print(
+                f"  T={r['tokens']:>3} {r['variant']:<15} {r['us']:9.1f} µs "
+                f"{100 * r['read_fraction']:5.1f}%"
+            )
+        if args.prefill > 0:
+            print(f"prefill T = {args.prefill} (graph µs / TFLOP/s)")
+            pre = prefill_ablations(ex, args.prefill)
+            abl += pre
+            for r in pre:
+                print(f"  {r['variant']:<20} {r['us']:9.1f} µs {r['tflops']:6.1f} TFLOP/s")
+
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "shapes": {"experts": E, "hidden": H, "intermediate": INTER, "top_k": TOP_K},
+        "read_bandwidth_bytes_per_s": read_bw,
+        "empty_kernel_launch_us": launch,
+        "expert_bytes": ex.bytes_per_expert(),
+        "decode": decode,
+        "prefill": prefill,
+        "ablations": abl,
+    }
+    if args.out is not None:
+        path = args.out
+    elif os.environ.get("OUT"):
+        path = Path(os.environ["OUT"]) / "bench_nvfp4_moe.json"
+    else:
+        path = Path(__file__).parent / "results" / "bench_nvfp4_moe.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,392 @@
+"""Triton NVFP4 fused MoE (m3serve.kernels.triton.nvfp4_moe) against the torch reference.
+
+Tiny shapes (E 4..8, H 64, I 32..64, k 2) so the file runs in seconds under TRITON_INTERPRET=1
+on the CPU; real shapes live in tests/gpu/test_nvfp4_moe_gpu.py. The reference is `moe_experts`
+in fp32 on weights dequantized by `m3serve.kernels.quant`. With fp32 activations every product
+in the kernel is exact and only fp32 summation order differs, so the tolerance is fp32 rounding;
+bf16 activations add the rounding of the output to bf16 (which the interpreter truncates).
+
+The GPU decodes nibbles with inline PTX, which the interpreter cannot run: `test_e2m1_ptx_*`
+execute that PTX text on a small emulator of its four instructions, for every byte and a sweep of
+scales, against `unpack_e2m1`.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+from helpers.devices import DEVICE, ON_GPU
+
+from m3serve.kernels.moe import moe_experts
+from m3serve.kernels.quant import dequant_nvfp4, quant_nvfp4, unpack_e2m1
+from m3serve.kernels.triton.nvfp4_moe import NVFP4MoEConfig, decode, nvfp4_moe
+from m3serve.kernels.triton.nvfp4_moe import plan as planning
+
+H = 64
+ALPHA = 1.702
+LIMIT = 7.0
+TOP_K = 2
+ROUTES = ["slots", "sorted"]
+
+
+class Experts:
+    """NVFP4 experts in the checkpoint layout, built from random fp32 weights by quant_nvfp4."""
+
+    def __init__(self, num_experts: int, inter: int, seed: int, scale: float = 0.08) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.num_experts, self.inter = num_experts, inter
+        w13 = torch.randn(num_experts, 2 * inter, H, generator=gen) * scale
+        w2 = torch.randn(num_experts, H, inter, generator=gen) * scale
+        parts = [self._quant_w13(w13[e]) for e in range(num_experts)]
+        self.w13 = torch.stack([p[0] for p in parts])
+        self.w13_scale = torch.stack([p[1] for p in parts])
+        self.w13_global = torch.stack([p[2] for p in parts])
+        down = [quant_nvfp4(w2[e]) for e in range(num_experts)]
+        self.w2 = torch.stack([d[0] for d in down])
+        self.w2_scale = torch.stack([d[1] for d in down])
+        self.w2_global = torch.stack([d[2] for d in down])
+
+    def _quant_w13(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # w1 and w3 get their own globals, so a kernel that mixes up the halves is caught.
+        gate, up = quant_nvfp4(w[: self.inter]), quant_nvfp4(w[self.inter :])
+        return (
+            torch.cat([gate[0], up[0]]),
+            torch.cat([gate[1], up[1]]),
+            torch.stack([gate[2], up[2]]),
+        )
+
+    def args(self) -> tuple[torch.Tensor, ...]:
+        return tuple(
+            t.to(DEVICE)
+            for t in (
+                self.w13,
+                self.w13_scale,
+                self.w13_global,
+                self.w2,
+                self.w2_scale,
+                self.w2_global,
+            )
+        )
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        i = self.inter
+        w13 = torch.stack(
+            [
+                torch.cat(
+                    [
+                        dequant_nvfp4(
+                            self.w13[e, :i], self.w13_scale[e, :i], self.w13_global[e, 0]
+                        ),
+                        dequant_nvfp4(
+                            self.w13[e, i:], self.w13_scale[e, i:], self.w13_global[e, 1]
+                        ),
+                    ]
+                )
+                for e in range(self.num_experts)
+            ]
+        )
+        w2 = torch.stack(
+            [
+                dequant_nvfp4(self.w2[e], self.w2_scale[e], self.w2_global[e])
+                for e in range(self.num_experts)
+            ]
+        )
+        return w13, w2
+
+
+def routing(
+    tokens: int, num_experts: int, seed: int, ids_dtype: torch.dtype = torch.int32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:TOP_K] for _ in range(tokens)])
+    weights = torch.rand(tokens, TOP_K, generator=gen) + 0.1
+    return weights / weights.sum(-1, keepdim=True) * 2.0, ids.to(ids_dtype)
+
+
+def reference(
+    ex: Experts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, limit: float = LIMIT
+) -> torch.Tensor:
+    w13, w2 = ex.dequantized()
+    return moe_experts(x.float().cpu(), weights.cpu(), ids.long().cpu(), w13, w2, ALPHA, limit)
+
+
+def run(
+    ex: Experts,
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    route: str = "auto",
+    limit: float = LIMIT,
+) -> torch.Tensor:
+    out = nvfp4_moe(
+        x.to(DEVICE),
+        weights.to(DEVICE),
+        ids.to(DEVICE),
+        *ex.args(),
+        ALPHA,
+        limit,
+        config=NVFP4MoEConfig(route=route),
+    )
+    assert out.shape == x.shape and out.dtype == x.dtype
+    return out.cpu()
+
+
+def activations(tokens: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    # bf16-representable values: the GPU rounds fp32 activations to bf16 for the MMA.
+    return (torch.randn(tokens, H, generator=gen) * 2.0).to(torch.bfloat16).to(dtype)
+
+
+def assert_exact(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """fp32 kernel output vs the fp32 reference: summation order is the only difference."""
+    scale = ref.abs().max().clamp(min=1e-6)
+    err = ((got.float() - ref).abs().max() / scale).item()
+    assert err < 2e-6 or (ON_GPU and err < 1e-2), f"max error {err:.3g} of the output scale"
+
+
+# ------------------------------------------------------------------------------ correctness
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("tokens", [1, 3, 20])
+def test_matches_reference(tokens: int, route: str) -> None:
+    ex = Experts(num_experts=6, inter=32, seed=tokens)
+    x = activations(tokens, seed=100 + tokens)
+    weights, ids = routing(tokens, 6, seed=200 + tokens)
+    assert_exact(run(ex, x, weights, ids, route), reference(ex, x, weights, ids))
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_bf16_activations_within_output_rounding(route: str) -> None:
+    ex = Experts(num_experts=8, inter=64, seed=7)
+    x = activations(5, seed=8, dtype=torch.bfloat16)
+    weights, ids = routing(5, 8, seed=9, ids_dtype=torch.int64)
+    got, ref = run(ex, x, weights, ids, route).float(), reference(ex, x, weights, ids)
+    if ON_GPU:  # the activation between the projections is bf16 there
+        assert ((got - ref).norm() / ref.norm()).item() < 1e-2
+        return
+    # One bf16 ulp of each output: the interpreter truncates the final cast.
+    assert ((got - ref).abs() <= ref.abs() * 2.0**-7 + 1e-6 * ref.abs().max()).all()
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_shared_experts_unused_expert_and_more_pairs_than_a_block(route: str) -> None:
+    """20 tokens all pick expert 0 (20 pairs: more than one 16-pair block) and one of experts
+    1-2; expert 3 is used by no token, and the slot order differs from the token order."""
+    ex = Experts(num_experts=4, inter=32, seed=11)
+    x = activations(20, seed=12)
+    second = torch.tensor([1, 2] * 10)
+    ids = torch.stack([torch.zeros(20, dtype=torch.long), second], 1)
+    ids[::3] = ids[::3].flip(1)  # expert 0 sometimes in slot 1
+    weights = torch.rand(20, TOP_K, generator=torch.Generator().manual_seed(13))
+    assert_exact(run(ex, x, weights, ids, route), reference(ex, x, weights, ids))
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_many_pairs_per_expert(route: str) -> None:
+    """65 pairs per expert on average: sorted takes BLOCK_M 128 and the 128-row tiles of the
+    prefill plan; slots loops over five 16-pair chunks per expert."""
+    ex = Experts(num_experts=4, inter=64, seed=14)
+    x = activations(130, seed=15)
+    weights, ids = routing(130, 4, seed=16)
+    plan = planning.plan_moe(260, 4, H, 64, route)
+    if route == "sorted":
+        assert plan.block_m == 128 and plan.gate_up_n == 128 and plan.num_warps == 8
+    assert_exact(run(ex, x, weights, ids, route), reference(ex, x, weights, ids))
+
+
+def test_edge_scales() -> None:
+    """Zero groups, e4m3 scales at 448 and at the subnormal 2^-9, -0 codes, and w1/w3 globals
+    three orders of magnitude apart."""
+    ex = Experts(num_experts=4, inter=32, seed=17)
+    e4m3 = torch.float8_e4m3fn
+    ex.w13_scale[0, :, 0] = torch.tensor(0.0).to(e4m3)  # a zero group in every row
+    ex.w13_scale[1, :8] = torch.tensor(448.0).to(e4m3)
+    ex.w13_scale[1, 32:40] = torch.tensor(2.0**-9).to(e4m3)
+    ex.w2_scale[2, :, 1] = torch.tensor(2.0**-9).to(e4m3)
+    ex.w2_scale[3, 5] = torch.tensor(448.0).to(e4m3)
+    ex.w13[2, :4] = 0x88  # -0 in both nibbles
+    ex.w13_global[:, 0] *= 1e-3
+    ex.w13_global[:, 1] *= 5.0
+    ex.w2_global[1] = 1e-4
+    x = activations(6, seed=18)
+    weights, ids = routing(6, 4, seed=19)
+    for route in ROUTES:
+        assert_exact(run(ex, x, weights, ids, route), reference(ex, x, weights, ids))
+
+
+# Very negative gates overflow exp() inside the interpreter's sigmoid: 1 / (1 + inf) is the 0 it
+# should be.
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+def test_swiglu_clamp_engaged() -> None:
+    """Pre-activations far beyond the limit on both sides: the clamps decide the result."""
+    ex = Experts(num_experts=4, inter=32, seed=20, scale=1.5)
+    x = activations(4, seed=21)
+    weights, ids = routing(4, 4, seed=22)
+    limit = 2.0
+    w13, _ = ex.dequantized()
+    pre = torch.einsum("th,eih->tei", x, w13)
+    gate, up = pre[..., :32], pre[..., 32:]
+    assert (gate > limit).any() and (up > limit).any() and (up < -limit).any()
+    got = run(ex, x, weights, ids, limit=limit)
+    assert_exact(got, reference(ex, x, weights, ids, limit=limit))
+    unclamped = reference(ex, x, weights, ids, limit=1e4)
+    assert not torch.allclose(got, unclamped, rtol=1e-2)
+
+
+def test_repeated_calls_are_bitwise_identical() -> None:
+    ex = Experts(num_experts=4, inter=32, seed=23)
+    x = activations(3, seed=24)
+    weights, ids = routing(3, 4, seed=25)
+    assert torch.equal(run(ex, x, weights, ids), run(ex, x, weights, ids))
+
+
+def test_no_tokens() -> None:
+    ex = Experts(num_experts=4, inter=32, seed=26)
+    x = torch.empty(0, H, device=DEVICE)
+    ids = torch.empty(0, TOP_K, dtype=torch.int32, device=DEVICE)
+    out = nvfp4_moe(x, ids.float(), ids, *ex.args(), ALPHA, LIMIT)
+    assert out.shape == (0, H)
+
+
+def test_rejects_bad_inputs() -> None:
+    ex = Experts(num_experts=4, inter=32, seed=27)
+    x = activations(2, seed=28).to(DEVICE)
+    weights, ids = routing(2, 4, seed=29)
+    weights, ids = weights.to(DEVICE), ids.to(DEVICE)
+    args = list(ex.args())
+    with pytest.raises(ValueError, match="x must be"):
+        nvfp4_moe(x.half(), weights, ids, *args, ALPHA, LIMIT)
+    with pytest.raises(ValueError, match="w13_scale"):
+        bad = [*args]
+        bad[1] = bad[1][:, :, :2]
+        nvfp4_moe(x, weights, ids, *bad, ALPHA, LIMIT)
+    with pytest.raises(ValueError, match="topk_ids"):
+        nvfp4_moe(x, weights, ids[:1], *args, ALPHA, LIMIT)
+
+
+# --------------------------------------------------------------------------- sorted metadata
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_align_pairs(block_m: int) -> None:
+    gen = torch.Generator().manual_seed(30)
+    ids = torch.randint(0, 6, (45,), generator=gen)
+    ids[ids == 4] = 5  # expert 4 empty
+    sorted_pairs, block_expert, blocks = planning.align_pairs(ids.to(DEVICE), 6, block_m)
+    sorted_pairs, block_expert = sorted_pairs.cpu(), block_expert.cpu()
+    assert sorted_pairs.shape == (blocks * block_m,) and block_expert.shape == (blocks,)
+    valid = sorted_pairs[sorted_pairs >= 0]
+    assert sorted(valid.tolist()) == list(range(45)), "every pair exactly once"
+    owner = block_expert.repeat_interleave(block_m)
+    assert torch.equal(ids[sorted_pairs[sorted_pairs >= 0].long()], owner[sorted_pairs >= 0])
+    for e in range(6):
+        count = int((ids == e).sum())
+        assert int((block_expert == e).sum()) == -(-count // block_m)
+    used = block_expert >= 0
+    assert not used[used.long().argmin() :].any() or used.all(), "unused blocks come last"
+    # Within an expert the pairs keep ascending order (stable), so results are reproducible.
+    for e in range(6):
+        mine = sorted_pairs[(owner == e) & (sorted_pairs >= 0)]
+        assert torch.equal(mine, mine.sort().values)
+
+
+# ----------------------------------------------------------------------- the GPU's PTX decode
+
+
+def _bf16_bits_to_float(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", (bits & 0xFFFF) << 16))[0]
+
+
+def _float_to_bf16_bits(value: float) -> int:
+    """Round-to-nearest-even fp32 -> bf16 (products here are exact, so rounding never acts)."""
+    (u,) = struct.unpack("<I", struct.pack("<f", value))
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+
+
+def _prmt(a: int, b: int, sel: int) -> int:
+    src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    out = 0
+    for i in range(4):
+        nib = (sel >> (4 * i)) & 0xF
+        byte = src[nib & 7]
+        if nib & 8:  # sign-replicate mode: the PTX never uses it
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << (8 * i)
+    return out
+
+
+def run_ptx(asm: str, operands: dict[int, int]) -> dict[int, int]:
+    """Execute the decode PTX (prmt / and / mul.lo.u32 / mul.rn.bf16x2 on .b32) on ints."""
+    regs: dict[str, int] = {f"${k}": v for k, v in operands.items()}
+
+    def val(tok: str) -> int:
+        tok = tok.strip()
+        return regs[tok] if tok in regs else int(tok, 0)
+
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line[0] in "{}." or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        dst, *srcs = [s.strip() for s in rest.split(",")]
+        if op == "prmt.b32":
+            res = _prmt(val(srcs[0]), val(srcs[1]), val(srcs[2]))
+        elif op == "and.b32":
+            res = val(srcs[0]) & val(srcs[1])
+        elif op == "mul.lo.u32":
+            res = (val(srcs[0]) * val(srcs[1])) & 0xFFFFFFFF
+        elif op == "mul.rn.bf16x2":
+            a, b = val(srcs[0]), val(srcs[1])
+            halves = [
+                _float_to_bf16_bits(
+                    _bf16_bits_to_float(a >> (16 * h)) * _bf16_bits_to_float(b >> (16 * h))
+                )
+                for h in range(2)
+            ]
+            res = halves[0] | (halves[1] << 16)
+        else:
+            raise AssertionError(f"the emulator does not know {op}")
+        regs[dst] = res & 0xFFFFFFFF
+    return {int(k[1:]): v for k, v in regs.items() if k.startswith("$") and int(k[1:]) < 4}
+
+
+def _boosted(scale: float) -> int:
+    """What `_group_scales` feeds the PTX: bf16(e4m3 scale * 2^119)."""
+    return _float_to_bf16_bits(scale * 2.0**119)
+
+
+@pytest.mark.parametrize(
+    "scale", [0.0, 2.0**-9, 3 * 2.0**-9, 2.0**-6, 0.8125, 1.0, 13.0, 240.0, 448.0]
+)
+def test_e2m1_ptx_decodes_every_byte(scale: float) -> None:
+    assert float(torch.tensor(scale).to(torch.float8_e4m3fn).float()) == scale
+    table = unpack_e2m1(torch.arange(256, dtype=torch.uint8)).view(256, 2)
+    asm = decode.E2M1_PTX.value
+    s_reg = _boosted(scale) | (_boosted(scale) << 16)
+    for start in range(0, 256, 4):
+        packed = sum(b << (8 * i) for i, b in enumerate(range(start, start + 4)))
+        out = run_ptx(asm, {4: packed, 5: s_reg, 6: s_reg})
+        for i, byte in enumerate(range(start, start + 4)):
+            reg, half = divmod(i, 2)
+            lo = _bf16_bits_to_float(out[reg] >> (16 * half))
+            hi = _bf16_bits_to_float(out[2 + reg] >> (16 * half))
+            want_lo, want_hi = (float(v) * scale * 2.0**-7 for v in table[byte])
+            assert lo == want_lo and hi == want_hi, (byte, scale, lo, hi)
+
+
+def test_e2m1_ptx_keeps_bytes_apart() -> None:
+    """Each byte of a pack decodes on its own: neighbours with every bit set change nothing."""
+    asm = decode.E2M1_PTX.value
+    one = _boosted(1.0) | (_boosted(1.0) << 16)
+    for byte in range(256):
+        for pos in range(4):
+            noisy = 0xFFFFFFFF & ~(0xFF << (8 * pos)) | (byte << (8 * pos))
+            clean = byte << (8 * pos)
+            a = run_ptx(asm, {4: noisy, 5: one, 6: one})
+            b = run_ptx(asm, {4: clean, 5: one, 6: one})
+            reg, half = divmod(pos, 2)
+            for r in (reg, 2 + reg):
+                assert (a[r] >> (16 * half)) & 0xFFFF == (b[r] >> (16 * half)) & 0xFFFF
