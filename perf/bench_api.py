@@ -22,31 +22,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import platform
-import signal
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import httpx
+import server_process
 import uvloop
+from server_process import Served, free_port
 
 CONCURRENCY = (1, 16, 64)
 WARMUP_REQUESTS = 4
 # The echo server is ~100x faster: it runs this many times the requests, for a stable rate.
 ECHO_FACTOR = 8
-START_TIMEOUT_S = 120.0
 PROMPT = [{"role": "user", "content": "Stream a short answer about sparse attention."}]
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 # ---------------------------------------------------------------------- the echo server
@@ -116,90 +110,14 @@ def serve_echo(port: int, chunks: int, chunk_bytes: int) -> None:
 # ---------------------------------------------------------------------- server processes
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@dataclass
-class Served:
-    name: str
-    proc: subprocess.Popen[bytes]
-    url: str
-    log: IO[bytes]
-
-    def api_cpu_s(self) -> float:
-        """CPU seconds of the server process itself (the API layer)."""
-        return _cpu_s(self.proc.pid)
-
-    def total_cpu_s(self) -> float:
-        """CPU seconds of the server process and every process below it (the engine)."""
-        return sum(_cpu_s(pid) for pid in [self.proc.pid, *_descendants(self.proc.pid)])
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-
-
-def _cpu_s(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime + stime
-
-
-def _descendants(pid: int) -> list[int]:
-    found, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        for children in Path(f"/proc/{parent}/task").glob("*/children"):
-            with contextlib.suppress(OSError):
-                ids = [int(c) for c in children.read_text().split()]
-                found += ids
-                todo += ids
-    return found
-
-
-def start(name: str, command: list[str], port: int) -> Served:
-    # A file, not a pipe: nothing to drain, readable on failure; closed by Served.stop.
-    log = tempfile.TemporaryFile()  # noqa: SIM115
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log)
-    served = Served(name, proc, f"http://127.0.0.1:{port}", log)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            log.seek(0)
-            err = log.read().decode(errors="replace")
-            raise RuntimeError(f"{name} exited with {proc.returncode}:\n{err[-3000:]}")
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"{served.url}/health", timeout=2.0).status_code == 200:
-                return served
-        time.sleep(0.1)
-    served.stop()
-    raise RuntimeError(f"{name} was not healthy within {START_TIMEOUT_S}s")
-
-
 def start_m3serve(model_path: str | None) -> Served:
-    port = free_port()
-    command = [sys.executable, "-m", "m3serve", "--log-level", "warning", "serve"]
-    command += ["--port", str(port)]
-    if model_path:
-        command += ["--model-path", model_path]
-    return start("m3serve", command, port)
+    return server_process.start_m3serve(["--model-path", model_path] if model_path else [])
 
 
 def start_echo(chunks: int, chunk_bytes: int) -> Served:
     port = free_port()
     command = [sys.executable, __file__, "--serve-echo", str(port), str(chunks), str(chunk_bytes)]
-    return start("echo", command, port)
+    return server_process.start("echo", command, port)
 
 
 # ---------------------------------------------------------------------- load

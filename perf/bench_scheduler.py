@@ -29,6 +29,7 @@ from m3serve.core.engine_core import EngineCore
 from m3serve.core.executor import Executor
 from m3serve.core.req import Req
 from m3serve.core.scheduler import Scheduler
+from m3serve.core.trace import StepTrace
 from m3serve.runtime.config import ServerArgs
 from m3serve.runtime.messages import SamplingParams, StepPlan, StepResult
 from m3serve.runtime.transport import InProcChannel
@@ -77,6 +78,7 @@ class NoOpCore(EngineCore):
         self.runner = NoOpExecutor(device_s)
         self.executor = Executor(self.run)
         self._in_flight = None
+        self.trace = StepTrace(log_every_step=False)
 
     def run(self, plan: StepPlan) -> StepResult:
         return self.runner.run(plan)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from m3serve.core.memory import kv_cache_dtype, leave_a_core_for_the_scheduler, 
 from m3serve.core.req import Req
 from m3serve.core.sampler import Sampler
 from m3serve.core.scheduler import Outputs, Scheduler
+from m3serve.core.trace import StepTrace
 from m3serve.model.batch import ForwardBatch
 from m3serve.model.build import load_model, resolve_device
 from m3serve.model.kv_cache import KVCache
@@ -82,6 +84,7 @@ class EngineCore:
         # ------------------------------------------------------------------ executor
         self.executor = Executor(self.run)
         self._in_flight: Launched | None = None
+        self.trace = StepTrace(args.runtime.enable_step_trace)
 
     def info(self) -> dict[str, Any]:
         """What the engine learned at start, for clients (published with Ready)."""
@@ -110,7 +113,7 @@ class EngineCore:
 
     async def step(self) -> Outputs | None:
         """Schedule → run → process one step; None when there was nothing to run."""
-        plan = self.scheduler.schedule()
+        plan = self._schedule()
         if plan is None:
             return None
         return await self._process(self._launch(plan))
@@ -119,7 +122,7 @@ class EngineCore:
         """Schedule and launch step N+1, then process step N, whose tokens the plan of step N+1
         never needed (decode inputs come from the slot table). None when nothing was planned
         and nothing was in flight."""
-        plan = self.scheduler.schedule()
+        plan = self._schedule()
         previous = self._in_flight
         self._in_flight = self._launch(plan) if plan is not None else None
         if previous is None:
@@ -131,6 +134,13 @@ class EngineCore:
         previous, self._in_flight = self._in_flight, None
         return await self._process(previous) if previous is not None else None
 
+    def _schedule(self) -> StepPlan | None:
+        started = time.perf_counter()
+        plan = self.scheduler.schedule()
+        if plan is not None:
+            self.trace.planned(plan, time.perf_counter() - started)
+        return plan
+
     def _launch(self, plan: StepPlan) -> Launched:
         return plan.step, asyncio.wrap_future(self.executor.submit(plan))
 
@@ -139,14 +149,24 @@ class EngineCore:
         try:
             result = await future
         except Exception as exc:
+            self.trace.processed(step, 0.0)
             return self.scheduler.fail_step(step, repr(exc))
-        return self.scheduler.process(result)
+        started = time.perf_counter()
+        outputs = self.scheduler.process(result)
+        self.trace.processed(step, time.perf_counter() - started)
+        return outputs
 
     # ------------------------------------------------------------------ run (executor thread)
 
-    @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepResult:
         """One forward over the plan's tokens, and a sampled token for each seq that asks."""
+        started, compiles = time.perf_counter(), self.trace.compiles.count
+        result = self._forward_and_sample(plan)
+        self.trace.ran(plan.step, time.perf_counter() - started, compiles)
+        return result
+
+    @torch.inference_mode()
+    def _forward_and_sample(self, plan: StepPlan) -> StepResult:
         self._start_new_requests(plan)
         batch = ForwardBatch.build(plan.seqs, self.budget.page_size, self.device)
         self._fill_slot_tokens(plan, batch)
@@ -200,6 +220,7 @@ class EngineCore:
         """Stop the executor and free the device memory now: an embedding process may start
         another engine next."""
         self.executor.close()
+        self.trace.close()
         del self.graphs, self.kv, self.model, self.loaded, self.sampler, self.last_tokens
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -114,6 +114,10 @@ class RuntimeArgs:
     skip_tokenizer_init: bool = option(False, "token ids in and out only; no tokenizer files")
     context_length: int | None = option(None, "max prompt + output tokens; default: the model's")
     startup_timeout: float = option(300.0, "seconds to wait for every actor to be ready")
+    enable_step_trace: bool = option(
+        False,
+        "log one line per engine step: kind, batch, tokens, host and run ms, kernels compiled",
+    )
 
     def __post_init__(self) -> None:
         problems = []

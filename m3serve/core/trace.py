@@ -1,0 +1,124 @@
+"""What each engine step did and cost, so that a stalled step can be found in the log.
+
+`StepTrace` (with `--enable-step-trace`) logs one line per step: its kind (prefill, decode, mixed),
+batch, new tokens, the host time around it (planning and processing, on the event loop), the run
+time (forward and sampling, on the executor thread) and the Triton kernels compiled while it ran.
+`CompileCounter` sees those compilations through Triton's post-compile hook; a step that compiled
+anything is logged as a warning whether or not the trace is on, since that stall is what a
+server must never do after it reported ready.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from m3serve.runtime.messages import StepPlan
+
+log = logging.getLogger(__name__)
+
+StepKind = Literal["prefill", "decode", "mixed"]
+
+
+def step_kind(plan: StepPlan) -> StepKind:
+    """Decode seqs read their one input token from the slot table; every other seq prefills."""
+    decodes = sum(seq.input_ids is None for seq in plan.seqs)
+    if decodes == len(plan.seqs):
+        return "decode"
+    return "prefill" if decodes == 0 else "mixed"
+
+
+class CompileCounter:
+    """Names of the Triton kernels compiled (or loaded from the disk cache) in this process,
+    in order. Installs Triton's post-compile hook, keeping any hook that was there before."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self._lock = threading.Lock()
+        self._previous: Any = None
+        self._knobs: Any = None
+        try:
+            from triton import knobs
+        except ImportError:  # no triton: nothing can compile
+            return
+        self._knobs = knobs
+        self._previous = knobs.runtime.jit_post_compile_hook
+        knobs.runtime.jit_post_compile_hook = self._hook
+
+    @property
+    def count(self) -> int:
+        with self._lock:
+            return len(self.names)
+
+    def since(self, count: int) -> list[str]:
+        with self._lock:
+            return self.names[count:]
+
+    def close(self) -> None:
+        if self._knobs is not None and self._knobs.runtime.jit_post_compile_hook == self._hook:
+            self._knobs.runtime.jit_post_compile_hook = self._previous
+
+    def _hook(self, *args: Any, **kwargs: Any) -> Any:
+        fn = kwargs.get("fn")
+        with self._lock:
+            self.names.append(getattr(fn, "name", "?"))
+        return self._previous(*args, **kwargs) if self._previous else None
+
+
+@dataclass
+class StepRecord:
+    plan: StepPlan
+    schedule_ms: float
+    run_ms: float = 0.0
+    process_ms: float = 0.0
+    compiled: list[str] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> int:
+        return sum(seq.extend for seq in self.plan.seqs)
+
+    def line(self) -> str:
+        host = self.schedule_ms + self.process_ms
+        compiled = ""
+        if self.compiled:
+            compiled = f" compiled {len(self.compiled)}: {', '.join(self.compiled)}"
+        return (
+            f"step {self.plan.step} {step_kind(self.plan)} batch={len(self.plan.seqs)} "
+            f"tokens={self.tokens} host={host:.2f}ms (plan {self.schedule_ms:.2f} + process "
+            f"{self.process_ms:.2f}) run={self.run_ms:.2f}ms{compiled}"
+        )
+
+
+class StepTrace:
+    """Collects a `StepRecord` per step from the three places that see it: planning (event
+    loop), running (executor thread, strictly before its result is processed) and processing."""
+
+    def __init__(self, log_every_step: bool) -> None:
+        self.log_every_step = log_every_step
+        self.compiles = CompileCounter()
+        self._records: dict[int, StepRecord] = {}
+
+    def planned(self, plan: StepPlan, seconds: float) -> None:
+        self._records[plan.step] = StepRecord(plan, seconds * 1e3)
+
+    def ran(self, step: int, seconds: float, compiles_before: int) -> None:
+        record = self._records.get(step)
+        if record is not None:
+            record.run_ms = seconds * 1e3
+            record.compiled = self.compiles.since(compiles_before)
+
+    def processed(self, step: int, seconds: float) -> StepRecord | None:
+        record = self._records.pop(step, None)
+        if record is None:
+            return None
+        record.process_ms = seconds * 1e3
+        if record.compiled:
+            log.warning("%s (a compile stalls every request in the step)", record.line())
+        elif self.log_every_step:
+            log.info("%s", record.line())
+        return record
+
+    def close(self) -> None:
+        self.compiles.close()

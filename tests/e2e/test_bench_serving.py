@@ -1,0 +1,157 @@
+"""perf/bench_serving.py: its metric definitions on hand-made stamps and SSE bytes, and its
+`--smoke` run as CI affords it — a real `m3serve serve` on the built-in tiny model (written into
+a temporary XDG cache), three levels of 8 requests, the JSON it writes checked level by level."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "perf" / "bench_serving.py"
+METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "e2e_done_ms")
+
+
+@pytest.fixture(scope="module")
+def bench() -> Iterator[ModuleType]:
+    spec = importlib.util.spec_from_file_location("bench_serving", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    # dataclasses look their module up in sys.modules while the class is being made.
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[spec.name]
+
+
+def sse(*events: dict[str, Any] | str) -> bytes:
+    lines = [f"data: {e if isinstance(e, str) else json.dumps(e)}\r\n\r\n" for e in events]
+    return "".join(lines).encode()
+
+
+def chat_chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}], "usage": None}
+
+
+# ---------------------------------------------------------------------- definitions
+
+
+def test_per_request_metrics_follow_the_documented_formulas(bench: ModuleType) -> None:
+    # Five tokens in four content chunks (the third carried two): ITL is per chunk, TPOT per token.
+    record = bench.RequestRecord(start=10.0, prompt_text_tokens=3, completion_tokens=5)
+    record.chunk_times = [10.1, 10.15, 10.2, 10.3]
+    record.done = 10.31
+    assert record.ttft == pytest.approx(0.1)
+    assert record.e2e == pytest.approx(0.3)
+    assert record.e2e_done == pytest.approx(0.31)
+    assert record.tpot == pytest.approx((0.3 - 0.1) / (5 - 1))
+    assert record.itls == pytest.approx([0.05, 0.05, 0.1])
+    one = bench.RequestRecord(start=0.0, prompt_text_tokens=3, completion_tokens=1)
+    one.chunk_times = [0.5]
+    assert one.tpot is None and one.itls == []
+
+
+def test_percentiles_interpolate_between_order_statistics(bench: ModuleType) -> None:
+    ordered = [1.0, 2.0, 3.0, 4.0]
+    assert bench.percentile(ordered, 50) == pytest.approx(2.5)
+    assert bench.percentile(ordered, 90) == pytest.approx(3.7)
+    assert bench.percentile(ordered, 99) == pytest.approx(3.97)
+    assert bench.percentile([7.0], 99) == 7.0
+    assert bench.stats([])["mean"] is None
+
+
+def test_only_content_bearing_chunks_are_stamped(bench: ModuleType) -> None:
+    usage = {"prompt_tokens": 11, "completion_tokens": 4, "total_tokens": 15}
+    stream = sse(
+        chat_chunk({"role": "assistant", "content": ""}),
+        chat_chunk({"reasoning_content": "hm"}),
+        chat_chunk({"content": "Hel"}),
+        chat_chunk({"content": "lo"}),
+        chat_chunk({"content": ""}, finish="length"),
+        {"choices": [], "usage": usage},
+        "[DONE]",
+    )
+    record = bench.RequestRecord(start=0.0, prompt_text_tokens=3)
+    parser = bench.StreamParser(record)
+    for i in range(len(stream)):  # one byte per read: events and CRLFs split every way
+        parser.feed(stream[i : i + 1], float(i))
+    assert parser.saw_done
+    assert len(record.chunk_times) == 3  # reasoning, "Hel", "lo"
+    assert record.chunk_times == sorted(record.chunk_times)
+    assert (record.prompt_tokens, record.completion_tokens) == (11, 4)
+
+    completion = bench.RequestRecord(start=0.0, prompt_text_tokens=3)
+    parser = bench.StreamParser(completion)
+    parser.feed(sse({"choices": [{"text": ""}]}, {"choices": [{"text": "a"}]}, "[DONE]"), 1.0)
+    assert completion.chunk_times == [1.0] and completion.completion_tokens is None
+    assert completion.output_tokens == 1  # no usage: one token per content chunk
+
+    with pytest.raises(RuntimeError, match="error event"):
+        bench.StreamParser(completion).feed(sse({"error": {"message": "boom"}}), 2.0)
+
+
+# ---------------------------------------------------------------------- the smoke run
+
+
+def test_smoke_run_reports_every_level_with_sane_values(bench: ModuleType, tmp_path: Path) -> None:
+    out = tmp_path / "bench_serving.json"
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    env.pop("OUT", None)
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+        check=False,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads(out.read_text())
+    smoke = bench.SMOKE
+    assert report["prompt_tokens_source"] == "server /v1/tokenize"
+    assert report["server"]["started_here"]
+    expected = [("concurrency", c) for c in smoke["concurrency"]]
+    expected += [("request_rate", r) for r in smoke["request_rate"]]
+    levels = report["levels"]
+    assert [(lv["mode"], lv[lv["mode"]]) for lv in levels] == expected
+
+    for level in levels:
+        name = f"{level['mode']} {level[level['mode']]}"
+        assert level["num_requests"] == level["completed"] == smoke["num_requests"], name
+        assert level["failed"] == 0 and level["errors"] == {}, (name, level["errors"])
+        assert level["short_outputs"] == 0 and level["output_tokens_source"] == "usage"
+        tokens = level["output_tokens"]
+        assert tokens["min"] == tokens["max"] == smoke["output_len"], name
+        # Prompts are sized exactly by the server's tokenizer; the chat template comes on top.
+        text = level["prompt_text_tokens"]
+        assert text["min"] == text["max"] == smoke["input_len"], name
+        assert level["input_tokens"]["min"] >= smoke["input_len"]
+        for key in ("request_throughput", "input_token_throughput", "output_token_throughput"):
+            assert level[key] > 0, (name, key)
+        for request in level["requests"]:
+            assert request["ok"] and request["completion_tokens"] == smoke["output_len"]
+            assert 0 < request["ttft_ms"] <= request["e2e_ms"], (name, request)
+        assert level["ttft_ms"]["mean"] < level["e2e_ms"]["mean"], name
+        assert level["e2e_ms"]["max"] <= level["e2e_done_ms"]["max"], name
+        for metric in METRICS:
+            s = level[metric]
+            assert s["n"] > 0, (name, metric)
+            assert 0 <= s["min"] <= s["p50"] <= s["p90"] <= s["p99"] <= s["max"], (name, metric, s)
+        assert level["tpot_ms"]["n"] == smoke["num_requests"]
+        assert level["itl_ms"]["n"] >= smoke["num_requests"]  # two or more chunks per request
+
+    assert "concurrency 4" in run.stdout and "TTFT" in run.stdout
+    png = out.with_suffix(".png")
+    assert png.is_file() or "matplotlib is not installed" in run.stdout

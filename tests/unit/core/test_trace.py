@@ -1,0 +1,69 @@
+"""The step trace (m3serve.core.trace): what kind each step is, the line it logs, and the
+Triton compile counter behind the "compiled after ready" warning."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from m3serve.core.trace import CompileCounter, StepTrace, step_kind
+from m3serve.runtime.messages import SeqStep, StepPlan
+
+
+def plan(*seqs: SeqStep, step: int = 1) -> StepPlan:
+    return StepPlan(step=step, seqs=list(seqs))
+
+
+DECODE = SeqStep(None, 9, [0, 1, 2])
+PREFILL = SeqStep([5, 6, 7, 8], 0, [3])
+
+
+def test_a_step_is_decode_prefill_or_mixed_by_its_seqs() -> None:
+    assert step_kind(plan(DECODE, DECODE)) == "decode"
+    assert step_kind(plan(PREFILL)) == "prefill"
+    assert step_kind(plan(DECODE, PREFILL)) == "mixed"
+
+
+def test_each_step_logs_its_kind_batch_tokens_and_times(caplog: pytest.LogCaptureFixture) -> None:
+    trace = StepTrace(log_every_step=True)
+    trace.planned(plan(DECODE, PREFILL, step=7), 0.001)
+    trace.ran(7, 0.004, trace.compiles.count)
+    with caplog.at_level(logging.INFO, logger="m3serve.core.trace"):
+        record = trace.processed(7, 0.002)
+    assert record is not None and record.tokens == 5
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("step 7 mixed batch=2 tokens=5 host=3.00ms")
+    assert "run=4.00ms" in line and "compiled" not in line
+    trace.close()
+
+
+def test_a_step_that_compiled_is_a_warning_even_without_the_trace(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    trace = StepTrace(log_every_step=False)
+    trace.planned(plan(PREFILL, step=3), 0.0)
+    before = trace.compiles.count
+    trace.compiles._hook(fn=type("Fn", (), {"name": "_prefill_kernel"})())  # as Triton calls it
+    trace.ran(3, 0.5, before)
+    with caplog.at_level(logging.INFO, logger="m3serve.core.trace"):
+        trace.processed(3, 0.0)
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING
+    assert "compiled 1: _prefill_kernel" in record.getMessage()
+    trace.close()
+
+
+def test_the_compile_counter_chains_to_and_restores_the_previous_hook() -> None:
+    knobs = pytest.importorskip("triton").knobs
+    seen: list[str] = []
+    previous = knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = lambda **kw: seen.append(kw["fn"].name)
+    try:
+        counter = CompileCounter()
+        knobs.runtime.jit_post_compile_hook(fn=type("Fn", (), {"name": "k"})())
+        assert counter.names == ["k"] and seen == ["k"]
+        counter.close()
+        assert knobs.runtime.jit_post_compile_hook is not counter._hook
+    finally:
+        knobs.runtime.jit_post_compile_hook = previous
