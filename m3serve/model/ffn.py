@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from m3serve.kernels.quant import NVFP4_GROUP
 from m3serve.model.backend import Backend
 from m3serve.model.config import TextConfig
 from m3serve.model.params import Linear, weight
 from m3serve.model.weights import (
-    NVFP4_GROUP,
     DenseExperts,
     ExpertWeights,
     Nvfp4Experts,

@@ -13,10 +13,11 @@ from typing import Literal
 
 from m3serve.model.attention import QKV_PROJECTIONS, qkv_rows
 from m3serve.model.config import TextConfig
+from m3serve.model.weights import CHECKPOINT_PREFIX
 
 Kind = Literal["linear", "norm", "table", "router", "bias"]
 
-PREFIX = "language_model."
+PREFIX = CHECKPOINT_PREFIX
 # Checkpoint parts that belong to other issues' features: accepted and skipped here.
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "patch_merge_mlp.")
 IGNORED_PREFIXES = ("language_model.model.mtp.", "model.mtp.")

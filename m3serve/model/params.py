@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from m3serve.model.weights import MXFP8_BLOCK, LinearWeight, Mxfp8Weight, WeightFormat
+from m3serve.kernels.quant import MXFP8_BLOCK
+from m3serve.model.weights import LinearWeight, Mxfp8Weight, WeightFormat
 
 
 def weight(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:

@@ -18,6 +18,7 @@ from m3serve.model.config import QuantConfig
 
 WeightFormat = Literal["dense", "MXFP8", "NVFP4"]
 
+# The real (VL) checkpoint's prefix of every text-backbone tensor and module name.
 CHECKPOINT_PREFIX = "language_model."
 
 
@@ -51,9 +52,6 @@ class DenseExperts:
 
 LinearWeight = Tensor | Mxfp8Weight
 ExpertWeights = DenseExperts | Nvfp4Experts
-
-MXFP8_BLOCK = 32
-NVFP4_GROUP = 16
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,11 @@ from m3serve.kernels.attention import paged_attention
 from m3serve.kernels.indexer import paged_index_topk
 from m3serve.kernels.moe import moe_experts, route_topk
 from m3serve.kernels.norm import add_gemma_rms_norm, gemma_rms_norm
-from m3serve.kernels.quant import dequant_mxfp8, unpack_e2m1
+from m3serve.kernels.quant import NVFP4_GROUP, dequant_mxfp8, unpack_e2m1
 from m3serve.kernels.rope import apply_rope, rope_cos_sin
 from m3serve.model.batch import ForwardBatch
 from m3serve.model.kv_cache import LayerKV
 from m3serve.model.weights import (
-    NVFP4_GROUP,
     DenseExperts,
     ExpertWeights,
     LinearWeight,

@@ -58,7 +58,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-MXFP8_BLOCK = 32
+from m3serve.kernels.quant import MXFP8_BLOCK
+
 # M up to this is the decode path: one M tile, so the weights are read once per call.
 DECODE_MAX_M = 64
 # Smallest tl.dot dimension: decode pads M up to this.
