@@ -16,13 +16,13 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from m3serve.api.bodies import finish_reason, logprobs_content, usage_dict
 from m3serve.api.choice import ChoiceOutput, Delta
 from m3serve.api.errors import APIError, decode, read_body
 from m3serve.api.generation import Generation, Outputs
 from m3serve.api.parsers.reasoning import ReasoningParser
 from m3serve.api.parsers.tools import ToolCall, ToolCallDelta, ToolCallParser
 from m3serve.api.protocol import ChatCompletionRequest, Message, to_builtins
-from m3serve.api.responses import finish_reason, logprobs_content, usage_dict
 from m3serve.api.sampling import check_n, sampling_params
 from m3serve.api.state import ServerState
 from m3serve.model.special_tokens import THINK_END, TOOL_CALL_START, TOOL_NAMESPACE

@@ -16,10 +16,10 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
+from m3serve.api.bodies import completion_logprobs, finish_reason, usage_dict
 from m3serve.api.errors import APIError, decode, read_body
 from m3serve.api.generation import Generation, Outputs
 from m3serve.api.protocol import CompletionRequest
-from m3serve.api.responses import completion_logprobs, finish_reason, usage_dict
 from m3serve.api.sampling import check_n, sampling_params
 from m3serve.api.state import ServerState
 from m3serve.runtime.messages import GenerateReq, RequestOutput, TokenIds

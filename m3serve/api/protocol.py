@@ -3,7 +3,7 @@ generated from them, and fields OpenAI clients may add that we do not know are i
 Structs that reach the chat template omit unset fields, so the template sees what was sent;
 `to_builtins` turns them into the plain values the template and the tokenizer actor take.
 
-Responses are plain dicts built by the handlers (see `responses.py`): their shape is OpenAI's,
+Responses are plain dicts built by the handlers (see `bodies.py`): their shape is OpenAI's,
 and clients only read, never validate, them.
 """
 
