@@ -62,10 +62,17 @@ class EngineMetrics:
             "Requests the engine retracted (queued again to free KV pages)",
             registry=r,
         )
-        self._last: tuple[int, int, int, int, int] | None = None
+        # Non-zero means a request waited for a Triton compile (see core/warmup.py).
+        self.compiles = Counter(
+            PREFIX + "kernel_compiles_after_ready",
+            "Triton kernels compiled (or loaded from the disk cache) after the engine was ready",
+            registry=r,
+        )
+        self._last: tuple[int, int, int, int, int, int] | None = None
         self._retracted = 0
+        self._compiled = 0
 
-    def update(self, scheduler: Scheduler) -> None:
+    def update(self, scheduler: Scheduler, compiles_after_ready: int = 0) -> None:
         """Writes the scheduler's current figures. Steps that change none of them (most decode
         steps of a steady batch) write nothing."""
         pool = scheduler.pool
@@ -75,11 +82,12 @@ class EngineMetrics:
             pool.num_pages - pool.num_free,
             scheduler.cache.tree.cached_pages,
             scheduler.retracted,
+            compiles_after_ready,
         )
         if figures == self._last:
             return
         self._last = figures
-        running, waiting, used_pages, cached_pages, retracted = figures
+        running, waiting, used_pages, cached_pages, retracted, compiled = figures
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_usage.set(used_pages / pool.num_pages if pool.num_pages > 0 else 0.0)
@@ -88,3 +96,6 @@ class EngineMetrics:
         if retracted > self._retracted:
             self.retractions.inc(retracted - self._retracted)
             self._retracted = retracted
+        if compiled > self._compiled:
+            self.compiles.inc(compiled - self._compiled)
+            self._compiled = compiled

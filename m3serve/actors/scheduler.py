@@ -114,7 +114,7 @@ class SchedulerActor(Actor):
                 outputs = await step()
                 # Cheap per step: unchanged figures write nothing, changed ones a few floats
                 # (mmap writes when the actors run as processes).
-                self.metrics.update(core.scheduler)
+                self.metrics.update(core.scheduler, core.compiles_after_ready)
                 if outputs is None:
                     await self._idle(receiver)
                     continue

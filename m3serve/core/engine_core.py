@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +31,14 @@ from m3serve.core.memory import kv_cache_dtype, leave_a_core_for_the_scheduler, 
 from m3serve.core.req import Req
 from m3serve.core.sampler import Sampler
 from m3serve.core.scheduler import Outputs, Scheduler
-from m3serve.core.trace import StepTrace
+from m3serve.core.trace import StartupPhases, StepTrace
+from m3serve.core.warmup import WarmupLimits, distinct_layers, use_kernel_cache, warmup_plans
 from m3serve.model.batch import ForwardBatch
 from m3serve.model.build import load_model, resolve_device
 from m3serve.model.kv_cache import KVCache
 from m3serve.runtime.config import ServerArgs
 from m3serve.runtime.messages import StepPlan, StepResult
+from m3serve.runtime.paths import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -46,45 +49,57 @@ Launched = tuple[int, "asyncio.Future[StepResult]"]  # a step submitted to the e
 
 class EngineCore:
     def __init__(self, args: ServerArgs, model_path: Path | None) -> None:
+        # First, so that every compile from here on is counted and cached on disk.
+        self.trace = StepTrace(args.runtime.enable_step_trace)
+        use_kernel_cache(cache_root() / "triton")
+        self.startup = StartupPhases()
         # ------------------------------------------------------------------ model
-        self.device = resolve_device(args.backend.device)
-        self.backend = create_backend(
-            args.backend.backend, self.device, args.kernel.moe_runner_backend
-        )
-        self.loaded = load_model(model_path, self.backend, args.model.dtype, progress=False)
-        self.model = self.loaded.model
+        with self.startup.phase("load weights"):
+            self.device = resolve_device(args.backend.device)
+            self.backend = create_backend(
+                args.backend.backend, self.device, args.kernel.moe_runner_backend
+            )
+            self.loaded = load_model(model_path, self.backend, args.model.dtype, progress=False)
+            self.model = self.loaded.model
         cfg = self.model.cfg
         if self.device.type == "cpu":
             leave_a_core_for_the_scheduler()
         # ------------------------------------------------------------------ KV pools
         slots = args.sched.max_running_requests
         context = args.runtime.context_length or cfg.max_position_embeddings
-        kv_dtype = kv_cache_dtype(args.cache.kv_cache_dtype, self.model.dtype)
-        self.budget = plan_kv_budget(
-            cfg,
-            self.device,
-            args.cache.max_total_tokens,
-            args.cache.mem_fraction_static,
-            kv_dtype,
-            max_useful_tokens=context * slots,
-        )
-        # One page past the pool is scratch: CUDA-graph padding rows write there.
-        self.kv = KVCache.allocate(cfg, self.budget.num_pages + 1, kv_dtype, self.device)
+        with self.startup.phase("KV pool"):
+            kv_dtype = kv_cache_dtype(args.cache.kv_cache_dtype, self.model.dtype)
+            self.budget = plan_kv_budget(
+                cfg,
+                self.device,
+                args.cache.max_total_tokens,
+                args.cache.mem_fraction_static,
+                kv_dtype,
+                max_useful_tokens=context * slots,
+            )
+            # One page past the pool is scratch: CUDA-graph padding rows write there.
+            self.kv = KVCache.allocate(cfg, self.budget.num_pages + 1, kv_dtype, self.device)
         log.info("KV pool: %d pages x %d tokens", self.budget.num_pages, self.budget.page_size)
         # ------------------------------------------------------------------ slot tables
         # The token each slot sampled last: the next decode input, before the CPU has seen it.
         self.last_tokens = torch.zeros(slots, dtype=torch.int64, device=self.device)
         # ------------------------------------------------------------------ sampler
         self.sampler = Sampler(slots, cfg.vocab_size, self.device)
+        # ------------------------------------------------------------------ warm-up
+        if self.device.type == "cuda" and not args.kernel.skip_warmup:
+            with self.startup.phase("warm-up"):
+                self._warm_up(args, context, slots)
         # ------------------------------------------------------------------ CUDA graphs
-        self.graphs = self._capture_graphs(args, context, slots)
+        with self.startup.phase("CUDA graphs"):
+            self.graphs = self._capture_graphs(args, context, slots)
         # ------------------------------------------------------------------ scheduler
         radix = not args.cache.disable_radix_cache
         self.scheduler = Scheduler(args.sched, self.budget.num_pages, cfg.page_size, radix)
         # ------------------------------------------------------------------ executor
         self.executor = Executor(self.run)
         self._in_flight: Launched | None = None
-        self.trace = StepTrace(args.runtime.enable_step_trace)
+        self._ready_compiles = self.trace.compiles.count
+        log.info("%s", self.startup.line())
 
     def info(self) -> dict[str, Any]:
         """What the engine learned at start, for clients (published with Ready)."""
@@ -96,6 +111,11 @@ class EngineCore:
             "device": str(self.device),
             "cuda_graph_bs": self.graphs.sizes if self.graphs else [],
         }
+
+    @property
+    def compiles_after_ready(self) -> int:
+        """Triton kernels compiled since the engine was ready: the warm-up missed a shape."""
+        return self.trace.compiles.count - self._ready_compiles
 
     # ------------------------------------------------------------------ requests
 
@@ -166,12 +186,17 @@ class EngineCore:
         return result
 
     @torch.inference_mode()
-    def _forward_and_sample(self, plan: StepPlan) -> StepResult:
+    def _forward_and_sample(
+        self, plan: StepPlan, layers: Sequence[int] | None = None
+    ) -> StepResult:
         self._start_new_requests(plan)
         batch = ForwardBatch.build(plan.seqs, self.budget.page_size, self.device)
         self._fill_slot_tokens(plan, batch)
         slots = [seq.slot for seq in plan.seqs if seq.sample]
-        logits = self._logits(batch, decode_only=len(slots) == len(plan.seqs))
+        if layers is not None:
+            logits = self.model(batch, self.kv, layers)
+        else:
+            logits = self._logits(batch, decode_only=len(slots) == len(plan.seqs))
         if not slots:
             return StepResult(step=plan.step, slots=[], tokens=[])
         tokens, logprobs = self.sampler.sample(logits, slots)
@@ -201,6 +226,31 @@ class EngineCore:
         if rows:
             index = torch.tensor(slots, device=self.device)
             batch.input_ids[torch.tensor(rows, device=self.device)] = self.last_tokens[index]
+
+    def _warm_up(self, args: ServerArgs, context: int, slots: int) -> None:
+        """Run every step shape class once (core/warmup.py), so no request waits for a compile:
+        one layer of each kind suffices, since layers of a kind launch the same kernels."""
+        sched = args.sched
+        if sched.chunked_prefill_size > 0:
+            prefill = min(sched.max_prefill_tokens, sched.chunked_prefill_size)
+        else:  # whole prompts: a step can carry a prompt of the full context
+            prefill = context
+        limits = WarmupLimits(
+            page_size=self.budget.page_size,
+            num_pages=self.budget.num_pages,
+            max_running=slots,
+            max_step_tokens=min(prefill + slots, self.budget.tokens),
+            context=min(context, self.budget.tokens),
+        )
+        cfg = self.model.cfg
+        layers = distinct_layers(cfg.layer_types, cfg.mlp_layer_types)
+        before, steps = self.trace.compiles.count, 0
+        for plan in warmup_plans(limits):
+            self._forward_and_sample(plan, layers)
+            steps += 1
+        torch.cuda.synchronize(self.device)
+        compiled = self.trace.compiles.count - before
+        self.startup.note("warm-up", f"{steps} steps on layers {layers}, {compiled} kernels")
 
     def _capture_graphs(self, args: ServerArgs, context: int, slots: int) -> DecodeGraphs | None:
         kernel = args.kernel

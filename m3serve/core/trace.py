@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -122,3 +125,29 @@ class StepTrace:
 
     def close(self) -> None:
         self.compiles.close()
+
+
+class StartupPhases:
+    """Wall time of each start-up phase (load weights, KV pool, warm-up, CUDA graphs), logged as
+    each ends and summed up in one line when the engine is ready."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.notes: dict[str, str] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        yield
+        self.seconds[name] = time.perf_counter() - started
+        log.info("start-up: %s took %.2f s%s", name, self.seconds[name], self._note(name))
+
+    def note(self, name: str, text: str) -> None:
+        self.notes[name] = text
+
+    def line(self) -> str:
+        parts = [f"{name} {s:.2f} s{self._note(name)}" for name, s in self.seconds.items()]
+        return f"start-up {sum(self.seconds.values()):.2f} s: " + ", ".join(parts)
+
+    def _note(self, name: str) -> str:
+        return f" ({self.notes[name]})" if name in self.notes else ""

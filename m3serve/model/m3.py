@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -105,16 +107,22 @@ class M3ForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.lm_head.weight.device
 
-    def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        """Run one step; returns fp32 logits [len(batch.logit_rows), vocab]."""
-        return self.compute_logits(self.hidden_states(batch, kv)[batch.logit_rows])
+    def forward(
+        self, batch: ForwardBatch, kv: KVCache, layers: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """Run one step; returns fp32 logits [len(batch.logit_rows), vocab]. `layers` runs only
+        those layers (the warm-up compiles each distinct layer shape once)."""
+        return self.compute_logits(self.hidden_states(batch, kv, layers)[batch.logit_rows])
 
-    def hidden_states(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+    def hidden_states(
+        self, batch: ForwardBatch, kv: KVCache, layers: Sequence[int] | None = None
+    ) -> torch.Tensor:
         """Final-normed hidden states of every new token [T, hidden]."""
         backend = self.backend
         hidden = self.model.embed_tokens.weight[batch.input_ids]
         residual: torch.Tensor | None = None
-        for layer in self.model.layers:
+        chosen = self.model.layers if layers is None else [self.model.layers[i] for i in layers]
+        for layer in chosen:
             hidden, residual = layer(hidden, residual, batch, kv, self.inv_freq)
         norm = self.model.norm
         return backend.add_rms_norm(hidden, residual, norm.weight, norm.eps)[0]

@@ -206,6 +206,11 @@ MOE_RUNNERS = ("auto", "triton", "torch")
 @dataclass(frozen=True)
 class KernelArgs:
     disable_cuda_graph: bool = option(False, "run decode eagerly")
+    skip_warmup: bool = option(
+        False,
+        "skip the warm-up pass that compiles every Triton kernel variant before the server is "
+        "ready (requests of new shapes then wait for compiles)",
+    )
     cuda_graph_max_bs_decode: int | None = option(
         None, "largest decode batch replayed from a CUDA graph (hopper backend; default 128)"
     )
@@ -317,7 +322,9 @@ _PLANNED: tuple[tuple[type, str], ...] = (
     (KernelArgs, "this kernel option is not built yet"),
 )
 # Planned-section settings that already hold in this build (nothing to refuse).
-_HONOURED = frozenset({"disable_cuda_graph", "cuda_graph_max_bs_decode", "moe_runner_backend"})
+_HONOURED = frozenset(
+    {"disable_cuda_graph", "skip_warmup", "cuda_graph_max_bs_decode", "moe_runner_backend"}
+)
 
 
 def _flag(f: dataclasses.Field[Any]) -> str:

@@ -52,8 +52,13 @@ class HopperBackend(ReferenceBackend):
     name = "hopper"
     capturable = True
 
-    def __init__(self, device: torch.device, moe_runner: str = "auto") -> None:
-        check_hopper(device)
+    def __init__(
+        self, device: torch.device, moe_runner: str = "auto", interpreter: bool = False
+    ) -> None:
+        """`interpreter`: run the kernels on CPU tensors in Triton's interpreter (tests), with
+        the side-stream work run in line."""
+        if not interpreter:
+            check_hopper(device)
         from m3serve.kernels.triton import (
             attention,
             indexer,
@@ -75,7 +80,7 @@ class HopperBackend(ReferenceBackend):
         # The torch runner reads dense experts: NVFP4 ones are dequantized to bf16 at load.
         experts = {"NVFP4"} if moe_runner in ("auto", "triton") else set()
         self.weight_formats = frozenset({"MXFP8", *experts})
-        self._side = torch.cuda.Stream(device)
+        self._side = None if interpreter else torch.cuda.Stream(device)
 
     def linear(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
         if isinstance(weight, Mxfp8Weight):
@@ -85,6 +90,8 @@ class HopperBackend(ReferenceBackend):
     def concurrently(self, first: Callable[[], A], second: Callable[[], B]) -> tuple[A, B]:
         """`second` on a side stream while `first` runs on the current one (also inside a CUDA
         graph capture, where the two become parallel branches)."""
+        if self._side is None:
+            return first(), second()
         main = torch.cuda.current_stream(self.device)
         self._side.wait_stream(main)
         with torch.cuda.stream(self._side):

@@ -45,7 +45,17 @@ _TOPK_MIN_PROGRAMS = 264
 _KEY_TYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=[
+        "num_tokens",
+        "num_reqs",
+        "max_blocks",
+        "pages_per_prog",
+        "stride_ptb",
+        "stride_ot",
+        "stride_oh",
+    ]
+)
 def _block_scores_kernel(
     q_ptr,
     k_ptr,
@@ -155,7 +165,7 @@ def _block_scores_kernel(
         tl.store(out_rows + j * stride_ob, neg_inf, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "num_blocks", "stride_st", "stride_sh"])
 def _select_blocks_kernel(
     scores_ptr,
     pos_ptr,

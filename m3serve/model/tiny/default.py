@@ -6,20 +6,15 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
 from m3serve.model.tiny.checkpoint import TinySpec, make_tiny
+from m3serve.runtime.paths import cache_root
 
 DEFAULT_SPEC = TinySpec(seed=31)
-
-
-def cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "m3serve"
 
 
 def default_model_path(spec: TinySpec = DEFAULT_SPEC, root: Path | None = None) -> Path:

@@ -21,7 +21,7 @@ from m3serve.kernels.triton.attention.config import (
 # (~5 ms), which per loop iteration would dominate the CPU test run.
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs", "num_splits", "stride_pt"])
 def _decode_split_kernel(
     q_ptr,
     k_ptr,
@@ -158,7 +158,7 @@ def _decode_split_kernel(
         tl.store(part_o_ptr + part_row[:, None] * D + d[None, :], o, mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
     part_o_ptr,
     part_lse_ptr,

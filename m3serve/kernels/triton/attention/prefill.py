@@ -36,7 +36,7 @@ def _locate_tile(
     return exists, req, req_lo + (tile - first_tile) * BLOCK_T, req_hi
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs"])
 def _prefill_plan_kernel(
     ids_ptr,
     starts_ptr,
@@ -77,7 +77,7 @@ def _prefill_plan_kernel(
     tl.store(count_ptr + base, tl.sum(keep.to(tl.int32), 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs", "stride_pt"])
 def _prefill_kernel(
     q_ptr,
     k_ptr,

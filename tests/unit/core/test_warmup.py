@@ -1,0 +1,89 @@
+"""The warm-up pass launches every Triton kernel variant that later steps need.
+
+The Hopper backend runs in Triton's interpreter with the kernels not executed: launch decisions
+depend on shapes only, so the compile keys (Triton's own specialization rules, see
+tests/helpers/triton_keys.py) are what the GPU would compile, at the cost of host work alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import M31_SPEC
+from helpers.triton_keys import describe, recording
+
+from m3serve.backends.hopper import HopperBackend
+from m3serve.core.warmup import WarmupLimits, shape_points, warmup_plans
+from m3serve.model.batch import ForwardBatch
+from m3serve.model.build import load_model
+from m3serve.model.kv_cache import KVCache
+from m3serve.model.m3 import M3ForCausalLM
+from m3serve.model.tiny.checkpoint import TinySpec
+from m3serve.runtime.messages import SeqStep, StepPlan
+
+NUM_PAGES = 128
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint: Callable[[TinySpec], Path]) -> M3ForCausalLM:
+    backend = HopperBackend(torch.device("cpu"), interpreter=True)
+    return load_model(tiny_checkpoint(M31_SPEC), backend, "float32", progress=False).model
+
+
+def _forward(model: M3ForCausalLM, kv: KVCache, plan: StepPlan) -> None:
+    batch = ForwardBatch.build(plan.seqs, model.cfg.page_size, "cpu")
+    with torch.inference_mode():
+        model(batch, kv)
+
+
+def _random_plan(rng: random.Random, limits: WarmupLimits) -> StepPlan:
+    """A step the scheduler could plan: decodes and prefill chunks at random contexts."""
+    page, budget = limits.page_size, limits.max_step_tokens
+    seqs = []
+    for slot in range(rng.randint(1, limits.max_running)):
+        extend = 1 if rng.random() < 0.6 else rng.randint(1, max(budget // 2, 1))
+        extend = min(extend, budget - len(seqs) - sum(s.extend for s in seqs) + len(seqs))
+        if extend < 1:
+            break
+        start = rng.randint(0, limits.context - extend)
+        count = -(-(start + extend) // page)
+        pages = [(slot * count + i) % limits.num_pages for i in range(count)]
+        seqs.append(SeqStep([1 + i % 256 for i in range(extend)], start, pages, slot))
+        if sum(s.extend for s in seqs) >= budget:
+            break
+    return StepPlan(step=0, seqs=seqs)
+
+
+def test_shape_points_cover_every_power_of_two_class() -> None:
+    points = shape_points(1000)
+    assert points[:17] == list(range(1, 18))
+    assert {63, 64, 65, 511, 512, 513, 1000} <= set(points)
+    above = points[16:]
+    # The 1.25x grid, rounded down to ints.
+    assert max(b / a for a, b in itertools.pairwise(above)) < 1.26
+
+
+def test_random_steps_launch_no_variant_the_warmup_missed(model: M3ForCausalLM) -> None:
+    cfg = model.cfg
+    limits = WarmupLimits(
+        page_size=cfg.page_size,
+        num_pages=NUM_PAGES,
+        max_running=8,
+        max_step_tokens=72,
+        context=96 * cfg.page_size,
+    )
+    kv = KVCache.allocate(cfg, NUM_PAGES + 1, model.dtype, torch.device("cpu"))
+    with recording(execute=False) as warm:
+        for plan in warmup_plans(limits):
+            _forward(model, kv, plan)
+    rng = random.Random(0)
+    with recording(execute=False) as traffic:
+        for _ in range(300):
+            _forward(model, kv, _random_plan(rng, limits))
+    missed = traffic - warm
+    assert not missed, f"{len(missed)} variants compile after warm-up:\n{describe(missed)}"
