@@ -118,11 +118,18 @@ class RuntimeArgs:
         False,
         "log one line per engine step: kind, batch, tokens, host and run ms, kernels compiled",
     )
+    max_prompt_chars: int | None = option(
+        None,
+        "longest prompt text (characters) a tokenizer worker encodes; a longer one gets 400 "
+        "before it is tokenized; default: 16 x the context length",
+    )
 
     def __post_init__(self) -> None:
         problems = []
         if self.tokenizer_worker_num < 1:
             problems.append("--tokenizer-worker-num must be >= 1")
+        if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
+            problems.append("--max-prompt-chars must be >= 1")
         if self.context_length is not None and self.context_length < 2:
             problems.append("--context-length must be >= 2")
         _raise(problems)
