@@ -152,6 +152,21 @@ class ApiArgs:
         None, "turn MiniMax tool-call XML into OpenAI tool_calls"
     )
     max_request_bytes: int = option(64 << 20, "request bodies larger than this get HTTP 413")
+    request_body_timeout: float = option(
+        30.0, "seconds to wait for each next piece of a request body; a stalled body gets 408"
+    )
+    max_fanout: int = option(
+        128, "most engine requests one HTTP request may make (n x prompts); more get 400"
+    )
+    allowed_hosts: list[str] | None = option(
+        None,
+        "Host header values accepted (name or IP, *.domain for subdomains, * for any); others "
+        "get 400. Default: any, as in SGLang and vLLM; set e.g. 'localhost 127.0.0.1' on an "
+        "unauthenticated local server to refuse DNS-rebinding requests",
+    )
+    api_key_file: str | None = option(
+        None, "read --api-key from this file (keeps it out of ps); else M3SERVE_API_KEY is read"
+    )
     log_requests: bool = option(
         False, "log prompts and outputs (off by default: they are user data)"
     )
@@ -164,6 +179,12 @@ class ApiArgs:
             problems.append("--max-request-bytes must be >= 1024")
         if self.api_key is not None and not self.api_key:
             problems.append("--api-key must not be empty")
+        if self.api_key is not None and self.api_key_file is not None:
+            problems.append("give one of --api-key and --api-key-file")
+        if self.request_body_timeout <= 0:
+            problems.append("--request-body-timeout must be positive")
+        if self.max_fanout < 1:
+            problems.append("--max-fanout must be >= 1")
         _raise(problems)
 
 
