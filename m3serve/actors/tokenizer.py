@@ -1,13 +1,19 @@
-"""TokenizerActor: chat template, encode, incremental detokenize, stop strings.
+"""TokenizerActor: chat template, encode, incremental detokenize, stop strings, and the
+one-shot /v1/tokenize and /v1/detokenize round trips.
 
 One or more worker processes (`--tokenizer-worker-num`); the API routes a request to worker
 `hash(rid) % N`, and the scheduler sends each worker the outputs of the requests it owns.
-Long prompts go to the scheduler as shared-memory segments, never inline.
+Long prompts go to the scheduler as shared-memory segments, never inline. A prompt longer than
+`--max-prompt-chars` is refused before the tokenizer sees it; a long one is encoded on a thread
+(the tokenizer's batch call releases the GIL), so an event loop shared with the API (single
+process) keeps serving meanwhile.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +26,8 @@ from m3serve.model.thinking import ThinkingInvalid, resolve_thinking
 from m3serve.runtime.actor import Actor, handles
 from m3serve.runtime.messages import (
     Abort,
+    DetokenizeReq,
+    DetokenizeResult,
     Error,
     Finish,
     GenerateReq,
@@ -28,6 +36,8 @@ from m3serve.runtime.messages import (
     TextBatch,
     TokenBatch,
     Tokenized,
+    TokenizeReq,
+    TokenizeResult,
     Usage,
 )
 from m3serve.runtime.shm import pack_token_ids, unpack_token_ids
@@ -38,6 +48,12 @@ log = logging.getLogger(__name__)
 
 # Arguments render_chat sets itself; a request cannot override them through the template kwargs.
 RESERVED_TEMPLATE_ARGS = frozenset({"messages", "tools", "template", "add_generation_prompt"})
+# Default --max-prompt-chars, per token of context: a prompt this long cannot fit the context
+# in any realistic tokenization, and refusing it spares the tokenizer (a 64 MB single word took
+# 86 s and 13 GB).
+PROMPT_CHARS_PER_TOKEN = 16
+# Shorter texts are encoded inline: a thread hop costs more than they take.
+THREAD_MIN_CHARS = 1 << 16
 
 
 class RequestInvalid(ValueError):
@@ -85,6 +101,7 @@ class TokenizerActor(Actor):
         session: str,
         skip_tokenizer_init: bool = False,
         context_length: int | None = None,
+        max_prompt_chars: int | None = None,
     ) -> None:
         super().__init__(inbox, control)
         self.name = f"tokenizer{worker}"
@@ -95,6 +112,9 @@ class TokenizerActor(Actor):
         self.session = session
         self.skip_tokenizer_init = skip_tokenizer_init
         self.facts = ModelFacts.read(self.model_dir, context_length)
+        self.max_prompt_chars = (
+            max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.facts.context_length
+        )
         self.tokenizer: Any = None
         self.template: str | None = None
         self.pending: dict[str, Pending] = {}
@@ -127,7 +147,7 @@ class TokenizerActor(Actor):
     @handles(GenerateReq)
     async def on_generate(self, req: GenerateReq) -> None:
         try:
-            ids = self.encode(req)
+            ids = await self.encode(req)
             max_new = self.check(req.sampling, len(ids))
         except (RequestInvalid, ChatTemplateError) as exc:
             await self.api.send(Error(req.rid, str(exc), 400))
@@ -161,15 +181,15 @@ class TokenizerActor(Actor):
         if self.pending.pop(abort.rid, None) is not None:
             await self.scheduler.send(abort)
 
-    def encode(self, req: GenerateReq) -> list[int]:
+    async def encode(self, req: GenerateReq) -> list[int]:
         if req.input_ids is not None:
             ids = unpack_token_ids(req.input_ids).tolist()
         elif self.tokenizer is None:
             raise RequestInvalid("this engine runs without a tokenizer: send input_ids")
         elif req.messages is not None:
-            ids = self._encode_text(self.render(req))
+            ids = await self._encode_text(self.render(req))
         elif req.prompt is not None:
-            ids = self._encode_text(req.prompt)
+            ids = await self._encode_text(req.prompt)
         else:
             raise RequestInvalid("a request needs a prompt, messages or input_ids")
         if not ids:
@@ -180,8 +200,18 @@ class TokenizerActor(Actor):
             raise RequestInvalid(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         return ids
 
-    def _encode_text(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+    async def _encode_text(self, text: str) -> list[int]:
+        if len(text) > self.max_prompt_chars:
+            raise RequestInvalid(
+                f"the prompt has {len(text)} characters; at most {self.max_prompt_chars} are "
+                "tokenized (--max-prompt-chars)"
+            )
+        if len(text) < THREAD_MIN_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL (encode does not), so the loop runs on meanwhile.
+        encode = self.tokenizer.encode_batch
+        batch = await asyncio.to_thread(encode, [text], add_special_tokens=False)
+        return batch[0].ids
 
     def render(self, req: GenerateReq) -> str:
         if self.template is None:
@@ -225,6 +255,56 @@ class TokenizerActor(Actor):
                 f"exceeds the context length ({limit})"
             )
         return sampling.max_new_tokens
+
+    # ------------------------------------------------------------------ tokenize, detokenize
+
+    @handles(TokenizeReq)
+    async def on_tokenize(self, req: TokenizeReq) -> None:
+        await self._answer(req.rid, lambda: self._tokenize(req))
+
+    @handles(DetokenizeReq)
+    async def on_detokenize(self, req: DetokenizeReq) -> None:
+        await self._answer(req.rid, lambda: self._detokenize(req))
+
+    async def _tokenize(self, req: TokenizeReq) -> TokenizeResult:
+        self._need_tokenizer()
+        text = req.prompt or ""
+        if req.messages is not None:
+            if self.template is None:
+                raise RequestInvalid("the model has no chat template")
+            text = render_chat(
+                self.template, req.messages, add_generation_prompt=req.add_generation_prompt
+            )
+        return TokenizeResult(req.rid, await self._encode_text(text))
+
+    async def _detokenize(self, req: DetokenizeReq) -> DetokenizeResult:
+        self._need_tokenizer()
+        vocab = self.facts.vocab_size
+        bad = [t for t in req.token_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestInvalid(f"token id {bad[0]} is outside the vocabulary")
+        return DetokenizeResult(
+            req.rid, self.tokenizer.decode(req.token_ids, skip_special_tokens=False)
+        )
+
+    def _need_tokenizer(self) -> None:
+        if self.tokenizer is None:
+            raise RequestInvalid("this server runs without a tokenizer")
+
+    async def _answer(
+        self, rid: str, work: Callable[[], Awaitable[TokenizeResult | DetokenizeResult]]
+    ) -> None:
+        """Send the API `work`'s reply, or an Error for its rid: a refusal is a 400, and no
+        request may take the actor down."""
+        reply: TokenizeResult | DetokenizeResult | Error
+        try:
+            reply = await work()
+        except (RequestInvalid, ChatTemplateError) as exc:
+            reply = Error(rid, str(exc), 400)
+        except Exception as exc:
+            log.exception("request %s could not be processed", rid)
+            reply = Error(rid, f"cannot process the request: {exc!r}", 400)
+        await self.api.send(reply)
 
     # ------------------------------------------------------------------ tokens out
 

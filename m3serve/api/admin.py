@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 import msgspec
 from starlette.requests import Request
@@ -13,7 +14,9 @@ from m3serve.api.errors import APIError, decode, read_body
 from m3serve.api.metrics import CONTENT_TYPE
 from m3serve.api.protocol import REQUEST_TYPES, DetokenizeRequest, TokenizeRequest, to_builtins
 from m3serve.api.state import ServerState
-from m3serve.model.chat_template import ChatTemplateError, render_chat
+from m3serve.engine import EngineDeadError, RequestError
+
+T = TypeVar("T")
 
 
 async def health(request: Request) -> Response:
@@ -56,41 +59,32 @@ def _model_card(state: ServerState) -> dict[str, Any]:
 
 
 async def tokenize(request: Request) -> Response:
-    state = _with_tokenizer(request)
+    """Encoded by a tokenizer worker: a big prompt never stalls this process's event loop."""
+    state: ServerState = request.app.state.server
     body = decode(await read_body(request, state.args.max_request_bytes), TokenizeRequest)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "send exactly one of prompt or messages", "prompt")
-    text = body.prompt
-    if body.messages is not None:
-        if state.chat_template is None:
-            raise APIError(400, "the model has no chat template", "messages")
-        try:
-            text = render_chat(
-                state.chat_template,
-                [to_builtins(m) for m in body.messages],
-                add_generation_prompt=body.add_generation_prompt,
-            )
-        except ChatTemplateError as exc:
-            raise APIError(400, str(exc), "messages") from exc
-    ids = state.tokenizer.encode(text or "", add_special_tokens=False).ids
+    messages = None if body.messages is None else [to_builtins(m) for m in body.messages]
+    call = state.engine.tokenize(body.prompt, messages, body.add_generation_prompt)
+    ids = await _in_worker(call, "prompt" if messages is None else "messages")
     return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.context_length})
 
 
 async def detokenize(request: Request) -> Response:
-    state = _with_tokenizer(request)
-    body = decode(await read_body(request, state.args.max_request_bytes), DetokenizeRequest)
-    vocab = state.tokenizer.get_vocab_size()
-    bad = [t for t in body.tokens if not 0 <= t < vocab]
-    if bad:
-        raise APIError(400, f"token id {bad[0]} is outside the vocabulary", "tokens")
-    return JSONResponse({"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=False)})
-
-
-def _with_tokenizer(request: Request) -> ServerState:
     state: ServerState = request.app.state.server
-    if state.tokenizer is None:
-        raise APIError(400, "this server runs without a tokenizer")
-    return state
+    body = decode(await read_body(request, state.args.max_request_bytes), DetokenizeRequest)
+    text = await _in_worker(state.engine.detokenize(body.tokens), "tokens")
+    return JSONResponse({"prompt": text})
+
+
+async def _in_worker(call: Awaitable[T], param: str) -> T:
+    """A tokenizer worker's answer; its refusal is an APIError naming `param`."""
+    try:
+        return await call
+    except RequestError as exc:
+        raise APIError(exc.code, str(exc), param) from exc
+    except EngineDeadError as exc:
+        raise APIError(503, f"the engine is not available: {exc}") from exc
 
 
 def openapi_document(title: str, api_key: bool) -> dict[str, Any]:
@@ -104,7 +98,13 @@ def openapi_document(title: str, api_key: bool) -> dict[str, Any]:
             "description": text,
             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
         }
-        for code, text in ((400, "Bad request"), (401, "Unauthorized"), (413, "Too large"))
+        for code, text in (
+            (400, "Bad request"),
+            (401, "Unauthorized"),
+            (408, "Body stalled"),
+            (413, "Too large"),
+            (415, "Not JSON"),
+        )
     }
     paths: dict[str, Any] = {}
     for (path, _), schema in zip(REQUEST_TYPES.items(), schemas, strict=True):

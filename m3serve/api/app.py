@@ -1,5 +1,6 @@
-"""The Starlette application: routes, error mapping, the Bearer-key and request-counting
-middlewares, and the engine's lifecycle when the app owns it.
+"""The Starlette application: routes, error mapping, the middlewares (request counting, the
+Host and body guards of `guards.py`, the Bearer key) and the engine's lifecycle when the app
+owns it.
 
 `create_app(engine)` embeds the API around an engine you manage; `create_app(engine,
 own_engine=True)` starts it with the app and shuts it down with it (what `m3serve serve` does).
@@ -20,9 +21,11 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from m3serve.api import admin
+from m3serve.api.api_key import read_api_key
 from m3serve.api.chat import chat_completions
 from m3serve.api.completions import completions
-from m3serve.api.errors import APIError, error_response
+from m3serve.api.errors import CLIENT_CLOSED, APIError, ClientGone, error_response
+from m3serve.api.guards import AllowedHosts, GuardBody
 from m3serve.api.metrics import ServerMetrics
 from m3serve.api.state import ServerState
 from m3serve.engine.async_engine import AsyncEngine
@@ -37,6 +40,7 @@ def create_app(
     engine: AsyncEngine, args: ApiArgs | None = None, own_engine: bool = False
 ) -> Starlette:
     args = args or engine.args.api
+    api_key = read_api_key(args)
     metrics = ServerMetrics()
 
     @contextlib.asynccontextmanager
@@ -61,7 +65,7 @@ def create_app(
         Route("/health", admin.health, methods=["GET"]),
         Route("/metrics", admin.metrics, methods=["GET"]),
     ]
-    doc = admin.openapi_document("m3serve", args.api_key is not None)
+    doc = admin.openapi_document("m3serve", api_key is not None)
 
     async def openapi(_: Request) -> Response:
         return JSONResponse(doc)
@@ -72,14 +76,19 @@ def create_app(
         lifespan=lifespan,
         exception_handlers={
             APIError: _api_error,
+            ClientGone: _client_gone,
             404: _not_found,
             405: _not_allowed,
             Exception: _internal,
         },
     )
-    # The last added runs first: requests are counted outside the key check, so its 401s count.
-    if args.api_key:
-        app.add_middleware(RequireApiKey, api_key=args.api_key)
+    # The last added runs first: requests are counted outside every check, so refusals count;
+    # the Host is checked before the key, the key before the body is read.
+    app.add_middleware(GuardBody, limit=args.max_request_bytes, timeout=args.request_body_timeout)
+    if api_key:
+        app.add_middleware(RequireApiKey, api_key=api_key)
+    if args.allowed_hosts is not None:
+        app.add_middleware(AllowedHosts, hosts=args.allowed_hosts)
     app.add_middleware(CountRequests, metrics=metrics)
     return app
 
@@ -87,6 +96,12 @@ def create_app(
 async def _api_error(_: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
     return exc.response()
+
+
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    # One line, no traceback: a client that hangs up is not a server error.
+    log.info("%s %s: %s (%d)", request.method, request.url.path, exc, CLIENT_CLOSED)
+    return Response(status_code=CLIENT_CLOSED)
 
 
 async def _not_found(request: Request, _: Exception) -> Response:

@@ -42,7 +42,7 @@ async def chat_completions(request: Request) -> Response:
     rid = "chatcmpl-" + uuid.uuid4().hex
     state.log_exchange(rid, "request", raw.decode(errors="replace"))
     response = _ChatResponse(rid, plan, state)
-    generation = await Generation.start(state, rid, reqs)
+    generation = await Generation.start(state, rid, reqs, request)
     if body.stream:
         return generation.event_stream(response.chunks(generation))
     return await generation.json_response(request, response.completion)

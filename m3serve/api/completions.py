@@ -18,7 +18,7 @@ from starlette.responses import Response
 
 from m3serve.api.bodies import completion_logprobs, finish_reason, usage_dict
 from m3serve.api.errors import APIError, decode, read_body
-from m3serve.api.generation import Generation, Outputs
+from m3serve.api.generation import Generation, Outputs, check_fanout
 from m3serve.api.protocol import CompletionRequest
 from m3serve.api.sampling import check_n, sampling_params
 from m3serve.api.state import ServerState
@@ -35,11 +35,12 @@ async def completions(request: Request) -> Response:
     body = decode(raw, CompletionRequest)
     prompts = _prompts(body)
     check_n(body)
+    check_fanout(state, len(prompts) * body.n)  # before building thousands of requests
     reqs = _requests(body, prompts, state)
     rid = "cmpl-" + uuid.uuid4().hex
     state.log_exchange(rid, "request", raw.decode(errors="replace"))
     response = _CompletionResponse(rid, body, state, prompts)
-    generation = await Generation.start(state, rid, reqs)
+    generation = await Generation.start(state, rid, reqs, request)
     if body.stream:
         return generation.event_stream(response.chunks(generation))
     return await generation.json_response(request, response.completion)

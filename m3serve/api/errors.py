@@ -13,6 +13,8 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from m3serve.api import wire
+
 T = TypeVar("T")
 
 ERROR_TYPES = {
@@ -20,10 +22,20 @@ ERROR_TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     422: "invalid_request_error",
     503: "overloaded_error",
 }
+
+
+CLIENT_CLOSED = 499  # nginx's "client closed request": logged and counted, never received
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response was ready: answered 499, for the access log
+    and the request metrics (nobody receives it)."""
 
 
 class APIError(Exception):
@@ -80,13 +92,20 @@ _PATH = re.compile(r"at `\$\.?([^`]*)`")
 
 
 def decode(body: bytes, kind: type[T]) -> T:
-    """JSON -> a typed request; malformed JSON and wrong types are 400s naming the field."""
+    """JSON -> a typed request; malformed JSON, wrong types and values the engine's wire cannot
+    carry (integers beyond 64 bits, deep nesting) are 400s naming the field."""
     if not body:
         raise APIError(400, "the request body is empty; send a JSON object")
     try:
-        return msgspec.json.decode(body, type=kind)
+        value = msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
         match = _PATH.search(str(exc))
         raise APIError(400, f"invalid request: {exc}", match.group(1) if match else None) from exc
     except msgspec.DecodeError as exc:
         raise APIError(400, f"malformed JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise APIError(400, f"the body is nested deeper than {wire.MAX_DEPTH} levels") from exc
+    found = wire.problem(value)
+    if found is not None:
+        raise APIError(400, *found)
+    return value

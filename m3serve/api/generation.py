@@ -21,20 +21,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from m3serve.api import sse
-from m3serve.api.errors import APIError, overloaded
+from m3serve.api.errors import CLIENT_CLOSED, APIError, ClientGone, overloaded
 from m3serve.api.state import ServerState
 from m3serve.engine import EngineDeadError, RequestError
 from m3serve.runtime.messages import GenerateReq, RequestOutput
 
-CLIENT_CLOSED = 499  # nginx's "client closed request": logged and counted, never received
-
 Outputs = list[list[RequestOutput]]  # each choice's outputs, in choice order
 Indexed = tuple[int, RequestOutput]  # an output tagged with its choice index
 Render = Callable[[Outputs], dict[str, Any]]
-
-
-class ClientGone(Exception):
-    """The client disconnected before the response was ready."""
 
 
 @dataclass
@@ -94,13 +88,26 @@ class Generation:
         self._closed = False
 
     @classmethod
-    async def start(cls, state: ServerState, rid: str, reqs: list[GenerateReq]) -> Generation:
+    async def start(
+        cls,
+        state: ServerState,
+        rid: str,
+        reqs: list[GenerateReq],
+        client: Request | None = None,
+    ) -> Generation:
         """Submit every choice's request and wait for each one's first output, so that a
-        refusal (bad prompt, context overflow, overload, dead engine) is an `APIError` before
-        any response starts. One refusal aborts every choice already submitted."""
+        refusal (too many choices, bad prompt, context overflow, overload, dead engine) is an
+        `APIError` before any response starts. One refusal aborts every choice already
+        submitted. With the `client`'s request, a hang-up before the first outputs aborts them
+        too — a queued or prefilling request is never run for nobody — and raises ClientGone."""
+        check_fanout(state, len(reqs))
         generation = cls(state, rid, reqs)
+        first = generation._first_outputs()
         try:
-            await generation._first_outputs()
+            await (first if client is None else _unless_disconnect(client, first))
+        except ClientGone:
+            await generation.close()
+            raise
         except BaseException:
             await generation._release()
             raise
@@ -276,6 +283,27 @@ class Generation:
         await asyncio.gather(*closing, return_exceptions=True)
         if self._stream is not None:
             await self._stream.aclose()
+
+
+def check_fanout(state: ServerState, count: int) -> None:
+    """Refuse a request that makes more engine requests (n x prompts) than one request may
+    (400), or than the engine can hold beside those already in flight (503)."""
+    limit = state.args.max_fanout
+    if count > limit:
+        raise APIError(
+            400,
+            f"the request makes {count} engine requests (n x prompts); at most {limit} are "
+            "allowed per request (--max-fanout)",
+            "n",
+        )
+    sched = state.engine.args.sched
+    capacity = sched.max_running_requests + sched.max_queued_requests
+    busy = state.engine.num_requests
+    if busy + count > capacity:
+        raise overloaded(
+            f"the engine holds {busy} requests; {count} more would exceed its {capacity} "
+            "(--max-running-requests + --max-queued-requests)"
+        )
 
 
 async def _cancel(tasks: list[asyncio.Task[Any]]) -> None:

@@ -104,6 +104,13 @@ class Scheduler:
                 f"prompt + max_new_tokens need {needed} KV tokens; the pool holds "
                 f"{self.pool.num_pages * self.page_size} (raise --max-total-tokens)"
             )
+        if self.args.chunked_prefill_size == -1 and len(req.prompt) > self.args.max_prefill_tokens:
+            # Unchunked, a prompt is one forward: its activations grow with its length.
+            raise ValueError(
+                f"the prompt ({len(req.prompt)} tokens) exceeds --max-prefill-tokens "
+                f"({self.args.max_prefill_tokens}), the most one forward takes with chunked "
+                "prefill off"
+            )
         self.by_rid[req.rid] = req
         self.waiting.append(req)
 

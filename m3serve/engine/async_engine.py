@@ -2,8 +2,9 @@
 
 It starts the actor graph (`launch.py`) — as processes talking over ZeroMQ, or with
 `single_process=True` as tasks in the current loop — sends each request to the tokenizer worker
-that owns it and routes the returning `RequestOutput`s into per-request streams. A dead actor
-fails every pending request with `EngineDeadError`. `metrics` is the engine's Prometheus
+that owns it and routes the returning `RequestOutput`s into per-request streams; `tokenize` and
+`detokenize` are one-message round trips to a worker. A dead actor fails every pending request
+with `EngineDeadError`. `metrics` is the engine's Prometheus
 metrics, readable in this process whichever way the actors run.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import tempfile
+import uuid
 import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -21,7 +23,17 @@ from typing import TYPE_CHECKING, Any
 from m3serve.engine.launch import ActorGraph, start_in_process, start_processes
 from m3serve.runtime.actor import Actor
 from m3serve.runtime.config import ConfigInvalid, ServerArgs
-from m3serve.runtime.messages import Abort, Error, GenerateReq, RequestOutput, TextBatch
+from m3serve.runtime.messages import (
+    Abort,
+    DetokenizeReq,
+    DetokenizeResult,
+    Error,
+    GenerateReq,
+    RequestOutput,
+    TextBatch,
+    TokenizeReq,
+    TokenizeResult,
+)
 from m3serve.runtime.shm import new_session_id
 from m3serve.runtime.supervisor import Supervisor
 from m3serve.runtime.transport import Inbox, MailboxClosed, Outbox
@@ -58,6 +70,7 @@ class AsyncEngine:
         self.dead: EngineDeadError | None = None
         self.model_path: Path | None = None
         self._streams: dict[str, _Stream] = {}
+        self._calls: dict[str, asyncio.Future[TokenizeResult | DetokenizeResult]] = {}
         self._graph: ActorGraph | None = None
         self._tasks: list[asyncio.Task[Any]] = []
 
@@ -180,6 +193,49 @@ class AsyncEngine:
             if not state.done and self.healthy:
                 await self.abort(req.rid)
 
+    @property
+    def num_requests(self) -> int:
+        """Generation requests submitted and not yet finished."""
+        return len(self._streams)
+
+    async def tokenize(
+        self,
+        prompt: str | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """The token ids of `prompt`, or of the chat template rendered over `messages`, as a
+        tokenizer worker encodes them (raises RequestError for a refusal)."""
+        rid = "tok-" + uuid.uuid4().hex
+        req = TokenizeReq(
+            rid=rid, prompt=prompt, messages=messages, add_generation_prompt=add_generation_prompt
+        )
+        reply = await self._call(rid, req)
+        assert isinstance(reply, TokenizeResult)
+        return reply.token_ids
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        """The text of `token_ids`, special tokens kept (raises RequestError for a refusal)."""
+        rid = "detok-" + uuid.uuid4().hex
+        reply = await self._call(rid, DetokenizeReq(rid, token_ids))
+        assert isinstance(reply, DetokenizeResult)
+        return reply.text
+
+    async def _call(
+        self, rid: str, req: TokenizeReq | DetokenizeReq
+    ) -> TokenizeResult | DetokenizeResult:
+        if self.dead is not None:
+            raise self.dead
+        if not self.healthy:
+            raise EngineDeadError("the engine is not running")
+        reply = asyncio.get_running_loop().create_future()
+        self._calls[rid] = reply
+        try:
+            await self._tokenizer_of(rid).send(req)
+            return await reply
+        finally:
+            self._calls.pop(rid, None)
+
     async def abort(self, rid: str) -> None:
         if self.healthy:
             await self._tokenizer_of(rid).send(Abort(rid))
@@ -193,6 +249,8 @@ class AsyncEngine:
                 return
             if isinstance(message, TextBatch):
                 self._deliver(message)
+            elif isinstance(message, (TokenizeResult, DetokenizeResult)):
+                self._answer(message.rid, message)
             elif isinstance(message, Error):
                 self._deliver_error(message)
 
@@ -209,6 +267,16 @@ class AsyncEngine:
         state = self._streams.get(error.rid)
         if state is not None:
             state.queue.put_nowait(RequestError(error.message, error.code))
+        self._answer(error.rid, RequestError(error.message, error.code))
+
+    def _answer(self, rid: str, reply: TokenizeResult | DetokenizeResult | BaseException) -> None:
+        call = self._calls.get(rid)
+        if call is None or call.done():
+            return  # its caller gave up
+        if isinstance(reply, BaseException):
+            call.set_exception(reply)
+        else:
+            call.set_result(reply)
 
     def _on_death(self, name: str, exitcode: int | None) -> None:
         if self._graph is not None:
@@ -225,3 +293,5 @@ class AsyncEngine:
     def _fail_all(self, error: BaseException) -> None:
         for state in self._streams.values():
             state.queue.put_nowait(error)
+        for rid in list(self._calls):
+            self._answer(rid, error)

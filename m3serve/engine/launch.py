@@ -227,6 +227,7 @@ def _tokenizer_actor(
         session=session,
         skip_tokenizer_init=args.runtime.skip_tokenizer_init,
         context_length=args.runtime.context_length,
+        max_prompt_chars=args.runtime.max_prompt_chars,
     )
 
 

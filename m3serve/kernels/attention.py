@@ -1,14 +1,15 @@
 """Attention over paged KV, dense-causal or block-sparse (torch reference).
 
 Semantics follow HF's eager path: scores in the input dtype, scaled, masked, softmax in fp32.
-A query attends to the keys of its selected blocks that are not in its future.
+A query attends to the keys of its selected blocks that are not in its future. A request's rows
+are scored a tile at a time (`row_tiles`), so memory stays bounded for long prompts.
 """
 
 from __future__ import annotations
 
 import torch
 
-from m3serve.kernels.paged import sequence_slots
+from m3serve.kernels.paged import row_tiles, sequence_slots
 
 
 def block_mask(
@@ -73,10 +74,13 @@ def paged_attention(
         rows = slice(start, start + ext)
         start += ext
         slots = sequence_slots(page_table[row], seq_len, page_size)
-        pos = positions[rows]
-        if block_ids is None:
-            allowed = causal_mask(pos, seq_len)[None]
-        else:
-            allowed = block_mask(block_ids[rows], pos, seq_len, page_size)
-        out[rows] = attention(q[rows], k_cache[slots], v_cache[slots], allowed, scale)
+        keys, values = k_cache[slots], v_cache[slots]
+        for tile in row_tiles(ext, q.shape[1], seq_len):
+            tile = slice(rows.start + tile.start, rows.start + tile.stop)
+            pos = positions[tile]
+            if block_ids is None:
+                allowed = causal_mask(pos, seq_len)[None]
+            else:
+                allowed = block_mask(block_ids[tile], pos, seq_len, page_size)
+            out[tile] = attention(q[tile], keys, values, allowed, scale)
     return out

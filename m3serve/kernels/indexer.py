@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from m3serve.kernels.paged import sequence_slots
+from m3serve.kernels.paged import row_tiles, sequence_slots
 
 
 def block_scores(
@@ -74,7 +74,8 @@ def paged_index_topk(
 ) -> torch.Tensor:
     """Block selection for a batch: q [T, H_idx, D] -> block ids [T, H_idx, topk].
 
-    Blocks are pages (block_size == page_size), so a block id is a logical page index.
+    Blocks are pages (block_size == page_size), so a block id is a logical page index. Rows
+    are scored a tile at a time (`row_tiles`), so memory stays bounded for long prompts.
     """
     out = torch.empty(q.shape[0], q.shape[1], topk, dtype=torch.int32, device=q.device)
     start = 0
@@ -82,8 +83,10 @@ def paged_index_topk(
         rows = slice(start, start + ext)
         start += ext
         keys = index_k_cache[sequence_slots(page_table[row], seq_len, page_size)]
-        scores = block_scores(q[rows], keys, positions[rows], page_size)
-        out[rows] = select_blocks(
-            scores, positions[rows], page_size, topk, local_blocks, init_blocks
-        )
+        for tile in row_tiles(ext, q.shape[1], seq_len):
+            tile = slice(rows.start + tile.start, rows.start + tile.stop)
+            scores = block_scores(q[tile], keys, positions[tile], page_size)
+            out[tile] = select_blocks(
+                scores, positions[tile], page_size, topk, local_blocks, init_blocks
+            )
     return out

@@ -118,11 +118,18 @@ class RuntimeArgs:
         False,
         "log one line per engine step: kind, batch, tokens, host and run ms, kernels compiled",
     )
+    max_prompt_chars: int | None = option(
+        None,
+        "longest prompt text (characters) a tokenizer worker encodes; a longer one gets 400 "
+        "before it is tokenized; default: 16 x the context length",
+    )
 
     def __post_init__(self) -> None:
         problems = []
         if self.tokenizer_worker_num < 1:
             problems.append("--tokenizer-worker-num must be >= 1")
+        if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
+            problems.append("--max-prompt-chars must be >= 1")
         if self.context_length is not None and self.context_length < 2:
             problems.append("--context-length must be >= 2")
         _raise(problems)
@@ -145,6 +152,21 @@ class ApiArgs:
         None, "turn MiniMax tool-call XML into OpenAI tool_calls"
     )
     max_request_bytes: int = option(64 << 20, "request bodies larger than this get HTTP 413")
+    request_body_timeout: float = option(
+        30.0, "seconds to wait for each next piece of a request body; a stalled body gets 408"
+    )
+    max_fanout: int = option(
+        128, "most engine requests one HTTP request may make (n x prompts); more get 400"
+    )
+    allowed_hosts: list[str] | None = option(
+        None,
+        "Host header values accepted (name or IP, *.domain for subdomains, * for any); others "
+        "get 400. Default: any, as in SGLang and vLLM; set e.g. 'localhost 127.0.0.1' on an "
+        "unauthenticated local server to refuse DNS-rebinding requests",
+    )
+    api_key_file: str | None = option(
+        None, "read --api-key from this file (keeps it out of ps); else M3SERVE_API_KEY is read"
+    )
     log_requests: bool = option(
         False, "log prompts and outputs (off by default: they are user data)"
     )
@@ -157,6 +179,12 @@ class ApiArgs:
             problems.append("--max-request-bytes must be >= 1024")
         if self.api_key is not None and not self.api_key:
             problems.append("--api-key must not be empty")
+        if self.api_key is not None and self.api_key_file is not None:
+            problems.append("give one of --api-key and --api-key-file")
+        if self.request_body_timeout <= 0:
+            problems.append("--request-body-timeout must be positive")
+        if self.max_fanout < 1:
+            problems.append("--max-fanout must be >= 1")
         _raise(problems)
 
 

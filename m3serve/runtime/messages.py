@@ -112,6 +112,24 @@ class Abort(msgspec.Struct, tag=True, array_like=True):
     rid: str
 
 
+class TokenizeReq(msgspec.Struct, tag=True, kw_only=True, array_like=True):
+    """/v1/tokenize: encode a prompt, or the chat template rendered over messages; answered with
+    `TokenizeResult` or an `Error` with this rid."""
+
+    rid: str
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeReq(msgspec.Struct, tag=True, array_like=True):
+    """/v1/detokenize: token ids -> text, special tokens kept; answered with `DetokenizeResult`
+    or an `Error` with this rid."""
+
+    rid: str
+    token_ids: list[int]
+
+
 # ---------------------------------------------------------------- tokenizer -> scheduler
 
 
@@ -163,6 +181,16 @@ class TextBatch(msgspec.Struct, tag=True, array_like=True):
     """One engine step's outputs for the requests of one tokenizer worker."""
 
     outputs: list[RequestOutput]
+
+
+class TokenizeResult(msgspec.Struct, tag=True, array_like=True):
+    rid: str
+    token_ids: list[int]
+
+
+class DetokenizeResult(msgspec.Struct, tag=True, array_like=True):
+    rid: str
+    text: str
 
 
 # ---------------------------------------------------------------- control
@@ -228,7 +256,7 @@ class StepResult(msgspec.Struct, tag=True, kw_only=True, array_like=True):
 
 
 # Channel unions: what each receiver decodes.
-ToTokenizer = GenerateReq | Abort | TokenBatch | Error | Shutdown
+ToTokenizer = GenerateReq | Abort | TokenizeReq | DetokenizeReq | TokenBatch | Error | Shutdown
 ToScheduler = Tokenized | Abort | Shutdown
-ToApi = TextBatch | Error | Ready
+ToApi = TextBatch | TokenizeResult | DetokenizeResult | Error | Ready
 ToSupervisor = Ready | Error

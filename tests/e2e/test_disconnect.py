@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import socket
 import threading
 import time
@@ -125,11 +126,10 @@ async def wait_aborted(http: httpx.AsyncClient, before: float) -> float:
     return now
 
 
-@pytest.fixture(scope="module")
-def live(model_path: Path) -> Iterator[Live]:
-    args = ServerArgs.from_kwargs(
-        model_path=str(model_path), single_process=True, max_total_tokens=4096
-    )
+def serve_live(model_path: Path, **settings: Any) -> Iterator[Live]:
+    """The app on uvicorn in a background thread, around a single-process engine built from
+    `settings` (ServerArgs keywords); shut down when the generator is closed."""
+    args = ServerArgs.from_kwargs(model_path=str(model_path), single_process=True, **settings)
     engine = AsyncEngine(args)
     app = create_app(engine, own_engine=True)
     port = free_port()
@@ -167,6 +167,11 @@ def live(model_path: Path) -> Iterator[Live]:
         assert failure == []
         assert not engine.healthy  # the app owned the engine and shut it down
         loop.close()
+
+
+@pytest.fixture(scope="module")
+def live(model_path: Path) -> Iterator[Live]:
+    yield from serve_live(model_path, max_total_tokens=4096)
 
 
 async def test_closing_a_stream_mid_generation_frees_its_kv(live: Live) -> None:
@@ -231,3 +236,157 @@ async def test_server_still_serves_after_the_disconnects(live: Live) -> None:
         assert response.json()["usage"]["completion_tokens"] == 4
     idle = await live.wait_idle()
     assert idle["free"] + idle["cached"] == baseline
+
+
+# ---------------------------------------------------------------------- before the first token
+
+LONG_PROMPT = [10 + (i * 7919) % 390 for i in range(6000)]  # ~100 prefill chunks of 64
+SHORT_PROMPT = LONG_PROMPT[:2000]
+
+
+@pytest.fixture(scope="module")
+def slow_prefill(model_path: Path) -> Iterator[Live]:
+    """Prefill in chunks of 64 tokens, so a long prompt takes many steps: a client can leave
+    while its request is still queued behind it, or while it is being prefilled."""
+    yield from serve_live(
+        model_path, max_total_tokens=16384, chunked_prefill_size=64, request_body_timeout=1.0
+    )
+
+
+def completion(prompt: list[int], stream: bool) -> dict[str, Any]:
+    return {"prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": stream}
+
+
+def start_request(live: Live, body: dict[str, Any]) -> asyncio.Task[httpx.Response]:
+    """The request on a client of its own, so that cancelling the task drops its connection."""
+
+    async def post() -> httpx.Response:
+        async with httpx.AsyncClient(base_url=live.url, timeout=120.0) as own:
+            return await own.post("/v1/completions", json=body)
+
+    return asyncio.create_task(post())
+
+
+async def hang_up(request: asyncio.Task[httpx.Response]) -> None:
+    assert not request.done()  # no response yet: the first token has not been produced
+    request.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await request
+
+
+async def wait_for(live: Live, what: Callable[[Any], T], ready: Callable[[T], bool]) -> T:
+    """Poll `what(scheduler)` on the server's loop until `ready` holds for it."""
+    deadline = time.monotonic() + IDLE_TIMEOUT_S
+    while True:
+        value = await live.on_server_loop(lambda: what(live.scheduler))
+        if ready(value):
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"the scheduler never got there: {value}")
+        await asyncio.sleep(0.01)
+
+
+def load_gauges(metrics: str) -> tuple[float, float]:
+    found = dict(line.split(" ", 1) for line in metrics.splitlines() if line[:1] != "#")
+    return float(found["m3serve:num_running_reqs"]), float(found["m3serve:num_waiting_reqs"])
+
+
+async def test_a_queued_request_whose_client_left_is_never_prefilled(slow_prefill: Live) -> None:
+    live = slow_prefill
+    baseline = await live.reset_cache()
+    blocker = start_request(live, completion(LONG_PROMPT, stream=True))
+    await wait_for(live, lambda s: len(s.running), lambda n: n == 1)
+    queued_request = start_request(live, completion(SHORT_PROMPT, stream=False))
+    queued = await wait_for(live, lambda s: list(s.waiting), lambda w: len(w) == 1)
+    await hang_up(queued_request)
+    await wait_for(live, lambda s: len(s.waiting), lambda n: n == 0)
+    (req,) = queued
+    assert req.finish is not None and req.finish.reason == "abort"
+    assert not req.admitted_once and req.kv_len == 0  # never given a slot, never prefilled
+    still = await live.on_server_loop(lambda: [r.prefilled for r in live.scheduler.running])
+    assert still == [False]  # it left while the blocker was still prefilling
+    await hang_up(blocker)
+    idle = await live.wait_idle()
+    assert idle["free"] + idle["cached"] == baseline
+
+
+async def test_a_prefilling_request_whose_client_left_is_aborted_and_frees_its_pages(
+    slow_prefill: Live,
+) -> None:
+    live = slow_prefill
+    baseline = await live.reset_cache()
+    async with httpx.AsyncClient(base_url=live.url, timeout=30.0) as http:
+        aborted_before = await aborted_total(http)
+        request = start_request(live, completion(LONG_PROMPT, stream=True))
+        running = await wait_for(
+            live, lambda s: list(s.running), lambda r: len(r) == 1 and r[0].kv_len > 0
+        )
+        (req,) = running
+        await hang_up(request)
+        idle = await live.wait_idle()
+        assert idle["free"] + idle["cached"] == baseline
+        assert req.finish is not None and req.finish.reason == "abort"
+        assert req.kv_len < len(LONG_PROMPT) and req.output == []  # cut off mid-prefill
+        assert await wait_aborted(http, aborted_before) == aborted_before + 1
+        # /metrics agrees once the engine loop has written its gauges after the abort.
+        deadline = time.monotonic() + IDLE_TIMEOUT_S
+        while (gauges := load_gauges((await http.get("/metrics")).text)) != (0.0, 0.0):
+            assert time.monotonic() < deadline, f"running, waiting stay at {gauges}"
+            await asyncio.sleep(0.02)
+
+
+# ---------------------------------------------------------------------- mid-body
+
+HEAD = (
+    "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+)
+
+
+async def send_part_of_a_body(live: Live) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    host, port = live.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(HEAD.encode() + b'{"messages": [')  # 14 of the 1000 bytes promised
+    await writer.drain()
+    return reader, writer
+
+
+async def test_a_body_shorter_than_its_content_length_times_out_with_408(
+    slow_prefill: Live,
+) -> None:
+    reader, writer = await send_part_of_a_body(slow_prefill)
+    try:
+        answer = await asyncio.wait_for(reader.read(), timeout=30)
+    finally:
+        writer.close()
+    status_line, _, rest = answer.partition(b"\r\n")
+    assert status_line == b"HTTP/1.1 408 Request Timeout", answer[:200]
+    assert b'"code":408' in rest
+
+
+async def test_a_client_leaving_mid_body_is_one_499_line_without_a_traceback(
+    slow_prefill: Live, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    uvicorn_errors = logging.getLogger("uvicorn.error")  # does not propagate to the root
+    uvicorn_errors.addHandler(caplog.handler)
+    try:
+        async with httpx.AsyncClient(base_url=slow_prefill.url, timeout=30.0) as http:
+            before = closed_requests((await http.get("/metrics")).text)
+            _, writer = await send_part_of_a_body(slow_prefill)
+            writer.close()
+            deadline = time.monotonic() + IDLE_TIMEOUT_S
+            while closed_requests((await http.get("/metrics")).text) == before:
+                assert time.monotonic() < deadline, "the hang-up was never counted"
+                await asyncio.sleep(0.02)
+    finally:
+        uvicorn_errors.removeHandler(caplog.handler)
+    lines = [r for r in caplog.records if "499" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelno == logging.INFO, lines
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+
+
+def closed_requests(metrics: str) -> float:
+    key = 'm3serve:request_total{endpoint="/v1/chat/completions",status="499"}'
+    found = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line.startswith(key))
+    return float(found.get(key, 0.0))

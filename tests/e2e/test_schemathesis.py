@@ -8,6 +8,7 @@ the run short; everything else reaches the server as generated.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,8 @@ from typing import Any
 import httpx
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from schemathesis.python import asgi
 from starlette.applications import Starlette
 
@@ -142,3 +144,46 @@ async def test_a_chat_template_kwarg_named_like_a_render_argument_is_refused(
     assert bad.status_code == 400, bad.text
     assert health.status_code == 200, health.text
     assert after.status_code == 200, after.text
+
+
+# Any JSON value, integers of any size included, and arrays nested far past what the server
+# takes (as raw text: json.dumps itself recurses).
+JSON_LEAVES = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.sampled_from([2**63, 2**64, -(2**63) - 1, 2**200])
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=6)
+)
+JSON_TEXTS = st.recursive(
+    JSON_LEAVES,
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3)
+    ),
+    max_leaves=12,
+).map(json.dumps) | st.integers(60, 1500).map(lambda depth: "[" * depth + "]" * depth)
+# Request fields whose value is replaced; the token budget stays at 2 so no case runs long.
+FIELDS = [
+    "messages", "n", "seed", "top_k", "top_p", "temperature", "stop", "stop_token_ids",
+    "tools", "tool_choice", "chat_template_kwargs", "logprobs", "top_logprobs", "thinking",
+    "reasoning_effort", "stream", "stream_options", "response_format", "x-unknown",
+]  # fmt: skip
+
+
+@given(field=st.sampled_from(FIELDS), value=JSON_TEXTS)
+@settings(
+    max_examples=80,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+def test_any_json_value_in_any_chat_field_is_never_a_5xx(
+    app: Starlette, field: str, value: str
+) -> None:
+    # A repeated key (messages, max_tokens) takes the later value, as JSON decoders do.
+    raw = json.dumps({**CHAT, "max_tokens": 2})[:-1] + f', "{field}": {value}}}'
+    with asgi.get_client(app) as client:
+        response = client.post(
+            "/v1/chat/completions", data=raw.encode(), headers={"content-type": "application/json"}
+        )
+    assert response.status_code < 500, f"{field}={value[:200]} -> {response.text[:500]}"

@@ -4,9 +4,13 @@ reasoning and tool calls can be tested end to end with exact model output."""
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+from tokenizers import Tokenizer
 
 from m3serve.runtime.config import ServerArgs
 from m3serve.runtime.messages import Finish, GenerateReq, RequestOutput, Usage
@@ -28,6 +32,7 @@ class ScriptedEngine:
     delay_s: float = 0.0
     seen: list[GenerateReq] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
+    num_requests: int = 0  # streams open now
 
     @property
     def info(self) -> dict[str, Any]:
@@ -42,10 +47,27 @@ class ScriptedEngine:
     async def abort(self, rid: str) -> None:
         self.aborted.append(rid)
 
+    async def tokenize(
+        self,
+        prompt: str | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        assert prompt is not None, "the scripted engine tokenizes prompts only"
+        return self._tokenizer.encode(prompt, add_special_tokens=False).ids
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    @functools.cached_property
+    def _tokenizer(self) -> Any:
+        return Tokenizer.from_file(str(Path(self.model_path) / "tokenizer.json"))
+
     async def stream(self, req: GenerateReq) -> AsyncIterator[RequestOutput]:
         self.seen.append(req)
         pieces = self.script(req) or [""]
         done = False
+        self.num_requests += 1
         try:
             for i, piece in enumerate(pieces):
                 if self.delay_s:
@@ -56,5 +78,6 @@ class ScriptedEngine:
                 done = last
                 yield RequestOutput(req.rid, piece, [1000 + i], finish, usage)
         finally:
+            self.num_requests -= 1
             if not done:
                 self.aborted.append(req.rid)

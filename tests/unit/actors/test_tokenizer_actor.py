@@ -11,14 +11,18 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from m3serve.actors.tokenizer import TokenizerActor
+from m3serve.actors.tokenizer import THREAD_MIN_CHARS, TokenizerActor
 from m3serve.model.tiny.checkpoint import TinySpec
 from m3serve.runtime.codec import Codec
 from m3serve.runtime.messages import (
+    DetokenizeReq,
+    DetokenizeResult,
     Error,
     GenerateReq,
     SamplingParams,
     Tokenized,
+    TokenizeReq,
+    TokenizeResult,
     ToScheduler,
 )
 from m3serve.runtime.shm import list_session_segments, new_session_id, unpack_token_ids
@@ -144,3 +148,72 @@ async def test_bad_requests_get_a_400_and_never_reach_the_scheduler(wired, req, 
     error = await next_message(api)
     assert isinstance(error, Error) and error.code == 400 and fragment in error.message
     assert actor.pending == {}
+
+
+class Spy:
+    """The actor's tokenizer, recording the length of every text it is asked to encode."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.encoded: list[int] = []
+
+    def encode(self, text: str, **kwargs: object) -> object:
+        self.encoded.append(len(text))
+        return self.tokenizer.encode(text, **kwargs)
+
+    def encode_batch(self, texts: list[str], **kwargs: object) -> object:
+        self.encoded.extend(len(t) for t in texts)
+        return self.tokenizer.encode_batch(texts, **kwargs)
+
+
+@pytest.mark.parametrize("kind", ["generate", "tokenize"])
+async def test_a_prompt_over_max_prompt_chars_never_reaches_the_tokenizer(wired, kind) -> None:
+    actor, _, api, _, _ = wired
+    await actor.on_start()
+    assert actor.max_prompt_chars == 16 * 1_000_000  # the default: per token of context
+    actor.max_prompt_chars = 1000
+    actor.tokenizer = spy = Spy(actor.tokenizer)
+    word = "a" * 1001  # one word: the tokenizer's worst case
+    if kind == "generate":
+        await actor.on_generate(GenerateReq(rid="w", prompt=word))
+    else:
+        await actor.on_tokenize(TokenizeReq(rid="w", prompt=word))
+    error = await next_message(api)
+    assert isinstance(error, Error) and error.code == 400 and error.rid == "w"
+    assert "1001 characters" in error.message and "--max-prompt-chars" in error.message
+    assert spy.encoded == []
+    await actor.on_tokenize(TokenizeReq(rid="ok", prompt=word[:1000]))
+    assert isinstance(await next_message(api), TokenizeResult)
+    assert spy.encoded == [1000]
+
+
+async def test_tokenize_and_detokenize_round_trip_in_the_worker(wired) -> None:
+    actor, _, api, _, _ = wired
+    await actor.on_start()
+    text = long_text(actor.tokenizer, 50_000)
+    assert len(text) >= THREAD_MIN_CHARS  # encoded on a thread
+    await actor.on_tokenize(TokenizeReq(rid="t", prompt=text))
+    tokens = await next_message(api)
+    assert isinstance(tokens, TokenizeResult) and tokens.rid == "t"
+    assert tokens.token_ids == actor.tokenizer.encode(text, add_special_tokens=False).ids
+    await actor.on_detokenize(DetokenizeReq("d", tokens.token_ids))
+    back = await next_message(api)
+    assert back == DetokenizeResult("d", text)
+
+
+async def test_tokenize_renders_chat_messages(wired) -> None:
+    actor, _, api, _, _ = wired
+    await actor.on_start()
+    messages = [{"role": "user", "content": "hi"}]
+    await actor.on_tokenize(TokenizeReq(rid="m", messages=messages))
+    tokens = await next_message(api)
+    text = actor.tokenizer.decode(tokens.token_ids, skip_special_tokens=False)
+    assert "hi" in text and text.endswith("]~b]ai\n")
+
+
+async def test_detokenize_refuses_ids_outside_the_vocabulary(wired) -> None:
+    actor, _, api, _, _ = wired
+    await actor.on_start()
+    await actor.on_detokenize(DetokenizeReq("d", [1, actor.facts.vocab_size]))
+    error = await next_message(api)
+    assert isinstance(error, Error) and error.code == 400 and "vocabulary" in error.message

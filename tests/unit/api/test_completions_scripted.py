@@ -6,7 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from helpers.scripted_engine import ScriptedEngine
 
+from m3serve.runtime.config import ApiArgs, ServerArgs
 from m3serve.runtime.messages import GenerateReq
 
 COMPLETIONS = "/v1/completions"
@@ -200,4 +202,36 @@ async def test_token_ids_beyond_int32_are_a_400_not_a_crash(serve, prompt) -> No
         response = await s.post(COMPLETIONS, {"prompt": prompt})
         assert s.engine.seen == []
     assert response.status_code == 400, response.text
-    assert response.json()["error"]["param"] == "prompt"
+    # Beyond 64 bits the wire check names the element itself: prompt[0].
+    assert response.json()["error"]["param"].startswith("prompt")
+
+
+async def test_fan_out_beyond_max_fanout_is_a_400_before_any_request(serve) -> None:
+    # n x prompts: one small body must not become thousands of engine requests.
+    prompts = ["a"] * 9
+    async with serve(echo_prompt, ApiArgs(max_fanout=16)) as s:
+        refused = await s.post(COMPLETIONS, {"prompt": prompts, "n": 2})
+        assert s.engine.seen == []
+        served = await s.post(COMPLETIONS, {"prompt": prompts[:8], "n": 2})
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert "18 engine requests" in error["message"] and "--max-fanout" in error["message"]
+    assert served.status_code == 200
+    assert len(served.json()["choices"]) == 16
+
+
+async def test_fan_out_counts_against_the_engines_queue(serve, model_dir) -> None:
+    # The engine holds at most max_running + max_queued requests; a fan-out that would pass
+    # that, beside the requests already in flight, is a 503 with Retry-After.
+    args = ServerArgs.from_kwargs(max_running_requests=2, max_queued_requests=3)
+    engine = ScriptedEngine(echo_prompt, str(model_dir), args=args)
+    async with serve(engine) as s:
+        engine.num_requests = 2  # two requests in flight elsewhere
+        refused = await s.post(COMPLETIONS, {"prompt": ["a", "b"], "n": 2})
+        assert engine.seen == []
+        engine.num_requests = 1
+        served = await s.post(COMPLETIONS, {"prompt": ["a", "b"], "n": 2})
+    assert refused.status_code == 503, refused.text
+    assert refused.headers["retry-after"] == "1"
+    assert "--max-queued-requests" in refused.json()["error"]["message"]
+    assert served.status_code == 200

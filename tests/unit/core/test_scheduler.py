@@ -199,6 +199,26 @@ def test_request_larger_than_the_pool_is_refused() -> None:
         run.scheduler.add(request("a", list(range(8, 20)), 10))
 
 
+def test_unchunked_prompt_beyond_the_prefill_budget_is_refused() -> None:
+    # Without chunking a prompt is prefilled in one forward, so its length is its activations.
+    run = make(256, chunked_prefill_size=-1)
+    with pytest.raises(ValueError, match="exceeds --max-prefill-tokens"):
+        run.scheduler.add(request("a", list(range(8, 8 + 65)), 1))
+    run.scheduler.add(request("b", list(range(8, 8 + 64)), 1))
+    drive(run)
+    assert run.finishes == {"b": "length"}
+    assert_all_pages_back(run)
+
+
+def test_chunked_prompt_beyond_the_prefill_budget_is_served_in_chunks() -> None:
+    run = make(256, chunked_prefill_size=16)
+    req = request("a", list(range(8, 8 + 100)), 3)
+    run.scheduler.add(req)
+    drive(run)
+    assert run.outputs["a"] == reference_output(req.prompt, 3, STOP)
+    assert_all_pages_back(run)
+
+
 # A few shared prefixes, so prefix-cache hits (and evictions of shared pages) are common.
 PREFIXES = [[], list(range(200, 212)), list(range(300, 317))]
 prompt_strategy = st.builds(

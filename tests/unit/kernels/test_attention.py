@@ -349,3 +349,35 @@ def test_naive_reference_is_plain_softmax_attention() -> None:
     v[0, 0, 0], v[1, 0, 0] = 4.0, 8.0
     out = naive_attention(q, k, v, [1], None, 4)
     assert out[0, 0, 0].item() == pytest.approx(0.25 * 4.0 + 0.75 * 8.0)
+
+
+def test_a_long_request_is_scored_in_bounded_tiles_with_the_same_output(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A prefill chunk must not hold chunk x prompt scores at once: with a tiny tile budget the
+    # rows are scored a few at a time, and the output is the one of scoring them all together.
+    import m3serve.kernels.attention as attention_module
+    import m3serve.kernels.paged as paged
+
+    seq_lens, ext = [40, 13], [40, 6]
+    q, ks, vs, positions = random_batch(seq_lens, ext, 4, 2, seed=8)
+    k_cache, v_cache, table = paged_kv(ks, vs, 4, shuffle=True, seed=9)
+    ids, _ = random_sparse_ids(positions, 2, 4, 3, seed=10)
+    selections = (None, ids)
+    batch = (table, seq_lens, ext, positions, 4, SCALE)
+    whole = [paged_attention(q, k_cache, v_cache, *batch, b) for b in selections]
+    budget = 4 * 40 * 3  # three rows of the long request per tile
+    monkeypatch.setattr(paged, "SCORE_TILE_ELEMENTS", budget)
+    scored: list[int] = []
+    real = attention_module.attention
+
+    def counting(q_rows: torch.Tensor, k: torch.Tensor, *args: object) -> torch.Tensor:
+        scored.append(q_rows.shape[0] * q_rows.shape[1] * k.shape[0])
+        return real(q_rows, k, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attention_module, "attention", counting)
+    for block_ids, expected in zip(selections, whole, strict=True):
+        tiled = paged_attention(q, k_cache, v_cache, *batch, block_ids)
+        torch.testing.assert_close(tiled, expected, rtol=1e-6, atol=1e-6)
+    assert max(scored) <= budget
+    assert len(scored) > 2 * len(seq_lens)  # the rows really were split

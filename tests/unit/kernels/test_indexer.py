@@ -460,3 +460,29 @@ def test_selection_is_a_valid_causal_topk_set_containing_forced_blocks(case: dic
             if free and left_out:
                 worst_kept = min(float(scores[h, row, b]) for b in free)
                 assert all(float(scores[h, row, b]) <= worst_kept for b in left_out)
+
+
+def test_a_long_request_is_scored_in_bounded_tiles_with_the_same_selection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import m3serve.kernels.indexer as indexer
+    import m3serve.kernels.paged as paged
+
+    seq_lens, extend_lens = [37, 9], [30, 9]
+    keys, q, positions = batch_inputs(seq_lens, extend_lens, heads=2, seed=4)
+    cache, table = paged_setup(keys, 4, shuffle=True, seed=5)
+    args = (seq_lens, extend_lens, positions, 4, 3, 1, 1)
+    whole = paged_index_topk(q, cache, table, *args)
+    budget = 2 * 37 * 4  # four rows of the long request per tile
+    monkeypatch.setattr(paged, "SCORE_TILE_ELEMENTS", budget)
+    scored: list[int] = []
+    real = indexer.block_scores
+
+    def counting(q_rows: torch.Tensor, k: torch.Tensor, *rest: object) -> torch.Tensor:
+        scored.append(q_rows.shape[0] * q_rows.shape[1] * k.shape[0])
+        return real(q_rows, k, *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(indexer, "block_scores", counting)
+    assert torch.equal(paged_index_topk(q, cache, table, *args), whole)
+    assert max(scored) <= budget
+    assert len(scored) > 2 * len(seq_lens)

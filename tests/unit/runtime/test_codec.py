@@ -108,6 +108,16 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
         assistant_prefix=st.none() | texts,
     ),
     m.Abort: st.builds(m.Abort, texts),
+    m.TokenizeReq: st.builds(
+        m.TokenizeReq,
+        rid=texts,
+        prompt=st.none() | texts,
+        messages=st.none() | st.lists(json_dicts, max_size=3),
+        add_generation_prompt=st.booleans(),
+    ),
+    m.DetokenizeReq: st.builds(m.DetokenizeReq, texts, token_lists),
+    m.TokenizeResult: st.builds(m.TokenizeResult, texts, token_lists),
+    m.DetokenizeResult: st.builds(m.DetokenizeResult, texts, texts),
     m.Tokenized: st.builds(
         m.Tokenized,
         rid=texts,
