@@ -39,6 +39,8 @@ class ChoiceOutput:
         self.text = Delta()  # everything emitted so far, for the non-streaming message
         self.reasoning_tokens = 0
         self._pending = Delta()
+        # A call that tool_choice forced open stays a call even if the output stops inside it.
+        self._forced = bool(forced_prefix)
         if forced_prefix:
             # The prompt already holds the start of a tool call; the parsers must see it as
             # output so that they are in the state the model continues from. What that yields
@@ -81,7 +83,7 @@ class ChoiceOutput:
             step = self.tools.feed(content) if content else None
             pieces = [step] if step else []
             if final:
-                pieces.append(self.tools.finish())
+                pieces.append(self.tools.finish(keep_open_invoke=self._forced))
             content = "".join(p.content for p in pieces)
             calls = [c for p in pieces for c in p.calls if self.parallel or c.index == 0]
         delta = Delta(reasoning, content, calls)

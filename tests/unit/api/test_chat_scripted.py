@@ -346,6 +346,26 @@ async def test_tool_arguments_are_typed_by_the_tool_schema(serve) -> None:
     assert json.loads(streamed_args) == expected
 
 
+@pytest.mark.parametrize("size", [1, 3, 1000])
+async def test_an_invoke_cut_off_by_max_tokens_is_not_a_tool_call(serve, model_dir, size) -> None:
+    cut = TWO_CALLS[: TWO_CALLS.index("Paris")]
+    engine = ScriptedEngine(says("Checking." + cut, size), str(model_dir), finish="length")
+    async with serve(engine) as s:
+        body = (await s.post(CHAT, chat(tools=[WEATHER, TIME]))).json()
+        events = await s.events(CHAT, chat(tools=[WEATHER, TIME]))
+    (choice,) = body["choices"]
+    assert choice["finish_reason"] == "length"
+    assert choice["message"]["content"] == "Checking."
+    (call,) = choice["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"location": "Beijing"}
+    # Streamed: the cut call's id and name went out as it opened, with no arguments after them.
+    assert finishes(events) == ["length"]
+    assert streamed(events, "content") == "Checking."
+    cut_deltas = [d for d in call_deltas(events) if d["index"] == 1]
+    assert [d["function"].get("name") for d in cut_deltas] == ["get_time"]
+    assert "".join(d["function"]["arguments"] for d in cut_deltas) == ""
+
+
 # ---------------------------------------------------------------------- tool_choice
 
 REST_OF_PARIS_CALL = f"{N}<location>Paris{N}</location>{N}</invoke>\n{N}</tool_call>"
