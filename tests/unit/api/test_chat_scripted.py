@@ -186,13 +186,14 @@ async def test_adaptive_output_without_a_think_tag_is_all_content(serve) -> None
 
 @pytest.mark.parametrize("size", SIZES)
 async def test_disabled_thinking_drops_a_stray_leading_closing_tag(serve, size) -> None:
+    # A think tag inside the answer is answer text, but as a special token it is removed.
     async with serve(says("</mm:think>\n\nHello, <mm:think> is a tag.", size)) as s:
         body = (await s.post(CHAT, chat(thinking={"type": "disabled"}))).json()
         events = await s.events(CHAT, chat(thinking={"type": "disabled"}))
     message = body["choices"][0]["message"]
-    assert message["content"] == "Hello, <mm:think> is a tag."
+    assert message["content"] == "Hello,  is a tag."
     assert message["reasoning_content"] is None
-    assert streamed(events, "content") == "Hello, <mm:think> is a tag."
+    assert streamed(events, "content") == "Hello,  is a tag."
     assert positions(events, "reasoning_content") == []
 
 
@@ -364,6 +365,15 @@ async def test_an_invoke_cut_off_by_max_tokens_is_not_a_tool_call(serve, model_d
     cut_deltas = [d for d in call_deltas(events) if d["index"] == 1]
     assert [d["function"].get("name") for d in cut_deltas] == ["get_time"]
     assert "".join(d["function"]["arguments"] for d in cut_deltas) == ""
+
+
+async def test_special_tokens_never_reach_content(serve) -> None:
+    text = f"]~b]Hello{N} there[e~[.]<]image[>["
+    async with serve(says(text, 2)) as s:
+        body = (await s.post(CHAT, chat(tools=[WEATHER]))).json()
+        events = await s.events(CHAT, chat(tools=[WEATHER]))
+    assert body["choices"][0]["message"]["content"] == "Hello there."
+    assert streamed(events, "content") == "Hello there."
 
 
 # ---------------------------------------------------------------------- tool_choice
