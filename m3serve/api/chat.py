@@ -248,7 +248,10 @@ def _choice_output(plan: Plan, state: ServerState) -> ChoiceOutput:
     tools = None
     if state.args.tool_call_parser and plan.tools:
         tools = ToolCallParser(plan.tools)
-    return ChoiceOutput(reasoning, tools, plan.forced_prefix, plan.body.parallel_tool_calls)
+    # With a parser on, the text keeps special tokens (see _requests) and must be cleaned of them.
+    specials = state.args.reasoning_parser is not None or state.args.tool_call_parser is not None
+    parallel = plan.body.parallel_tool_calls
+    return ChoiceOutput(reasoning, tools, plan.forced_prefix, parallel, specials)
 
 
 def _choice(

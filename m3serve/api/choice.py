@@ -1,13 +1,15 @@
 """One chat completion choice's output pipeline: model text -> reasoning parser -> tool-call
-parser -> deltas of reasoning_content, content and tool_calls. The same object serves the
-streaming and the non-streaming response, so both always agree."""
+parser -> control-token filter -> deltas of reasoning_content, content and tool_calls. The same
+object serves the streaming and the non-streaming response, so both always agree."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from m3serve.api.parsers.reasoning import ReasoningParser
+from m3serve.api.parsers.specials import NON_THINK_TOKENS, ControlTokenFilter
 from m3serve.api.parsers.tools import ToolCall, ToolCallDelta, ToolCallParser
+from m3serve.model.special_tokens import CONTROL_TOKENS
 
 
 @dataclass
@@ -32,13 +34,21 @@ class ChoiceOutput:
         tools: ToolCallParser | None,
         forced_prefix: str = "",
         parallel_tool_calls: bool = True,
+        special_tokens_in_text: bool = True,
     ) -> None:
         self.reasoning = reasoning
         self.tools = tools
         self.parallel = parallel_tool_calls
         self.text = Delta()  # everything emitted so far, for the non-streaming message
         self.reasoning_tokens = 0
+        # Text decoded for the parsers keeps special tokens; none may reach the client, except
+        # that without a reasoning parser the think tags stay with the trace they delimit.
+        self._clean = special_tokens_in_text
+        self._clean_reasoning = ControlTokenFilter()
+        self._clean_content = ControlTokenFilter(CONTROL_TOKENS if reasoning else NON_THINK_TOKENS)
         self._pending = Delta()
+        # A call that tool_choice forced open stays a call even if the output stops inside it.
+        self._forced = bool(forced_prefix)
         if forced_prefix:
             # The prompt already holds the start of a tool call; the parsers must see it as
             # output so that they are in the state the model continues from. What that yields
@@ -81,9 +91,15 @@ class ChoiceOutput:
             step = self.tools.feed(content) if content else None
             pieces = [step] if step else []
             if final:
-                pieces.append(self.tools.finish())
+                pieces.append(self.tools.finish(keep_open_invoke=self._forced))
             content = "".join(p.content for p in pieces)
             calls = [c for p in pieces for c in p.calls if self.parallel or c.index == 0]
+        if self._clean:
+            reasoning = self._clean_reasoning.feed(reasoning)
+            content = self._clean_content.feed(content)
+            if final:
+                reasoning += self._clean_reasoning.finish()
+                content += self._clean_content.finish()
         delta = Delta(reasoning, content, calls)
         self.text.reasoning += reasoning
         self.text.content += content

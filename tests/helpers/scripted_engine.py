@@ -30,6 +30,7 @@ class ScriptedEngine:
     dead: Exception | None = None
     metrics: Any = None  # no engine metrics to render
     delay_s: float = 0.0
+    finish: str = "stop"  # why every request ends ("length": cut off by max_tokens)
     seen: list[GenerateReq] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     num_requests: int = 0  # streams open now
@@ -73,7 +74,7 @@ class ScriptedEngine:
                 if self.delay_s:
                     await asyncio.sleep(self.delay_s)
                 last = i == len(pieces) - 1
-                finish = Finish("stop") if last else None
+                finish = Finish(self.finish) if last else None
                 usage = Usage(prompt_tokens=10, completion_tokens=i + 1, cached_tokens=0)
                 done = last
                 yield RequestOutput(req.rid, piece, [1000 + i], finish, usage)

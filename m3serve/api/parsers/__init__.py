@@ -1,13 +1,16 @@
 """Output parsers for MiniMax-M3: reasoning/answer split and tool calls, streaming or one-shot.
 
 A response's text (special tokens kept) goes through `ReasoningParser` first; its ``content``
-then goes through `ToolCallParser`. Both are pure state machines, one instance per request.
+then goes through `ToolCallParser`; last, `ControlTokenFilter` removes the special tokens left in
+either field. All are pure state machines, one instance per request.
 """
 
 from m3serve.api.parsers.reasoning import ReasoningDelta, ReasoningParser
+from m3serve.api.parsers.specials import ControlTokenFilter
 from m3serve.api.parsers.tools import ToolCall, ToolCallDelta, ToolCallParser, ToolDelta
 
 __all__ = [
+    "ControlTokenFilter",
     "ReasoningDelta",
     "ReasoningParser",
     "ToolCall",

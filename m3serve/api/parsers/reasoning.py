@@ -15,11 +15,16 @@ think tags of its own), so the parser is told the thinking mode the template use
 Leading whitespace is held until the first non-whitespace text settles the start; whitespace
 before a leading tag is dropped with the tag. The tags that delimit reasoning never appear in
 either field. Once the answer has started it passes through untouched: the parser never goes back
-into reasoning, so a think tag inside the answer is answer text.
+into reasoning, so a think tag inside the answer is answer text (`specials` removes the tag).
+
+A tool-call block is never reasoning: ``N<tool_call>`` (``TOOL_CALL_START``) inside reasoning that
+has not closed ends the reasoning there, like ``</mm:think>``, and the block starts the answer,
+where the tool-call parser reads it (the model sometimes calls a tool without closing its trace).
 
 Line breaks (``\\r``, ``\\n``) next to a think tag are layout, not text: the run of them right
 after a think tag (the one the prompt ended with in enabled and disabled mode, or one the model
-wrote) is dropped, and so is the run right before the ``</mm:think>`` that closes reasoning.
+wrote) is dropped, and so is the run right before the ``</mm:think>`` or tool-call block that
+closes reasoning.
 Nothing else is stripped; in particular an adaptive answer with no tag keeps its leading
 whitespace. Reasoning that never closes (``max_tokens`` hit) stays reasoning.
 
@@ -33,12 +38,14 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from m3serve.model.special_tokens import THINK_END, THINK_START
+from m3serve.model.special_tokens import THINK_END, THINK_START, TOOL_CALL_START
 from m3serve.model.thinking import THINKING_MODES
 from m3serve.text import held_back_length
 
 LINE_BREAKS = "\r\n"
 
+# What ends reasoning: the closing tag, or a tool call (which stays in the answer to be parsed).
+_REASONING_ENDS = (THINK_END, TOOL_CALL_START)
 # Tags that may open the output in each mode (after whitespace), and where each one leads.
 _LEADING_TAGS: dict[str, tuple[tuple[str, bool], ...]] = {
     "enabled": ((THINK_START, True),),
@@ -127,15 +134,19 @@ class ReasoningParser:
 
     def _take_reasoning(self, final: bool) -> str:
         text = self._skip_breaks(self._buffer)
-        end = text.find(THINK_END)
-        if end >= 0:
-            self._enter(False, text[end + len(THINK_END) :], after_tag=True)
+        ends = [(at, tag) for tag in _REASONING_ENDS if (at := text.find(tag)) >= 0]
+        if ends:
+            end, tag = min(ends)
+            if tag == THINK_END:
+                self._enter(False, text[end + len(THINK_END) :], after_tag=True)
+            else:
+                self._enter(False, text[end:], after_tag=False)
             return text[:end].rstrip(LINE_BREAKS)
         if final:
             self._buffer = ""
             return text
-        # Keep what could still grow into the closing tag, and line breaks it may follow.
-        partial = len(text) - held_back_length(text, (THINK_END,))
+        # Keep what could still grow into an end of reasoning, and line breaks it may follow.
+        partial = len(text) - held_back_length(text, _REASONING_ENDS)
         ready = len(text[:partial].rstrip(LINE_BREAKS))
         self._buffer = text[ready:]
         return text[:ready]

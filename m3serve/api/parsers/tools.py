@@ -11,22 +11,29 @@ namespace token N = ``]<]minimax[>[`` (a single special token)::
 Parameters are elements named by the parameter (``N<parameter name="x">...N</parameter>`` is
 accepted too); objects are nested elements, arrays repeated ``<item>`` elements, scalars raw text.
 Only N-prefixed tags are structure, so a value may hold ``<`` and ``>`` freely. Values are untyped
-text; `arguments.coerce` types them by the tool's JSON schema.
+text; `arguments` types them by the tool's JSON schema and keeps strings exactly as written
+(see that module for the rules: repeated siblings become an array, whitespace is kept).
 
 Streaming: text before the block is content, emitted at once except a tail that could still grow
 into ``N<tool_call>`` (``]`` recurs inside N, so the longest such tail is held). Each invoke emits
-a delta with its index, id and name as soon as its opening tag is complete, then its arguments as
-JSON text, one fragment per completed top-level parameter (``{"location": "Beijing"``, then
-``, "unit": "celsius"``) and the closing ``}`` (or ``{}``) when the invoke ends; the fragments of a
-call concatenate to its final arguments. Text after ``N</tool_call>`` is content again.
+a delta with its index, id and name as soon as its opening tag is complete, and one with its whole
+arguments JSON when it ends: as in vLLM, arguments are not streamed piece by piece, because a
+value already sent could still change (a later sibling of the same name turns it into an array,
+and a string's type is only settled by its schema once all of it is there).
+Text after ``N</tool_call>`` is content again.
+
+An invoke is a call only once it ends: with ``N</invoke>``, the next invoke or ``N</tool_call>``.
+One the output stops inside (``max_tokens``, or a stop string) is not a call, as in SGLang and
+vLLM, and its text is dropped: SGLang would return the unterminated block's raw markup as
+content, but control tokens never reach a client here. When streaming, its id and name were
+already sent, with no arguments after them, and the finish reason (``length``) tells why.
 
 Tolerance, never an exception: line breaks and stray text between invokes are ignored, a missing
-``</invoke>`` or element closer is implied by the next invoke or an enclosing closer, an invoke
-of a tool not in ``tools`` is read but dropped (with no tools given, every call is kept), and an
-invoke body that is raw JSON text (no elements) is taken as the arguments. A block in which no
-invoke tag was read (garbage, or cut off) is returned as content, verbatim, when it closes or at
-``finish``. At ``finish`` an unclosed invoke is closed with the parameters completed so far: its
-id and name are already out, so it stays a call.
+element closer is implied by an enclosing closer, an invoke of a tool not in ``tools`` is read but
+dropped (with no tools given, every call is kept), and an invoke body that is raw JSON text (no
+elements) is taken as the arguments. A block in which no invoke tag was read (garbage, or cut
+off) is returned as content, verbatim, when it closes or at ``finish`` (the namespace tokens in it
+are removed later, with the other control tokens, by `specials`).
 
 One state machine serves both uses: ``parse`` is ``feed`` + ``finish`` on a fresh parser.
 """
@@ -41,7 +48,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from m3serve.api.parsers.arguments import Element, coerce, loose_arguments, tool_properties
+from m3serve.api.parsers.arguments import Element, arguments, loose_arguments, tool_schemas
 from m3serve.model.special_tokens import TOOL_CALL_START, TOOL_NAMESPACE
 from m3serve.text import held_back_length
 
@@ -87,10 +94,23 @@ class _Invoke:
     name: str
     id: str
     index: int | None  # None: a tool not offered, read but not emitted
-    properties: dict[str, Any]
-    stack: list[Element] = field(default_factory=list)
+    parameters: dict[str, Any]  # the tool's JSON schema for its arguments
+    stack: list[Element] = field(default_factory=list)  # the elements open now
+    elements: list[Element] = field(default_factory=list)  # the top-level elements closed so far
     loose: list[str] = field(default_factory=list)  # text outside any element
-    arguments: list[str] = field(default_factory=list)  # JSON fragments emitted so far
+
+    def pop_element(self) -> None:
+        """Close the innermost open element into its parent, or the invoke."""
+        element = self.stack.pop()
+        (self.stack[-1].children if self.stack else self.elements).append(element)
+
+    def arguments_json(self) -> str:
+        """The arguments JSON, once the invoke has ended."""
+        while self.stack:
+            self.pop_element()
+        if not self.elements:
+            return loose_arguments(self.loose)
+        return json.dumps(arguments(self.elements, self.parameters), ensure_ascii=False)
 
 
 class ToolCallParser:
@@ -103,7 +123,7 @@ class ToolCallParser:
         self, tools: list[dict[str, Any]] | None, id_prefix: str = "call_", seed: int | None = None
     ) -> None:
         self._config = (tools, id_prefix, seed)
-        self._schemas = tool_properties(tools)
+        self._schemas = tool_schemas(tools)
         self._id_prefix = id_prefix
         self._rng = random.Random(seed) if seed is not None else None
         # Outside a block: the held-back tail. Inside: the block text from the cursor on, or from
@@ -130,10 +150,15 @@ class ToolCallParser:
             pass
         return self._take()
 
-    def finish(self) -> ToolDelta:
-        """End of output: release held text and settle an unfinished block."""
+    def finish(self, keep_open_invoke: bool = False) -> ToolDelta:
+        """End of output: release held text and settle an unfinished block. An invoke still open
+        is not a call, unless ``keep_open_invoke``: then it is closed with the elements completed
+        so far (for a call the prompt forced open, as ``tool_choice`` does, which must be one)."""
         if self._in_block:
-            self._end_invoke(complete=False)
+            if keep_open_invoke and self._invoke is not None:
+                self._invoke.stack.clear()  # cut off inside them: no value is known
+                self._end_invoke()
+            self._invoke = None  # the output stopped inside it: not a call
             if not self._block_has_invoke:
                 self._content.append(self._text)
             self._in_block = False
@@ -244,14 +269,14 @@ class ToolCallParser:
     def _on_tag(self, tag: str) -> bool:
         """Act on one tag; True when it closes the block."""
         if tag == "/tool_call":
-            self._end_invoke(complete=True)
+            self._end_invoke()
             return True
         invoke = _INVOKE.fullmatch(tag)
         if invoke is not None:
-            self._end_invoke(complete=True)
+            self._end_invoke()
             self._begin_invoke(_name(invoke))
         elif tag == "/invoke":
-            self._end_invoke(complete=True)
+            self._end_invoke()
         elif self._invoke is not None and tag != "tool_call":
             self._on_element_tag(tag)
         return False
@@ -269,7 +294,7 @@ class ToolCallParser:
         parameter = _PARAMETER.fullmatch(spec)
         stack.append(Element(_name(parameter), "parameter") if parameter else Element(spec, spec))
         if empty:
-            self._pop_element()
+            self._invoke.pop_element()
 
     def _close_element(self, tag: str) -> None:
         """Close the innermost open element with this tag, and any left open inside it."""
@@ -279,54 +304,26 @@ class ToolCallParser:
         if depth is None:
             return  # a closer with no opener: ignore it
         while len(stack) > depth:
-            self._pop_element()
-
-    def _pop_element(self) -> None:
-        assert self._invoke is not None
-        stack = self._invoke.stack
-        element = stack.pop()
-        if stack:
-            stack[-1].children.append(element)
-        else:
-            self._emit_argument(element)
-
-    def _emit_argument(self, element: Element) -> None:
-        assert self._invoke is not None
-        value = coerce(element, self._invoke.properties.get(element.key))
-        separator = ", " if self._invoke.arguments else "{"
-        key = json.dumps(element.key, ensure_ascii=False)
-        self._add_arguments(f"{separator}{key}: {json.dumps(value, ensure_ascii=False)}")
+            self._invoke.pop_element()
 
     def _begin_invoke(self, name: str) -> None:
         self._block_has_invoke = True
         offered = self._schemas is None or name in self._schemas
-        properties = (self._schemas or {}).get(name, {})
+        parameters = (self._schemas or {}).get(name, {})
         index = self._next_index if offered else None
-        self._invoke = _Invoke(name, self._new_id(), index, properties)
+        self._invoke = _Invoke(name, self._new_id(), index, parameters)
         if index is not None:
             self._next_index += 1
             self._deltas.append(ToolCallDelta(index, self._invoke.id, name, ""))
 
-    def _end_invoke(self, complete: bool) -> None:
-        """Close the open invoke, if any. Elements left open are closed with it when the model
-        ended the invoke, and dropped when the output was cut off inside them."""
-        invoke = self._invoke
-        if invoke is None:
+    def _end_invoke(self) -> None:
+        """The model ended the open invoke, if any: a call (elements left open close with it)."""
+        invoke, self._invoke = self._invoke, None
+        if invoke is None or invoke.index is None:
             return
-        if not complete:
-            invoke.stack.clear()
-        while invoke.stack:
-            self._pop_element()
-        self._add_arguments("}" if invoke.arguments else loose_arguments(invoke.loose))
-        if invoke.index is not None:
-            self._calls.append(ToolCall(invoke.id, invoke.name, "".join(invoke.arguments)))
-        self._invoke = None
-
-    def _add_arguments(self, fragment: str) -> None:
-        assert self._invoke is not None
-        self._invoke.arguments.append(fragment)
-        if self._invoke.index is not None:
-            self._deltas.append(ToolCallDelta(self._invoke.index, None, None, fragment))
+        text = invoke.arguments_json()
+        self._deltas.append(ToolCallDelta(invoke.index, None, None, text))
+        self._calls.append(ToolCall(invoke.id, invoke.name, text))
 
     def _new_id(self) -> str:
         bits = self._rng.getrandbits(96) if self._rng is not None else secrets.randbits(96)

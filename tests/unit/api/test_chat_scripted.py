@@ -186,13 +186,14 @@ async def test_adaptive_output_without_a_think_tag_is_all_content(serve) -> None
 
 @pytest.mark.parametrize("size", SIZES)
 async def test_disabled_thinking_drops_a_stray_leading_closing_tag(serve, size) -> None:
+    # A think tag inside the answer is answer text, but as a special token it is removed.
     async with serve(says("</mm:think>\n\nHello, <mm:think> is a tag.", size)) as s:
         body = (await s.post(CHAT, chat(thinking={"type": "disabled"}))).json()
         events = await s.events(CHAT, chat(thinking={"type": "disabled"}))
     message = body["choices"][0]["message"]
-    assert message["content"] == "Hello, <mm:think> is a tag."
+    assert message["content"] == "Hello,  is a tag."
     assert message["reasoning_content"] is None
-    assert streamed(events, "content") == "Hello, <mm:think> is a tag."
+    assert streamed(events, "content") == "Hello,  is a tag."
     assert positions(events, "reasoning_content") == []
 
 
@@ -344,6 +345,35 @@ async def test_tool_arguments_are_typed_by_the_tool_schema(serve) -> None:
     assert json.loads(call["function"]["arguments"]) == expected
     streamed_args = "".join(d["function"]["arguments"] for d in call_deltas(events))
     assert json.loads(streamed_args) == expected
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+async def test_an_invoke_cut_off_by_max_tokens_is_not_a_tool_call(serve, model_dir, size) -> None:
+    cut = TWO_CALLS[: TWO_CALLS.index("Paris")]
+    engine = ScriptedEngine(says("Checking." + cut, size), str(model_dir), finish="length")
+    async with serve(engine) as s:
+        body = (await s.post(CHAT, chat(tools=[WEATHER, TIME]))).json()
+        events = await s.events(CHAT, chat(tools=[WEATHER, TIME]))
+    (choice,) = body["choices"]
+    assert choice["finish_reason"] == "length"
+    assert choice["message"]["content"] == "Checking."
+    (call,) = choice["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"location": "Beijing"}
+    # Streamed: the cut call's id and name went out as it opened, with no arguments after them.
+    assert finishes(events) == ["length"]
+    assert streamed(events, "content") == "Checking."
+    cut_deltas = [d for d in call_deltas(events) if d["index"] == 1]
+    assert [d["function"].get("name") for d in cut_deltas] == ["get_time"]
+    assert "".join(d["function"]["arguments"] for d in cut_deltas) == ""
+
+
+async def test_special_tokens_never_reach_content(serve) -> None:
+    text = f"]~b]Hello{N} there[e~[.]<]image[>["
+    async with serve(says(text, 2)) as s:
+        body = (await s.post(CHAT, chat(tools=[WEATHER]))).json()
+        events = await s.events(CHAT, chat(tools=[WEATHER]))
+    assert body["choices"][0]["message"]["content"] == "Hello there."
+    assert streamed(events, "content") == "Hello there."
 
 
 # ---------------------------------------------------------------------- tool_choice

@@ -1,5 +1,6 @@
 """The reasoning parser: start state from the thinking mode, stray and duplicated tags dropped,
-line breaks next to tags dropped, minimal hold-back, and the same result in any chunking."""
+line breaks next to tags dropped, a tool call ends reasoning, minimal hold-back, and the same
+result in any chunking."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from m3serve.api.parsers.reasoning import ReasoningDelta, ReasoningParser
-from m3serve.model.special_tokens import THINK_END, THINK_START
+from m3serve.model.special_tokens import THINK_END, THINK_START, TOOL_CALL_START
+
+CALL = TOOL_CALL_START + '\n]<]minimax[>[<invoke name="f">'
 
 BREAKS = "\r\n"
 
@@ -31,7 +34,7 @@ fragment = st.one_of(
 tagless = (
     st.lists(fragment, max_size=6)
     .map("".join)
-    .filter(lambda s: THINK_START not in s and THINK_END not in s)
+    .filter(lambda s: THINK_START not in s and THINK_END not in s and TOOL_CALL_START not in s)
 )
 whitespace = st.text(" \t\n\r", max_size=3)
 
@@ -45,9 +48,8 @@ def outputs(draw: st.DrawFn) -> tuple[str, str, str, str]:
         stray = draw(st.booleans())
         text = (lead + THINK_END if stray else "") + answer
         return mode, text, "", answer.lstrip(BREAKS)
-    shapes = (
-        ["think", "unclosed"] if mode == "enabled" else ["think", "unclosed", "stray", "direct"]
-    )
+    shapes = ["think", "unclosed", "call"]
+    shapes += [] if mode == "enabled" else ["stray", "direct"]
     shape = draw(st.sampled_from(shapes))
     if shape == "stray":
         return mode, lead + THINK_END + answer, "", answer.lstrip(BREAKS)
@@ -57,6 +59,8 @@ def outputs(draw: st.DrawFn) -> tuple[str, str, str, str]:
     opener = lead + THINK_START if mode == "adaptive" or draw(st.booleans()) else ""
     if shape == "unclosed":
         return mode, opener + reasoning, reasoning.lstrip(BREAKS), ""
+    if shape == "call":  # the trace ends where a tool call starts; the call is the answer
+        return mode, opener + reasoning + CALL + answer, reasoning.strip(BREAKS), CALL + answer
     text = opener + reasoning + THINK_END + answer
     return mode, text, reasoning.strip(BREAKS), answer.lstrip(BREAKS)
 
@@ -78,7 +82,7 @@ def test_any_chunking_gives_the_one_shot_result(
 @settings(max_examples=200, deadline=None)
 @given(
     st.sampled_from(["enabled", "disabled", "adaptive"]),
-    st.lists(st.one_of(fragment, st.sampled_from([THINK_START, THINK_END])), max_size=10),
+    st.lists(fragment | st.sampled_from([THINK_START, THINK_END, TOOL_CALL_START]), max_size=10),
     st.integers(0, 2**32),
     st.lists(st.integers(0, 10**6), max_size=8),
 )
@@ -102,6 +106,9 @@ def test_arbitrary_text_streams_like_one_shot(
         ("enabled", "</mm:think>answer only", "", "answer only"),
         ("enabled", "\nnever closed (max_tokens)\n", "never closed (max_tokens)\n", ""),
         ("enabled", "ends in a partial tag </mm:thi", "ends in a partial tag </mm:thi", ""),
+        ("enabled", f"Look it up.\n\n{CALL}", "Look it up.", CALL),
+        ("enabled", f"{CALL}</mm:think>", "", f"{CALL}</mm:think>"),
+        ("enabled", "a ]<]minimax[>[<tool_cal", "a ]<]minimax[>[<tool_cal", ""),
         # disabled: the prompt ended with </mm:think>.
         ("disabled", "Hello", "", "Hello"),
         ("disabled", "\n\nHello\n", "", "Hello\n"),
@@ -117,6 +124,9 @@ def test_arbitrary_text_streams_like_one_shot(
         ("adaptive", "\n\n", "", "\n\n"),
         ("adaptive", " <mm:thin", "", " <mm:thin"),
         ("adaptive", "<mm:think>cut off", "cut off", ""),
+        ("adaptive", f"<mm:think>\nhmm\n{CALL}", "hmm", CALL),
+        ("adaptive", f"Hi{CALL}", "", f"Hi{CALL}"),
+        ("disabled", f"\n{CALL}", "", CALL),
         ("adaptive", "", "", ""),
     ],
 )

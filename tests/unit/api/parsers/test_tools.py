@@ -1,5 +1,6 @@
-"""The tool-call parser: calls stream name first then argument fragments that join to the final
-JSON, typed by schema; any chunking gives the one-shot result; malformed blocks become content."""
+"""The tool-call parser: each call streams its id and name, then its whole arguments JSON typed
+by the schema; an invoke the output stops inside is no call; any chunking gives the one-shot
+result; malformed blocks become content."""
 
 from __future__ import annotations
 
@@ -10,13 +11,23 @@ from typing import Any
 
 import pytest
 from helpers.chunking import all_chunkings, token_pieces
+from helpers.m3_tools import (
+    block,
+    calls_for,
+    element,
+    invoke,
+    model_outputs,
+    render_block,
+    tool,
+    toolsets,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from m3serve.api.parsers.reasoning import ReasoningParser
 from m3serve.api.parsers.tools import ToolCall, ToolCallDelta, ToolCallParser, ToolDelta
 from m3serve.model.chat_template import render_chat
-from m3serve.model.special_tokens import THINK_END, THINK_START, TOOL_CALL_START, TOOL_NAMESPACE
+from m3serve.model.special_tokens import TOOL_CALL_START, TOOL_NAMESPACE
 
 N = TOOL_NAMESPACE
 BREAKS = "\r\n"
@@ -26,11 +37,6 @@ TEMPLATE = (
     .joinpath("chat_template.jinja")
     .read_text(encoding="utf-8")
 )
-
-
-def tool(name: str, properties: dict[str, Any] | None = None) -> dict[str, Any]:
-    parameters = {"type": "object", "properties": properties or {}}
-    return {"type": "function", "function": {"name": name, "parameters": parameters}}
 
 
 WEATHER = tool("get_weather", {"location": {"type": "string"}, "unit": {"type": "string"}})
@@ -46,177 +52,28 @@ def stream(parser: ToolCallParser, pieces: list[str]) -> tuple[str, list[ToolCal
 
 
 def check_deltas(deltas: list[ToolDelta], calls: list[ToolCall]) -> list[ToolCallDelta]:
-    """The streaming contract: one entry per call per delta; id and name on a call's first
-    entry only; a call's argument pieces join to its final arguments."""
+    """The streaming contract: one entry per call per delta; indexes from 0 in order; id and
+    name on a call's first entry only; a call's argument pieces join to its final arguments. An
+    invoke the output stopped inside got its first entry (with no arguments) and is no call."""
     flat = [call for delta in deltas for call in delta.calls]
     for delta in deltas:
         assert len({c.index for c in delta.calls}) == len(delta.calls)
-    assert sorted({c.index for c in flat}) == list(range(len(calls)))
-    for index, call in enumerate(calls):
+    indexes = sorted({c.index for c in flat})
+    assert indexes == list(range(len(indexes)))
+    by_id = {call.id: call for call in calls}
+    assert [c.id for c in flat if c.id in by_id] == [call.id for call in calls]
+    for index in indexes:
         pieces = [c for c in flat if c.index == index]
-        assert (pieces[0].id, pieces[0].name) == (call.id, call.name)
+        assert pieces[0].id is not None and CALL_ID.fullmatch(pieces[0].id)
         assert all(c.id is None and c.name is None for c in pieces[1:])
-        assert "".join(c.arguments for c in pieces) == call.arguments
-        assert isinstance(json.loads(call.arguments), dict)
-        assert CALL_ID.fullmatch(call.id)
-    return flat
-
-
-# Rendering calls the way the chat template does (checked against it below).
-
-
-def render_element(name: str, value: Any, parameter_spelling: bool = False) -> str:
-    opener, closer = (f'<parameter name="{name}">', "</parameter>")
-    if not parameter_spelling:
-        opener, closer = f"<{name}>", f"</{name}>"
-    if isinstance(value, dict):
-        inner = "".join(render_element(k, v) for k, v in value.items())
-    elif isinstance(value, list):
-        inner = "".join(render_element("item", v) for v in value)
-    elif isinstance(value, str):
-        inner = value
-    else:  # numbers, booleans and null as JSON, like the template's tojson
-        inner = json.dumps(value)
-    return f"{N}{opener}{inner}{N}{closer}"
-
-
-def render_block(
-    calls: list[tuple[str, dict[str, Any]]], separator: str = "\n", parameter_spelling: bool = False
-) -> str:
-    invokes = "".join(
-        f'{N}<invoke name="{name}">'
-        + "".join(render_element(k, v, parameter_spelling) for k, v in args.items())
-        + f"{N}</invoke>{separator}"
-        for name, args in calls
-    )
-    return f"{TOOL_CALL_START}{separator}{invokes}{N}</tool_call>"
-
-
-# Strategies.
-
-# Parameters named like the block's own tags (invoke, tool_call) could not be told apart from
-# them; "item" is fine where a schema says the parent is an object.
-names = st.sampled_from(["location", "unit", "a", "b_2", "x", "item", "query", "n", "días", "k-9"])
-STRING_PIECES = ["<", ">", "</a>", "<b>", "]", "]<]", "]<]minimax[>", "[>[", '"', "\\", "{}"]
-STRING_PIECES += ["[1]", "\n", " ", "日本", "😀", "null", "true", "1", "&amp;", "<item>"]
-strings = (
-    st.lists(
-        st.one_of(
-            st.text(st.characters(codec="utf-8", exclude_characters="\r\n"), max_size=5),
-            st.sampled_from(STRING_PIECES),
-        ),
-        max_size=4,
-    )
-    .map("".join)
-    # One line break at each end of a value is layout (stripped), and N would end the value.
-    .filter(lambda s: N not in s and not s.startswith("\n") and not s.endswith("\n"))
-)
-integers = st.integers(-(10**15), 10**15)
-numbers = st.floats(allow_nan=False, allow_infinity=False)
-SCALAR_SCHEMAS = [
-    {"type": "string"},
-    {"type": "integer"},
-    {"type": "number"},
-    {"type": "boolean"},
-    {"type": "null"},
-    {"type": ["integer", "null"]},
-    {"anyOf": [{"type": "string"}, {"type": "null"}]},
-]
-schemas = st.recursive(
-    st.sampled_from(SCALAR_SCHEMAS),
-    lambda inner: st.one_of(
-        st.dictionaries(names, inner, max_size=3).map(
-            lambda props: {"type": "object", "properties": props}
-        ),
-        inner.map(lambda items: {"type": "array", "items": items}),
-    ),
-    max_leaves=6,
-)
-
-
-def values_for(schema: dict[str, Any]) -> st.SearchStrategy[Any]:
-    """Values that the schema types unambiguously (a nullable string is never "null")."""
-    if "anyOf" in schema:
-        return st.one_of(st.none(), strings.filter(lambda s: s.strip().lower() != "null"))
-    kind = schema["type"]
-    if kind == ["integer", "null"]:
-        return st.one_of(st.none(), integers)
-    if kind == "object":
-        optional = {k: values_for(v) for k, v in schema["properties"].items()}
-        return st.fixed_dictionaries({}, optional=optional)
-    if kind == "array":
-        return st.lists(values_for(schema["items"]), max_size=3)
-    return {
-        "string": strings,
-        "integer": integers,
-        "number": numbers,
-        "boolean": st.booleans(),
-        "null": st.none(),
-    }[kind]
-
-
-@st.composite
-def toolsets(draw: st.DrawFn) -> list[dict[str, Any]]:
-    tool_names = draw(st.lists(names, min_size=1, max_size=3, unique=True))
-    return [tool(name, draw(st.dictionaries(names, schemas, max_size=4))) for name in tool_names]
-
-
-@st.composite
-def calls_for(draw: st.DrawFn, tools: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
-    """0-3 calls; some to a tool that was not offered (to be dropped)."""
-    calls = []
-    for _ in range(draw(st.integers(0, 3))):
-        if draw(st.integers(0, 4)) == 0:
-            args = draw(st.dictionaries(names, strings, max_size=2))
-            calls.append((f"not.offered.{draw(names)}", args))
+        arguments = "".join(c.arguments for c in pieces)
+        call = by_id.get(pieces[0].id)
+        if call is None:  # cut off: only its opening was sent
+            assert (index, arguments) == (indexes[-1], "")
             continue
-        function = draw(st.sampled_from(tools))["function"]
-        calls.append((function["name"], draw(values_for(function["parameters"]))))
-    return calls
-
-
-# Free text that never holds N or a think tag but plenty that looks like a start of one.
-ANSWER_PIECES = ["<", ">", "]", "]<]", "]]<]", "]<]minimax[>", "[>[", "<tool_call>"]
-ANSWER_PIECES += ["</tool_call>", '<invoke name="f">', "<mm:thi", "</mm:", "\n", " ", "ñ", "🙂"]
-free_text = (
-    st.lists(
-        st.one_of(
-            st.text(st.characters(codec="utf-8"), max_size=6), st.sampled_from(ANSWER_PIECES)
-        ),
-        max_size=6,
-    )
-    .map("".join)
-    .filter(lambda s: N not in s and THINK_START not in s and THINK_END not in s)
-)
-
-
-@st.composite
-def model_outputs(draw: st.DrawFn) -> dict[str, Any]:
-    """A whole model output in some thinking mode, with what the parsers should make of it."""
-    tools = draw(toolsets())
-    calls = draw(calls_for(tools))
-    answer, trailing, reasoning = draw(free_text), draw(free_text), draw(free_text)
-    separator = draw(st.sampled_from(["\n", "", "\n\n", " \n"]))
-    block = render_block(calls, separator, draw(st.booleans())) if calls else ""
-    mode = draw(st.sampled_from(["enabled", "disabled", "adaptive"]))
-    shapes = {"enabled": ["think"], "disabled": ["", "stray"], "adaptive": ["", "stray", "think"]}
-    shape = draw(st.sampled_from(shapes[mode]))
-    prefix = {"": "", "stray": THINK_END, "think": reasoning + THINK_END}[shape]
-    if mode == "adaptive" and shape == "think":
-        prefix = THINK_START + prefix
-    # Line breaks after a think tag are dropped, be it in the output or at the end of the prompt.
-    after_tag = mode != "adaptive" or shape != ""
-    answer_part = answer + block + trailing
-    content = answer_part.lstrip(BREAKS) if after_tag else answer_part
-    offered = {t["function"]["name"] for t in tools}
-    return {
-        "mode": mode,
-        "tools": tools,
-        "text": prefix + answer_part,
-        "reasoning": reasoning.strip(BREAKS) if shape == "think" else "",
-        "content": content.replace(block, "", 1),
-        "calls": [(name, args) for name, args in calls if name in offered],
-    }
+        assert (pieces[0].name, arguments) == (call.name, call.arguments)
+        assert isinstance(json.loads(call.arguments), dict)
+    return flat
 
 
 def pipeline(mode: str, tools: Any, pieces: list[str]) -> tuple[str, str, list[ToolCall]]:
@@ -301,7 +158,7 @@ F3_EXAMPLE = (
 )
 
 
-def test_section_f3_example_streams_name_first_then_argument_fragments() -> None:
+def test_section_f3_example_streams_id_and_name_first_then_whole_arguments() -> None:
     tools = [WEATHER, tool("other", {"days": {"type": "integer"}})]
     parser = ToolCallParser(tools, seed=3)
     content, flat = stream(parser, token_pieces(F3_EXAMPLE, 0))
@@ -309,17 +166,22 @@ def test_section_f3_example_streams_name_first_then_argument_fragments() -> None
     first, second = parser.calls
     assert [(c.index, c.id, c.name, c.arguments) for c in flat] == [
         (0, first.id, "get_weather", ""),
-        (0, None, None, '{"location": "Beijing"'),
-        (0, None, None, ', "unit": "celsius"'),
-        (0, None, None, "}"),
+        (0, None, None, '{"location": "Beijing", "unit": "celsius"}'),
         (1, second.id, "other", ""),
-        (1, None, None, '{"days": 3'),
-        (1, None, None, "}"),
+        (1, None, None, '{"days": 3}'),
     ]
-    assert json.loads(first.arguments) == {"location": "Beijing", "unit": "celsius"}
-    assert second.arguments == '{"days": 3}'
     assert first.id != second.id
     assert ToolCallParser(tools, seed=3).parse(F3_EXAMPLE) == ("Checking.", [first, second])
+
+
+def test_arguments_wait_for_the_end_of_the_invoke() -> None:
+    """A value streamed early could still change: a later sibling turns it into an array."""
+    parser = ToolCallParser(None, seed=0)
+    opened = parser.feed(f'{TOOL_CALL_START}{N}<invoke name="f">' + element("tag", "a"))
+    assert [(c.name, c.arguments) for c in opened.calls] == [("f", "")]
+    assert parser.feed(element("x", "1") + element("tag", "b")).calls == []
+    ended = parser.feed(f"{N}</invoke>")
+    assert [c.arguments for c in ended.calls] == ['{"tag": ["a", "b"], "x": "1"}']
 
 
 def test_a_whole_output_in_one_piece_gives_one_entry_per_call() -> None:
@@ -332,7 +194,7 @@ def test_a_whole_output_in_one_piece_gives_one_entry_per_call() -> None:
 
 
 def test_zero_argument_call() -> None:
-    text = f'{TOOL_CALL_START}\n{N}<invoke name="now">{N}</invoke>\n{N}</tool_call>'
+    text = block(invoke("now", ""))
     parser = ToolCallParser([tool("now")], seed=0)
     _, flat = stream(parser, token_pieces(text, 1))
     assert [(c.name, c.arguments) for c in flat] == [("now", ""), (None, "{}")]
@@ -340,10 +202,8 @@ def test_zero_argument_call() -> None:
 
 
 def test_unknown_tools_are_dropped_unless_no_tools_were_given() -> None:
-    text = (
-        f'{TOOL_CALL_START}\n{N}<invoke name="rm_rf">{N}<path>/{N}</path>{N}</invoke>\n'
-        f'{N}<invoke name="get_weather">{N}<location>Oslo{N}</location>{N}</invoke>\n'
-        f"{N}</tool_call>"
+    text = block(
+        invoke("rm_rf", element("path", "/")), invoke("get_weather", element("location", "Oslo"))
     )
     content, calls = ToolCallParser([WEATHER]).parse(text)
     assert content == ""
@@ -358,7 +218,7 @@ def test_unknown_tools_are_dropped_unless_no_tools_were_given() -> None:
 
 def test_parameter_spelling_and_layout_tolerance() -> None:
     text = (
-        f'{TOOL_CALL_START}{N}<invoke name="get_weather">\n{N}<parameter name="location">\nParis\n'
+        f'{TOOL_CALL_START}{N}<invoke name="get_weather">\n{N}<parameter name="location">Paris'
         f"{N}</parameter>\n{N}<unit>celsius{N}</unit>\n{N}</invoke>"
         f'{N}<invoke name="get_weather">{N}<location>Rome{N}</location>'  # no </invoke>
         f"{N}<invoke name = 'get_weather'>{N}<location>Nice{N}</invoke>\n\n\n"  # no </location>
@@ -395,17 +255,29 @@ def test_blocks_without_an_invoke_are_returned_verbatim(text: str) -> None:
     assert ToolCallParser(None).parse(text) == (text, [])
 
 
-def test_a_cut_off_invoke_keeps_its_completed_parameters() -> None:
-    text = (
-        f'{TOOL_CALL_START}\n{N}<invoke name="get_weather">'
-        f"{N}<location>Oslo{N}</location>{N}<unit>cel"
-    )
-    parser = ToolCallParser([WEATHER])
-    first = parser.feed(text)
-    assert [c.arguments for c in first.calls] == ['{"location": "Oslo"']
-    assert [c.arguments for c in parser.finish().calls] == ["}"]
-    assert parser.calls[0].arguments == '{"location": "Oslo"}'
-    assert ToolCallParser([WEATHER]).parse(text)[1][0].arguments == '{"location": "Oslo"}'
+CUT_OFF = [
+    f'{N}<invoke name="get_weather">',
+    f'{N}<invoke name="get_weather">{N}<location>Oslo{N}</location>{N}<unit>cel',
+    f'{N}<invoke name="get_weather">{N}<location>Oslo{N}</location>',
+    f'{N}<invoke name="get_weather">{N}<location>Oslo{N}</location>{N}</invo',
+]
+
+
+@pytest.mark.parametrize("cut", CUT_OFF)
+def test_an_invoke_the_output_stops_inside_is_not_a_call(cut: str) -> None:
+    done = invoke("get_weather", element("location", "Bergen"))
+    text = f"Sure.{TOOL_CALL_START}\n{done}\n{cut}"
+    for pieces in all_chunkings(text, 5, [8, 30, 90]):
+        parser = ToolCallParser([WEATHER], seed=2)
+        content, flat = stream(parser, pieces)
+        assert content == "Sure."
+        (call,) = parser.calls
+        assert json.loads(call.arguments) == {"location": "Bergen"}
+        # The cut invoke's id and name went out as it opened; nothing else of it did.
+        assert [(c.index, c.name, c.arguments) for c in flat if c.index == 1] == [
+            (1, "get_weather", "")
+        ]
+    assert ToolCallParser([WEATHER], seed=2).parse(text) == ("Sure.", [call])
 
 
 def test_hold_back_is_the_longest_possible_marker_start() -> None:
@@ -419,18 +291,18 @@ def test_hold_back_is_the_longest_possible_marker_start() -> None:
     assert parser.finish() == ToolDelta("]<", [])
 
 
-def test_values_keep_raw_text_and_unprefixed_markup() -> None:
+def test_a_code_value_round_trips_exactly() -> None:
+    code = '\n    def f(x):\n\treturn x < 1 and "a" > "b"\n\n\n'
     schema = {"code": {"type": "string"}, "n": {"type": "integer"}}
-    text = (
-        f'{TOOL_CALL_START}{N}<invoke name="w">{N}<code>\n<div a="1">x &amp; y</div>\n\n{N}</code>'
-        f"{N}<n> 7 {N}</n>{N}</invoke>{N}</tool_call>"
-    )
-    _, calls = ToolCallParser([tool("w", schema)]).parse(text)
-    assert json.loads(calls[0].arguments) == {"code": '<div a="1">x &amp; y</div>\n', "n": 7}
+    text = block(invoke("w", element("code", code) + element("n", " 7\n")))
+    for pieces in all_chunkings(text, 4, [11, 60]):
+        parser = ToolCallParser([tool("w", schema)])
+        stream(parser, pieces)
+        assert json.loads(parser.calls[0].arguments) == {"code": code, "n": 7}
 
 
 def test_raw_json_body_and_empty_elements() -> None:
-    body = f'{TOOL_CALL_START}{N}<invoke name="f">\n{{"a": [1, 2]}}\n{N}</invoke>{N}</tool_call>'
+    body = block(invoke("f", '\n{"a": [1, 2]}\n'))
     assert json.loads(ToolCallParser(None).parse(body)[1][0].arguments) == {"a": [1, 2]}
     empty = f'{TOOL_CALL_START}{N}<invoke name="f">{N}<flag/>{N}<list>{N}</list>{N}</invoke>'
     schema = {"list": {"type": "array"}}
@@ -440,60 +312,19 @@ def test_raw_json_body_and_empty_elements() -> None:
     }
 
 
-def element(name: str, inner: str) -> str:
-    return f"{N}<{name}>{inner}{N}</{name}>"
-
-
-@pytest.mark.parametrize(
-    ("schema", "inner", "value"),
-    [
-        ({"type": "integer"}, "42", 42),
-        ({"type": "integer"}, "\n-3.0\n", -3),
-        ({"type": "integer"}, "2.5", 2.5),
-        ({"type": "integer"}, "many", "many"),
-        ({"type": "number"}, "1e3", 1000.0),
-        ({"type": "number"}, "7", 7),
-        ({"type": "number"}, "NaN", "NaN"),
-        ({"type": "boolean"}, "True", True),
-        ({"type": "boolean"}, " false ", False),
-        ({"type": "boolean"}, "yes", "yes"),
-        ({"type": "null"}, "null", None),
-        ({"type": "string"}, "\n\n 12 \n\n", "\n 12 \n"),
-        ({"type": ["string", "null"]}, "null", None),
-        ({"anyOf": [{"type": "integer"}, {"type": "string"}]}, "5", 5),
-        ({"oneOf": [{"type": "string"}, {"type": "integer"}]}, "five", "five"),
-        ({"type": "object"}, '{"k": [1]}', {"k": [1]}),
-        ({"type": "object"}, element("k", "1"), {"k": "1"}),
-        (
-            {"type": "object", "properties": {"k": {"type": "integer"}}},
-            element("k", "1") + element("j", "true"),
-            {"k": 1, "j": "true"},
-        ),
-        ({"type": "object"}, "not json", "not json"),
-        ({"type": "array"}, "[1, 2]", [1, 2]),
-        (
-            {"type": "array", "items": {"type": "array", "items": {"type": "boolean"}}},
-            element("item", element("item", "true") + element("item", "FALSE")),
-            [[True, False]],
-        ),
-        ({"type": "array", "items": {"type": "number"}}, "", []),
-        ({"properties": {"x": {"type": "integer"}}}, element("x", "2"), {"x": 2}),
-        ({"type": "string"}, '{"a": 1}', '{"a": 1}'),
-        (None, '{"a": 1}', {"a": 1}),
-        (None, "[true]", [True]),
-        (None, "12", "12"),
-        (None, element("item", "a") + element("item", "b"), ["a", "b"]),
-        (None, element("x", "a") + element("item", "b"), {"x": "a", "item": "b"}),
-        ({"type": "integer"}, "1" * 5000, "1" * 5000),
-        ({"type": "object"}, "[" * 100000, "[" * 100000),
-    ],
-)
-def test_values_are_typed_by_schema(schema: Any, inner: str, value: Any) -> None:
-    properties = {"v": schema} if schema is not None else {}
-    text = f'{TOOL_CALL_START}{N}<invoke name="f">{element("v", inner)}{N}</invoke>{N}</tool_call>'
-    tools = [tool("f", properties)] if schema is not None else None
-    _, calls = ToolCallParser(tools).parse(text)
-    assert json.loads(calls[0].arguments) == {"v": value}
+def test_arguments_are_typed_by_the_tool_schema_and_its_defs() -> None:
+    address = {
+        "type": "object",
+        "properties": {"zip": {"type": "string"}, "floor": {"type": "integer"}},
+    }
+    booking = tool(
+        "book",
+        {"to": {"$ref": "#/$defs/Address"}, "guests": {"type": ["integer", "null"]}},
+        **{"$defs": {"Address": address}},
+    )
+    body = element("to", element("zip", "02139") + element("floor", "3")) + element("guests", "2")
+    _, calls = ToolCallParser([booking]).parse(block(invoke("book", body)))
+    assert json.loads(calls[0].arguments) == {"to": {"zip": "02139", "floor": 3}, "guests": 2}
 
 
 def test_ids_are_prefixed_hex_and_reproducible_with_a_seed() -> None:
@@ -507,6 +338,6 @@ def test_ids_are_prefixed_hex_and_reproducible_with_a_seed() -> None:
 
 def test_deep_nesting_does_not_raise() -> None:
     deep = f"{N}<item>" * 5000 + "x"
-    text = f'{TOOL_CALL_START}{N}<invoke name="f">{N}<v>{deep}{N}</v>{N}</invoke>{N}</tool_call>'
+    text = block(invoke("f", f"{N}<v>{deep}{N}</v>"))
     _, calls = ToolCallParser(None).parse(text)
     assert isinstance(json.loads(calls[0].arguments)["v"], list)

@@ -1,0 +1,103 @@
+"""A choice's output pipeline (reasoning parser, tool-call parser, control-token filter): the
+same reasoning, content and calls in any chunking; no control token reaches a client; a tool call
+inside an unclosed trace is a call; a cut-off invoke is no call."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from helpers.chunking import all_chunkings, token_pieces
+from helpers.m3_tools import N, block, element, invoke, model_outputs, tool
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from m3serve.api.choice import ChoiceOutput, Delta
+from m3serve.api.parsers.reasoning import ReasoningParser
+from m3serve.api.parsers.specials import strip_control_tokens
+from m3serve.api.parsers.tools import ToolCallParser
+from m3serve.model.special_tokens import CONTROL_TOKENS, THINK_START, TOOL_CALL_START
+
+WEATHER = tool("get_weather", {"location": {"type": "string"}})
+
+
+def run(mode: str, tools: Any, pieces: list[str], **options: Any) -> tuple[ChoiceOutput, Delta]:
+    """Feed ``pieces`` and finish; the output and every delta joined."""
+    output = ChoiceOutput(ReasoningParser(mode), ToolCallParser(tools, seed=7), **options)
+    total = Delta()
+    for piece in pieces:
+        total += output.feed(piece)
+    return output, total + output.finish()
+
+
+@settings(max_examples=200, deadline=None)
+@given(model_outputs(), st.integers(0, 2**32), st.lists(st.integers(0, 10**6), max_size=10))
+def test_any_chunking_gives_the_one_shot_result_without_control_tokens(
+    case: dict[str, Any], seed: int, points: list[int]
+) -> None:
+    reasoning = strip_control_tokens(case["reasoning"])
+    content = strip_control_tokens(case["content"])
+    for pieces in all_chunkings(case["text"], seed, points):
+        output, streamed = run(case["mode"], case["tools"], pieces)
+        assert (streamed.reasoning, streamed.content) == (reasoning, content)
+        assert (output.text.reasoning, output.text.content) == (reasoning, content)
+        assert [(c.name, json.loads(c.arguments)) for c in output.calls] == case["calls"]
+
+
+def test_control_tokens_never_reach_reasoning_or_content() -> None:
+    text = f"]~b]Plan[e~[ it.</mm:think>Hi {N}{THINK_START}there]<]image[>[.]!p~["
+    for pieces in [list(text), token_pieces(text, 3)]:
+        output, streamed = run("enabled", None, pieces)
+        assert (streamed.reasoning, streamed.content) == ("Plan it.", "Hi there.")
+        for token in CONTROL_TOKENS:
+            assert token not in output.text.reasoning + output.text.content
+
+
+def test_a_garbled_block_is_content_without_its_namespace_tokens() -> None:
+    text = f"Answer {TOOL_CALL_START}\n{N}<invoke"
+    _, streamed = run("disabled", [WEATHER], token_pieces(text, 0))
+    assert streamed.content == "Answer <tool_call>\n<invoke"
+
+
+def test_text_decoded_without_special_tokens_is_left_alone() -> None:
+    text = "a ]~b] b"
+    output = ChoiceOutput(None, None, special_tokens_in_text=False)
+    assert output.feed(text).content + output.finish().content == text
+
+
+def test_a_tool_call_inside_an_unclosed_trace_ends_it_and_is_a_call() -> None:
+    text = "Need the weather.\n" + block(invoke("get_weather", element("location", "Oslo")))
+    for mode, opener in (("enabled", ""), ("adaptive", THINK_START)):
+        output, streamed = run(mode, [WEATHER], token_pieces(opener + text, 1))
+        assert (streamed.reasoning, streamed.content) == ("Need the weather.", "")
+        (call,) = output.calls
+        assert (call.name, json.loads(call.arguments)) == ("get_weather", {"location": "Oslo"})
+        assert [c.arguments for c in streamed.calls] == ["", call.arguments]
+
+
+def test_an_invoke_cut_off_by_max_tokens_is_not_a_call() -> None:
+    done = invoke("get_weather", element("location", "Oslo"))
+    text = f'On it.{TOOL_CALL_START}\n{done}\n{N}<invoke name="get_weather">{N}<location>Ber'
+    output, streamed = run("disabled", [WEATHER], token_pieces(text, 2))
+    assert [json.loads(c.arguments) for c in output.calls] == [{"location": "Oslo"}]
+    assert streamed.content == "On it."
+    # Streamed: the cut invoke's opening went out (it cannot be unsent), nothing more of it.
+    assert [(c.index, c.arguments) for c in streamed.calls if c.index == 1] == [(1, "")]
+
+
+def test_without_a_reasoning_parser_think_tags_stay_with_the_trace() -> None:
+    text = "<mm:think>why</mm:think>]~b]Because."
+    output = ChoiceOutput(None, ToolCallParser([WEATHER]))
+    assert output.feed(text).content + output.finish().content == "<mm:think>why</mm:think>Because."
+
+
+def test_a_call_that_tool_choice_forced_open_stays_a_call_when_cut_off() -> None:
+    forced = f'{TOOL_CALL_START}\n{N}<invoke name="get_weather">'
+    output = ChoiceOutput(None, ToolCallParser([WEATHER], seed=1), forced_prefix=forced)
+    streamed = output.feed(f"{N}<location>Oslo{N}</location>{N}<unit>cel") + output.finish()
+    (call,) = output.calls
+    assert json.loads(call.arguments) == {"location": "Oslo"}
+    assert [(c.name, c.arguments) for c in streamed.calls] == [
+        ("get_weather", ""),
+        (None, call.arguments),
+    ]
