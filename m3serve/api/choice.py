@@ -30,7 +30,6 @@ class ChoiceOutput:
         self,
         reasoning: ReasoningParser | None,
         tools: ToolCallParser | None,
-        forced_prefix: str = "",
         parallel_tool_calls: bool = True,
     ) -> None:
         self.reasoning = reasoning
@@ -39,11 +38,6 @@ class ChoiceOutput:
         self.text = Delta()  # everything emitted so far, for the non-streaming message
         self.reasoning_tokens = 0
         self._pending = Delta()
-        if forced_prefix:
-            # The prompt already holds the start of a tool call; the parsers must see it as
-            # output so that they are in the state the model continues from. What that yields
-            # (the call's id and name) goes out with the first real delta.
-            self._pending = self.feed(forced_prefix, tokens=0)
 
     def feed(self, text: str, tokens: int = 1) -> Delta:
         """The next piece of model output, worth `tokens` tokens (for the reasoning count)."""
