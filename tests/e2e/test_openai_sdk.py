@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,7 +102,7 @@ class Server:
         return [pid for pid in family if alive(pid)]
 
 
-def start_server(model_path: Path, log: Path) -> Server:
+def start_server(model_path: Path, log: Path, extra: Sequence[str] = ()) -> Server:
     port = free_port()
     command = [
         sys.executable,
@@ -121,6 +121,7 @@ def start_server(model_path: Path, log: Path) -> Server:
         "minimax-m3",
         "--max-request-bytes",
         str(MAX_REQUEST_BYTES),
+        *extra,
     ]
     with log.open("wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
