@@ -18,6 +18,7 @@ from starlette.responses import Response
 
 from m3serve.api.bodies import finish_reason, logprobs_content, usage_dict
 from m3serve.api.choice import ChoiceOutput, Delta
+from m3serve.api.constraints import response_format_constraint, tool_choice_constraint
 from m3serve.api.errors import APIError, decode, read_body
 from m3serve.api.generation import Generation, Outputs
 from m3serve.api.parsers.reasoning import ReasoningParser
@@ -25,9 +26,8 @@ from m3serve.api.parsers.tools import ToolCall, ToolCallDelta, ToolCallParser
 from m3serve.api.protocol import ChatCompletionRequest, Message, to_builtins
 from m3serve.api.sampling import check_n, sampling_params
 from m3serve.api.state import ServerState
-from m3serve.model.special_tokens import THINK_END, TOOL_CALL_START, TOOL_NAMESPACE
 from m3serve.model.thinking import ThinkingInvalid, resolve_thinking
-from m3serve.runtime.messages import GenerateReq, RequestOutput
+from m3serve.runtime.messages import Constraint, GenerateReq, RequestOutput
 
 MEDIA_PARTS = ("image_url", "image", "video_url", "video", "input_audio")
 THINKING_KEYS = ("thinking", "thinking_mode", "reasoning_effort")  # not for the template
@@ -37,7 +37,7 @@ async def chat_completions(request: Request) -> Response:
     state: ServerState = request.app.state.server
     raw = await read_body(request, state.args.max_request_bytes)
     body = decode(raw, ChatCompletionRequest)
-    plan = _plan(body)
+    plan = _plan(body, state)
     reqs = _requests(plan, state)
     rid = "chatcmpl-" + uuid.uuid4().hex
     state.log_exchange(rid, "request", raw.decode(errors="replace"))
@@ -59,25 +59,44 @@ class Plan:
     thinking: str
     effort: str | None
     tools: list[dict[str, Any]] | None
-    forced_prefix: str  # the opening of a tool call that tool_choice forces, or ""
+    constraint: Constraint | None  # the response_format or the call tool_choice forces
 
 
-def _plan(body: ChatCompletionRequest) -> Plan:
+def _plan(body: ChatCompletionRequest, state: ServerState) -> Plan:
     if not body.messages:
         raise APIError(400, "messages must not be empty", "messages")
     check_n(body)
     _check_content(body.messages)
     thinking, effort = _thinking(body)
     tools = [to_builtins(t) for t in body.tools] if body.tools else None
-    forced = ""
-    if tools and body.tool_choice not in (None, "auto", "none"):
-        # The forced call is the answer: thinking would come before it, so it is off.
-        forced, thinking, effort = _forced_call(body, tools), "disabled", None
+    constraint = _constraint(body, tools, state)
+    if constraint is not None:
+        # The grammar constrains the answer from its first token: thinking would come before
+        # it, so a constrained request runs with thinking off (the template then starts the
+        # answer right after </mm:think>).
+        thinking, effort = "disabled", None
     if body.tool_choice == "none":
         tools = None
     if body.logprobs and body.top_logprobs is None:
         body.top_logprobs = 0
-    return Plan(body, thinking, effort, tools, forced)
+    return Plan(body, thinking, effort, tools, constraint)
+
+
+def _constraint(
+    body: ChatCompletionRequest, tools: list[dict[str, Any]] | None, state: ServerState
+) -> Constraint | None:
+    specials = None
+    if state.tokenizer is not None:
+        added = state.tokenizer.get_added_tokens_decoder().items()
+        specials = {token.content: i for i, token in added if token.special}
+    forced = tool_choice_constraint(body, tools or [], specials)
+    response = response_format_constraint(body.response_format)
+    if forced is not None and response is not None:
+        raise APIError(
+            400, "response_format cannot be combined with a tool_choice that forces a call",
+            "response_format",
+        )  # fmt: skip
+    return forced or response
 
 
 def _thinking(body: ChatCompletionRequest) -> tuple[str, str | None]:
@@ -98,7 +117,6 @@ def _requests(plan: Plan, state: ServerState) -> list[GenerateReq]:
     kwargs = {k: v for k, v in (body.chat_template_kwargs or {}).items() if k not in THINKING_KEYS}
     messages = [to_builtins(m) for m in body.messages]
     parsing = state.args.reasoning_parser is not None or state.args.tool_call_parser is not None
-    prefix = ((THINK_END if plan.forced_prefix else "") + plan.forced_prefix) or None
     return [
         GenerateReq(
             rid=f"{uuid.uuid4().hex}-{i}",
@@ -113,12 +131,12 @@ def _requests(plan: Plan, state: ServerState) -> list[GenerateReq]:
                 # The parsers need the <mm:think> and tool-call tokens in the text.
                 skip_special_tokens=not parsing,
                 seed_offset=i,
+                constraint=plan.constraint,
             ),
             stream=body.stream,
             thinking=plan.thinking,
             reasoning_effort=plan.effort,
             chat_template_kwargs=kwargs or None,
-            assistant_prefix=prefix,
         )
         for i in range(body.n)
     ]
@@ -146,17 +164,6 @@ def _check_part(part: dict[str, Any], param: str) -> None:
         raise APIError(400, f"{kind} input is not supported by this build yet", param)
     if kind != "text" or not isinstance(part.get("text"), str):
         raise APIError(400, f"unsupported content part {kind!r}", param)
-
-
-def _forced_call(body: ChatCompletionRequest, tools: list[dict[str, Any]]) -> str:
-    """The start of the tool call the model must continue (tool_choice required / named)."""
-    opening = f'{TOOL_CALL_START}\n{TOOL_NAMESPACE}<invoke name="'
-    if body.tool_choice == "required":
-        return opening
-    name = body.tool_choice.function.name  # type: ignore[union-attr]
-    if name not in {t.get("function", t).get("name") for t in tools}:
-        raise APIError(400, f"tool_choice names {name!r}, which is not in tools", "tool_choice")
-    return f'{opening}{name}">'
 
 
 # ---------------------------------------------------------------------- rendering
@@ -250,8 +257,7 @@ def _choice_output(plan: Plan, state: ServerState) -> ChoiceOutput:
         tools = ToolCallParser(plan.tools)
     # With a parser on, the text keeps special tokens (see _requests) and must be cleaned of them.
     specials = state.args.reasoning_parser is not None or state.args.tool_call_parser is not None
-    parallel = plan.body.parallel_tool_calls
-    return ChoiceOutput(reasoning, tools, plan.forced_prefix, parallel, specials)
+    return ChoiceOutput(reasoning, tools, plan.body.parallel_tool_calls, specials)
 
 
 def _choice(

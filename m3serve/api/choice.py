@@ -32,7 +32,6 @@ class ChoiceOutput:
         self,
         reasoning: ReasoningParser | None,
         tools: ToolCallParser | None,
-        forced_prefix: str = "",
         parallel_tool_calls: bool = True,
         special_tokens_in_text: bool = True,
     ) -> None:
@@ -47,13 +46,6 @@ class ChoiceOutput:
         self._clean_reasoning = ControlTokenFilter()
         self._clean_content = ControlTokenFilter(CONTROL_TOKENS if reasoning else NON_THINK_TOKENS)
         self._pending = Delta()
-        # A call that tool_choice forced open stays a call even if the output stops inside it.
-        self._forced = bool(forced_prefix)
-        if forced_prefix:
-            # The prompt already holds the start of a tool call; the parsers must see it as
-            # output so that they are in the state the model continues from. What that yields
-            # (the call's id and name) goes out with the first real delta.
-            self._pending = self.feed(forced_prefix, tokens=0)
 
     def feed(self, text: str, tokens: int = 1) -> Delta:
         """The next piece of model output, worth `tokens` tokens (for the reasoning count)."""
@@ -91,7 +83,7 @@ class ChoiceOutput:
             step = self.tools.feed(content) if content else None
             pieces = [step] if step else []
             if final:
-                pieces.append(self.tools.finish(keep_open_invoke=self._forced))
+                pieces.append(self.tools.finish())
             content = "".join(p.content for p in pieces)
             calls = [c for p in pieces for c in p.calls if self.parallel or c.index == 0]
         if self._clean:

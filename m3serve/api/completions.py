@@ -17,12 +17,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from m3serve.api.bodies import completion_logprobs, finish_reason, usage_dict
+from m3serve.api.constraints import response_format_constraint
 from m3serve.api.errors import APIError, decode, read_body
 from m3serve.api.generation import Generation, Outputs, check_fanout
 from m3serve.api.protocol import CompletionRequest
 from m3serve.api.sampling import check_n, sampling_params
 from m3serve.api.state import ServerState
-from m3serve.runtime.messages import GenerateReq, RequestOutput, TokenIds
+from m3serve.runtime.messages import Constraint, GenerateReq, RequestOutput, TokenIds
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 MAX_LOGPROBS = 5
@@ -36,7 +37,8 @@ async def completions(request: Request) -> Response:
     prompts = _prompts(body)
     check_n(body)
     check_fanout(state, len(prompts) * body.n)  # before building thousands of requests
-    reqs = _requests(body, prompts, state)
+    constraint = response_format_constraint(body.response_format)
+    reqs = [_request(body, p, i, state, constraint) for p in prompts for i in range(body.n)]
     rid = "cmpl-" + uuid.uuid4().hex
     state.log_exchange(rid, "request", raw.decode(errors="replace"))
     response = _CompletionResponse(rid, body, state, prompts)
@@ -75,16 +77,15 @@ def _prompt_list(prompt: str | list[str | int | list[int]]) -> list[str | list[i
     raise APIError(400, "prompt mixes strings, token ids and id lists", "prompt")
 
 
-def _requests(
-    body: CompletionRequest, prompts: list[str | list[int]], state: ServerState
-) -> list[GenerateReq]:
-    """n engine requests per prompt, prompt-major: choice k is prompt k // n."""
-    return [_request(body, prompt, i, state) for prompt in prompts for i in range(body.n)]
-
-
 def _request(
-    body: CompletionRequest, prompt: str | list[int], seed_offset: int, state: ServerState
+    body: CompletionRequest,
+    prompt: str | list[int],
+    seed_offset: int,
+    state: ServerState,
+    constraint: Constraint | None,
 ) -> GenerateReq:
+    """Choice `seed_offset` of `prompt`; the n choices of each prompt come together (choice k
+    is prompt k // n)."""
     sampling = sampling_params(
         body,
         state.defaults,
@@ -92,6 +93,7 @@ def _request(
         logprobs=body.logprobs is not None,
         top_logprobs=body.logprobs or 0,
         seed_offset=seed_offset,
+        constraint=constraint,
     )
     req = GenerateReq(rid=uuid.uuid4().hex, sampling=sampling, stream=body.stream)
     if isinstance(prompt, str):

@@ -62,6 +62,18 @@ class Thinking(msgspec.Struct, kw_only=True):
     type: str
 
 
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = msgspec.field(default=None, name="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
 
@@ -86,6 +98,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):

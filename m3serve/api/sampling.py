@@ -8,7 +8,7 @@ from typing import Any
 
 from m3serve.api.errors import APIError
 from m3serve.api.protocol import SamplingFields
-from m3serve.runtime.messages import SamplingParams
+from m3serve.runtime.messages import Constraint, SamplingParams
 
 MAX_N = 16
 MAX_TEMPERATURE = 2.0  # OpenAI's bound; the engine itself would take any value
@@ -23,6 +23,7 @@ def sampling_params(
     top_logprobs: int = 0,
     skip_special_tokens: bool = True,
     seed_offset: int = 0,
+    constraint: Constraint | None = None,
 ) -> SamplingParams:
     """Request fields -> SamplingParams; unset fields take `defaults` (generation_config.json).
     Each of n choices gets its own `seed_offset`, so seeded choices still differ."""
@@ -48,6 +49,7 @@ def sampling_params(
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         skip_special_tokens=skip_special_tokens,
+        constraint=constraint,
     )
     _check(params)
     return params

@@ -1,11 +1,17 @@
 """EngineCore: everything the engine process holds, and its step.
 
 One object owns the model on its backend, the KV pools, the per-slot device tables, the
-sampler, the CUDA graphs, the scheduler and the executor thread. `step()` reads
+sampler, the grammar compiler and matchers, the CUDA graphs, the scheduler and the executor
+thread. `step()` reads
 schedule → run → process; `overlap_step()` is the same three phases with step N+1 launched
 before step N is processed, so the host work of one step hides behind the device work of the
 other. `run()` is the only place the model is called; it executes on the executor thread,
 everything else on the event loop that owns the core.
+
+A constrained request (`SamplingParams.constraint`) waits outside the scheduler while its
+grammar compiles on the compiler's thread, so a slow compile holds up no other request; it is
+queued once the grammar is ready. Its matcher lives on the executor thread (`core/matchers.py`
+says why that is right with overlap on and off).
 
 Where later features plug in: a draft proposer (speculative decoding) runs after `run()`'s
 forward on its hidden states, with verification as a step kind of the scheduler; a host KV tier
@@ -26,15 +32,18 @@ import torch
 
 from m3serve.backends import create_backend
 from m3serve.core.executor import Executor
+from m3serve.core.grammar import Compiled, Grammar, GrammarCompiler, GrammarUnavailable
 from m3serve.core.graphs import DecodeGraphs
+from m3serve.core.matchers import GrammarMatchers
 from m3serve.core.memory import kv_cache_dtype, leave_a_core_for_the_scheduler, plan_kv_budget
 from m3serve.core.req import Req
 from m3serve.core.sampler import Sampler
-from m3serve.core.scheduler import Outputs, Scheduler
+from m3serve.core.scheduler import Outputs, QueueFull, Scheduler
 from m3serve.core.trace import StartupPhases, StepTrace
 from m3serve.core.warmup import WarmupLimits, distinct_layers, use_kernel_cache, warmup_plans
 from m3serve.model.batch import ForwardBatch
 from m3serve.model.build import load_model, resolve_device
+from m3serve.model.config import load_generation_config
 from m3serve.model.kv_cache import KVCache
 from m3serve.runtime.config import ServerArgs
 from m3serve.runtime.messages import StepPlan, StepResult
@@ -85,6 +94,12 @@ class EngineCore:
         self.last_tokens = torch.zeros(slots, dtype=torch.int64, device=self.device)
         # ------------------------------------------------------------------ sampler
         self.sampler = Sampler(slots, cfg.vocab_size, self.device)
+        # ------------------------------------------------------------------ grammars
+        self.grammar = self._grammar_compiler(cfg.vocab_size)
+        self.matchers = GrammarMatchers(cfg.vocab_size)
+        self._compiling: list[tuple[Req, bool, Compiled]] = []
+        # Compiled grammars of the slots a step starts, from planning to that step's run.
+        self._step_grammars: dict[int, dict[int, Grammar]] = {}
         # ------------------------------------------------------------------ warm-up
         if self.device.type == "cuda" and not args.kernel.skip_warmup:
             with self.startup.phase("warm-up"):
@@ -120,14 +135,37 @@ class EngineCore:
     # ------------------------------------------------------------------ requests
 
     def add(self, req: Req, fit_to_pool: bool = False) -> None:
-        self.scheduler.add(req, fit_to_pool)
+        constraint = req.sampling.constraint
+        if constraint is None:
+            self.scheduler.add(req, fit_to_pool)
+            return
+        if self.grammar is None:
+            raise GrammarUnavailable("this engine cannot run constrained requests (no tokenizer)")
+        self.scheduler.check(req, fit_to_pool)
+        self._compiling.append((req, fit_to_pool, self.grammar.compile(constraint)))
 
     def abort(self, rid: str) -> None:
+        self._compiling = [entry for entry in self._compiling if entry[0].rid != rid]
         self.scheduler.abort(rid)
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return bool(self._compiling) or self.scheduler.has_work
+
+    def _queue_compiled(self) -> None:
+        """Queue the constrained requests whose grammar is ready; fail those that cannot be."""
+        still = []
+        for req, fit_to_pool, future in self._compiling:
+            if not future.done():
+                still.append((req, fit_to_pool, future))
+                continue
+            try:
+                req.grammar = future.result()
+                self.scheduler.add(req, fit_to_pool)
+            except Exception as exc:
+                code = 503 if isinstance(exc, QueueFull) else 400
+                self.scheduler.pending_errors.fail(req, f"cannot constrain the output: {exc}", code)
+        self._compiling = still
 
     # ------------------------------------------------------------------ steps
 
@@ -135,7 +173,7 @@ class EngineCore:
         """Schedule → run → process one step; None when there was nothing to run."""
         plan = self._schedule()
         if plan is None:
-            return None
+            return self.scheduler.take_errors()
         return await self._process(self._launch(plan))
 
     async def overlap_step(self) -> Outputs | None:
@@ -146,7 +184,7 @@ class EngineCore:
         previous = self._in_flight
         self._in_flight = self._launch(plan) if plan is not None else None
         if previous is None:
-            return None if plan is None else Outputs()
+            return self.scheduler.take_errors() if plan is None else Outputs()
         return await self._process(previous)
 
     async def drain(self) -> Outputs | None:
@@ -156,10 +194,25 @@ class EngineCore:
 
     def _schedule(self) -> StepPlan | None:
         started = time.perf_counter()
+        if self._compiling:
+            self._queue_compiled()
         plan = self.scheduler.schedule()
         if plan is not None:
+            self._keep_grammars(plan)
             self.trace.planned(plan, time.perf_counter() - started)
         return plan
+
+    def _keep_grammars(self, plan: StepPlan) -> None:
+        """Hand the grammars of the requests this plan starts to its run (keyed by step: the
+        executor may still be running an earlier step of the same slot)."""
+        new = {seq.slot for seq in plan.seqs if seq.new_request}
+        grammars = {
+            req.slot: req.grammar
+            for req in self.scheduler.running
+            if req.slot in new and req.grammar is not None
+        }
+        if grammars:
+            self._step_grammars[plan.step] = grammars
 
     def _launch(self, plan: StepPlan) -> Launched:
         return plan.step, asyncio.wrap_future(self.executor.submit(plan))
@@ -199,9 +252,15 @@ class EngineCore:
             logits = self._logits(batch, decode_only=len(slots) == len(plan.seqs))
         if not slots:
             return StepResult(step=plan.step, slots=[], tokens=[])
-        tokens, logprobs = self.sampler.sample(logits, slots)
+        # After the launch, before the draw: on a GPU this host work overlaps the forward.
+        allowed = self.matchers.fill(slots)
+        tokens, logprobs = self.sampler.sample(logits, slots, allowed)
         self.last_tokens[torch.tensor(slots, device=self.device)] = tokens
-        return StepResult(step=plan.step, slots=slots, tokens=tokens.tolist(), logprobs=logprobs)
+        ids = tokens.tolist()
+        ended = self.matchers.accept(slots, ids)
+        return StepResult(
+            step=plan.step, slots=slots, tokens=ids, logprobs=logprobs, grammar_ended=ended
+        )
 
     def _logits(self, batch: ForwardBatch, decode_only: bool) -> torch.Tensor:
         if self.graphs is not None and decode_only and self.graphs.fits(batch):
@@ -209,11 +268,13 @@ class EngineCore:
         return self.model(batch, self.kv)
 
     def _start_new_requests(self, plan: StepPlan) -> None:
+        grammars = self._step_grammars.pop(plan.step, {})
         for seq in plan.seqs:
             if seq.new_request:
                 slot = seq.slot
                 output = plan.output_ids.get(slot, ())
                 self.sampler.start(slot, plan.sampling[slot], plan.prompt_ids[slot], output)
+                self.matchers.start(slot, grammars.get(slot), output)
 
     def _fill_slot_tokens(self, plan: StepPlan, batch: ForwardBatch) -> None:
         """Decode inputs the CPU has not seen yet come from the device-side token table."""
@@ -231,10 +292,9 @@ class EngineCore:
         """Run every step shape class once (core/warmup.py), so no request waits for a compile:
         one layer of each kind suffices, since layers of a kind launch the same kernels."""
         sched = args.sched
+        prefill = sched.max_prefill_tokens  # unchunked, longer prompts are refused
         if sched.chunked_prefill_size > 0:
-            prefill = min(sched.max_prefill_tokens, sched.chunked_prefill_size)
-        else:  # whole prompts: a step can carry a prompt of the full context
-            prefill = context
+            prefill = min(prefill, sched.chunked_prefill_size)
         limits = WarmupLimits(
             page_size=self.budget.page_size,
             num_pages=self.budget.num_pages,
@@ -251,6 +311,18 @@ class EngineCore:
         torch.cuda.synchronize(self.device)
         compiled = self.trace.compiles.count - before
         self.startup.note("warm-up", f"{steps} steps on layers {layers}, {compiled} kernels")
+
+    def _grammar_compiler(self, vocab_size: int) -> GrammarCompiler | None:
+        """The compiler for this model's tokenizer; None (constrained requests refused) when
+        the checkpoint has no usable tokenizer."""
+        path = self.loaded.path
+        eos = set(self.loaded.config.text.eos_token_ids)
+        eos |= set(load_generation_config(path).eos_token_ids)
+        try:
+            return GrammarCompiler.for_model(path, vocab_size, sorted(eos))
+        except GrammarUnavailable as exc:
+            log.info("structured output is off: %s", exc)
+            return None
 
     def _capture_graphs(self, args: ServerArgs, context: int, slots: int) -> DecodeGraphs | None:
         kernel = args.kernel
@@ -271,6 +343,8 @@ class EngineCore:
         another engine next."""
         self.executor.close()
         self.trace.close()
+        if self.grammar is not None:
+            self.grammar.close()
         del self.graphs, self.kv, self.model, self.loaded, self.sampler, self.last_tokens
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from m3serve.core.kvcache.radix import Match
 from m3serve.runtime.messages import Finish, SamplingParams
+
+if TYPE_CHECKING:
+    from m3serve.core.grammar import Grammar
 
 
 class Phase(Enum):
@@ -35,6 +39,7 @@ class Req:
     inflight: int = 0  # sampling steps submitted whose token has not come back yet
     retractions: int = 0
     finish: Finish | None = None
+    grammar: Grammar | None = None  # its constraint, compiled (set before it is queued)
 
     @property
     def tokens(self) -> list[int]:

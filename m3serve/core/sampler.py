@@ -1,5 +1,7 @@
 """The engine's sampler: per-request sampling state (penalty counts, seeded generators, draw
-steps) for every running slot, and one batched draw per step.
+steps) for every running slot, and one batched draw per step. A constrained request's grammar
+arrives as a token bitmask, applied after the penalties, so that greedy takes the best allowed
+token and a draw never lands on a masked one.
 
 Each row's token is independent of the rows beside it: a seeded request gets the same tokens in
 any batch. The math is `m3serve.kernels.sampling` (torch) or, on a GPU, the Triton sampler.
@@ -12,7 +14,12 @@ from collections.abc import Sequence
 
 import torch
 
-from m3serve.kernels.sampling import MIN_TEMPERATURE, apply_penalties, filter_probs_batch
+from m3serve.kernels.sampling import (
+    MIN_TEMPERATURE,
+    apply_penalties,
+    apply_token_bitmask,
+    filter_probs_batch,
+)
 from m3serve.runtime.messages import SamplingParams, TokenLogprob
 
 _SEED_MASK = (1 << 64) - 1  # torch generators take a 64-bit seed; a request may send any int
@@ -133,10 +140,14 @@ class Sampler:
     # ------------------------------------------------------------------------------ sampling
 
     def sample(
-        self, logits: torch.Tensor, slots: Sequence[int]
+        self,
+        logits: torch.Tensor,
+        slots: Sequence[int],
+        allowed: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[TokenLogprob | None]]:
         """Tokens [B] (int64, on the device) for logits [B, V] whose row i belongs to slots[i],
-        plus a TokenLogprob for each row that asks for logprobs (None elsewhere).
+        plus a TokenLogprob for each row that asks for logprobs (None elsewhere). `allowed` is
+        a packed token bitmask [B, ceil(V/32)] (grammars), on any device.
 
         Nothing here reads the device from the host unless some row wants logprobs.
         """
@@ -146,6 +157,8 @@ class Sampler:
         logits = logits.float()
         slots_t = self._upload(list(slots))
         penalized = self._penalize(logits, slots_t, params)
+        if allowed is not None:
+            penalized = apply_token_bitmask(penalized, allowed.to(self.device))
         if all(p.greedy for p in params):
             tokens = torch.argmax(penalized, dim=-1)
         else:

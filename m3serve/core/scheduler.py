@@ -93,6 +93,12 @@ class Scheduler:
     def add(self, req: Req, fit_to_pool: bool = False) -> None:
         """Queue a request. With fit_to_pool (no explicit max_new_tokens) its output budget is
         lowered to what the KV pool can hold rather than refused."""
+        self.check(req, fit_to_pool)
+        self.by_rid[req.rid] = req
+        self.waiting.append(req)
+
+    def check(self, req: Req, fit_to_pool: bool = False) -> None:
+        """Refuse a request the queue or the KV pool cannot take (what `add` checks first)."""
         if len(self.waiting) >= self.args.max_queued_requests:
             raise QueueFull(f"the waiting queue is full ({self.args.max_queued_requests})")
         capacity = self.pool.num_pages * self.page_size
@@ -111,8 +117,6 @@ class Scheduler:
                 f"({self.args.max_prefill_tokens}), the most one forward takes with chunked "
                 "prefill off"
             )
-        self.by_rid[req.rid] = req
-        self.waiting.append(req)
 
     def abort(self, rid: str) -> None:
         req = self.by_rid.get(rid)
@@ -299,17 +303,26 @@ class Scheduler:
         out, self.pending_errors = self.pending_errors, Outputs()
         rows = self.inflight.pop(result.step, [])
         logprobs = result.logprobs or [None] * len(result.tokens)
-        for req, token, logprob in zip(rows, result.tokens, logprobs, strict=True):
+        ended = result.grammar_ended or [False] * len(result.tokens)
+        for req, token, logprob, done in zip(rows, result.tokens, logprobs, ended, strict=True):
             if req is None:
                 continue
             req.inflight -= 1
             if req.phase is Phase.DONE:
                 continue  # finished or aborted while this step was in flight
             req.output.append(token)
-            req.finish = self._finish_reason(req, token)
+            # A finished grammar ends its request like a stop token, even with ignore_eos.
+            req.finish = Finish("stop", token) if done else self._finish_reason(req, token)
             out.add(req, [token], logprob)
             if req.finish is not None:
                 self._finish(req)
+        return out
+
+    def take_errors(self) -> Outputs | None:
+        """Errors waiting for the next processed step, now (None when there are none)."""
+        if not self.pending_errors.errors:
+            return None
+        out, self.pending_errors = self.pending_errors, Outputs()
         return out
 
     def fail_step(self, step: int, message: str) -> Outputs:

@@ -1,5 +1,6 @@
 """Token sampling from logits, as exact torch references: top-k, top-p and min-p filters, the
-exponential-race draw, and repetition / frequency / presence penalties.
+exponential-race draw, repetition / frequency / presence penalties, and a grammar's token
+bitmask.
 
 `draw_token` samples one row (the single-request generate loop); the batched functions serve the
 engine's `Sampler` (`m3serve.core.sampler`), which holds the per-request state. Which requests
@@ -104,3 +105,12 @@ def apply_penalties(
     generated = counts.to(logits.dtype)
     appeared = (counts > 0).to(logits.dtype)
     return logits - frequency.unsqueeze(1) * generated - presence.unsqueeze(1) * appeared
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] with -inf for every token a packed bitmask [B, ceil(V/32)] (int32; bit j of
+    word w is token 32w + j) does not allow. Plain tensor ops, so any device runs it."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # arithmetic shift: & 1 still reads bit j
+    allowed = bits.flatten(1)[:, : logits.shape[1]].bool()
+    return logits.masked_fill(~allowed, float("-inf"))

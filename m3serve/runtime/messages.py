@@ -32,6 +32,15 @@ class TokenIds(msgspec.Struct, array_like=True):
     shm: ShmRef | None = None
 
 
+class Constraint(msgspec.Struct, frozen=True):
+    """What a request's output must match, as the grammar engine compiles it: a JSON schema
+    (JSON text), any JSON object (`text` unused), or an EBNF grammar. The engine caches compiled
+    grammars by this value, so equal constraints compile once."""
+
+    kind: Literal["json_schema", "json_object", "ebnf"]
+    text: str = ""
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """How to sample one request. Keys follow SGLang's `sampling_params`."""
 
@@ -50,6 +59,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True
+    constraint: Constraint | None = None  # structured output / an enforced tool call
 
     def problems(self) -> list[str]:
         """Every invalid setting, as messages naming the key (empty when valid)."""
@@ -104,7 +114,7 @@ class GenerateReq(msgspec.Struct, tag=True, kw_only=True, array_like=True):
     reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     # Text appended after the rendered chat prompt: the start of the answer the model must
-    # continue (a forced tool call for tool_choice "required" or a named tool).
+    # continue.
     assistant_prefix: str | None = None
 
 
@@ -253,6 +263,8 @@ class StepResult(msgspec.Struct, tag=True, kw_only=True, array_like=True):
     slots: list[int]
     tokens: list[int]
     logprobs: list[TokenLogprob | None] = msgspec.field(default_factory=list)
+    # Per token: its request's grammar accepted it as the last one (empty: no grammar ran).
+    grammar_ended: list[bool] = msgspec.field(default_factory=list)
 
 
 # Channel unions: what each receiver decodes.

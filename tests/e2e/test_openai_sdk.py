@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,7 +102,7 @@ class Server:
         return [pid for pid in family if alive(pid)]
 
 
-def start_server(model_path: Path, log: Path) -> Server:
+def start_server(model_path: Path, log: Path, extra: Sequence[str] = ()) -> Server:
     port = free_port()
     command = [
         sys.executable,
@@ -121,6 +121,7 @@ def start_server(model_path: Path, log: Path) -> Server:
         "minimax-m3",
         "--max-request-bytes",
         str(MAX_REQUEST_BYTES),
+        *extra,
     ]
     with log.open("wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
@@ -748,11 +749,15 @@ WEATHER_TOOL = {
         "description": "Get the current weather for a location",
         "parameters": {
             "type": "object",
-            "properties": {"location": {"type": "string"}},
+            # Bounded, so that the random model's enforced call ends well inside the budget.
+            "properties": {"location": {"type": "string", "maxLength": 12}},
             "required": ["location"],
         },
     },
 }
+# An enforced call is generated whole under the grammar; sampled, so a random model reaches
+# its end (greedy may repeat one allowed token).
+CALL_BUDGET = {"max_tokens": 200, "temperature": 1.0, "seed": 3}
 
 
 def test_named_tool_choice_returns_a_call_of_that_tool(
@@ -764,6 +769,7 @@ def test_named_tool_choice_returns_a_call_of_that_tool(
         messages=[{"role": "user", "content": "What's the weather in Beijing?"}],
         tools=[WEATHER_TOOL],
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        **CALL_BUDGET,
     )
     (call,) = response.choices[0].message.tool_calls
     assert call.type == "function" and call.id.startswith("call_")
@@ -778,6 +784,7 @@ def test_named_tool_choice_streams_the_call_header(client: openai.OpenAI, server
         "messages": [{"role": "user", "content": "What's the weather in Beijing?"}],
         "tools": [WEATHER_TOOL],
         "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        **CALL_BUDGET,
     }
     (whole,) = chat(client, server, **request).choices[0].message.tool_calls
     deltas = [

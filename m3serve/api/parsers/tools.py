@@ -150,14 +150,10 @@ class ToolCallParser:
             pass
         return self._take()
 
-    def finish(self, keep_open_invoke: bool = False) -> ToolDelta:
+    def finish(self) -> ToolDelta:
         """End of output: release held text and settle an unfinished block. An invoke still open
-        is not a call, unless ``keep_open_invoke``: then it is closed with the elements completed
-        so far (for a call the prompt forced open, as ``tool_choice`` does, which must be one)."""
+        is not a call (a forced call is complete by its grammar, see model/tool_grammar.py)."""
         if self._in_block:
-            if keep_open_invoke and self._invoke is not None:
-                self._invoke.stack.clear()  # cut off inside them: no value is known
-                self._end_invoke()
             self._invoke = None  # the output stopped inside it: not a call
             if not self._block_has_invoke:
                 self._content.append(self._text)

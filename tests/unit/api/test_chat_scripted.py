@@ -378,32 +378,39 @@ async def test_special_tokens_never_reach_content(serve) -> None:
 
 # ---------------------------------------------------------------------- tool_choice
 
-REST_OF_PARIS_CALL = f"{N}<location>Paris{N}</location>{N}</invoke>\n{N}</tool_call>"
+PARIS_CALL = (
+    f'{N}<tool_call>\n{N}<invoke name="get_weather">{N}<location>Paris{N}</location>'
+    f"{N}</invoke>\n{N}</tool_call>"
+)
 
 
-async def test_tool_choice_required_forces_the_tool_call_opening(serve) -> None:
-    continuation = 'get_weather">' + REST_OF_PARIS_CALL
-    async with serve(says(continuation, 3)) as s:
+async def test_tool_choice_required_constrains_the_answer_to_a_tool_call(serve) -> None:
+    async with serve(says(PARIS_CALL, 3)) as s:
         response = await s.post(
             CHAT, chat(tools=[WEATHER], tool_choice="required", reasoning_effort="high")
         )
         req = s.engine.seen[-1]
-    assert req.assistant_prefix == f'</mm:think>{N}<tool_call>\n{N}<invoke name="'
+    assert req.assistant_prefix is None
+    constraint = req.sampling.constraint
+    assert constraint is not None and constraint.kind == "ebnf"
+    assert 'invoke name=\\"get_weather\\"' in constraint.text
     assert (req.thinking, req.reasoning_effort) == ("disabled", None)
     (choice,) = response.json()["choices"]
+    assert choice["message"]["content"] is None
     (call,) = choice["message"]["tool_calls"]
     assert call["function"]["name"] == "get_weather"
     assert json.loads(call["function"]["arguments"]) == {"location": "Paris"}
     assert choice["finish_reason"] == "tool_calls"
 
 
-async def test_a_named_tool_choice_forces_that_tool(serve) -> None:
+async def test_a_named_tool_choice_constrains_the_answer_to_that_tool(serve) -> None:
     named = {"type": "function", "function": {"name": "get_weather"}}
-    async with serve(says(REST_OF_PARIS_CALL, 3)) as s:
+    async with serve(says(PARIS_CALL, 3)) as s:
         response = await s.post(CHAT, chat(tools=[TIME, WEATHER], tool_choice=named))
         req = s.engine.seen[-1]
-    assert req.assistant_prefix == (f'</mm:think>{N}<tool_call>\n{N}<invoke name="get_weather">')
     assert req.thinking == "disabled"
+    grammar = req.sampling.constraint.text
+    assert "get_weather" in grammar and "get_time" not in grammar
     (choice,) = response.json()["choices"]
     assert choice["message"]["content"] is None
     (call,) = choice["message"]["tool_calls"]
@@ -415,7 +422,7 @@ async def test_a_named_tool_choice_forces_that_tool(serve) -> None:
 
 async def test_a_streamed_named_tool_choice_sends_the_call_id_and_name(serve) -> None:
     named = {"type": "function", "function": {"name": "get_weather"}}
-    async with serve(says(REST_OF_PARIS_CALL, 3)) as s:
+    async with serve(says(PARIS_CALL, 3)) as s:
         events = await s.events(CHAT, chat(tools=[WEATHER], tool_choice=named))
     deltas = call_deltas(events)
     assert deltas, "no tool_calls delta streamed"
@@ -424,6 +431,7 @@ async def test_a_streamed_named_tool_choice_sends_the_call_id_and_name(serve) ->
     assert deltas[0].get("type") == "function"
     arguments = "".join(d["function"]["arguments"] for d in deltas)
     assert json.loads(arguments) == {"location": "Paris"}
+    assert streamed(events, "content") == ""
     assert finishes(events) == ["tool_calls"]
 
 
@@ -443,7 +451,7 @@ async def test_tool_choice_none_sends_no_tools_and_parses_no_calls(serve) -> Non
         response = await s.post(CHAT, chat(tools=[WEATHER], tool_choice="none"))
         req = s.engine.seen[-1]
     assert req.tools is None
-    assert req.assistant_prefix is None
+    assert req.sampling.constraint is None
     (choice,) = response.json()["choices"]
     assert "tool_calls" not in choice["message"]
     assert choice["finish_reason"] == "stop"
@@ -453,7 +461,7 @@ async def test_tool_choice_auto_sends_the_tools_to_the_template(serve) -> None:
     async with serve(says("Sunny.")) as s:
         await s.post(CHAT, chat(tools=[WEATHER], tool_choice="auto"))
         req = s.engine.seen[-1]
-    assert req.assistant_prefix is None
+    assert req.sampling.constraint is None
     assert [t["function"]["name"] for t in req.tools] == ["get_weather"]
     assert req.tools[0]["function"]["parameters"] == WEATHER["function"]["parameters"]
 

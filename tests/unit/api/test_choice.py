@@ -89,15 +89,3 @@ def test_without_a_reasoning_parser_think_tags_stay_with_the_trace() -> None:
     text = "<mm:think>why</mm:think>]~b]Because."
     output = ChoiceOutput(None, ToolCallParser([WEATHER]))
     assert output.feed(text).content + output.finish().content == "<mm:think>why</mm:think>Because."
-
-
-def test_a_call_that_tool_choice_forced_open_stays_a_call_when_cut_off() -> None:
-    forced = f'{TOOL_CALL_START}\n{N}<invoke name="get_weather">'
-    output = ChoiceOutput(None, ToolCallParser([WEATHER], seed=1), forced_prefix=forced)
-    streamed = output.feed(f"{N}<location>Oslo{N}</location>{N}<unit>cel") + output.finish()
-    (call,) = output.calls
-    assert json.loads(call.arguments) == {"location": "Oslo"}
-    assert [(c.name, c.arguments) for c in streamed.calls] == [
-        ("get_weather", ""),
-        (None, call.arguments),
-    ]

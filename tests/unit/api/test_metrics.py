@@ -52,6 +52,7 @@ ENGINE_FAMILIES = {
     "m3serve:kv_cache_usage_ratio": "gauge",
     "m3serve:num_cached_pages": "gauge",
     "m3serve:num_retractions_total": "counter",
+    "m3serve:kernel_compiles_after_ready_total": "counter",
 }
 
 
@@ -326,7 +327,8 @@ def test_derived_gauges_handle_empty_denominators() -> None:
 
 def test_engine_families_follow_the_apis() -> None:
     engine = EngineMetrics()
-    engine.update(fake_scheduler(running=3, waiting=2, free=90, pages=120, cached=7, retracted=4))
+    scheduler = fake_scheduler(running=3, waiting=2, free=90, pages=120, cached=7, retracted=4)
+    engine.update(scheduler, compiles_after_ready=2)
     text = ServerMetrics(clock=FakeClock()).render(engine.registry)
     s = parse(text)
     assert list(families(text).items()) == [*API_FAMILIES.items(), *ENGINE_FAMILIES.items()]
@@ -335,3 +337,4 @@ def test_engine_families_follow_the_apis() -> None:
     assert s[("m3serve:kv_cache_usage_ratio", ())] == pytest.approx(0.25)
     assert s[("m3serve:num_cached_pages", ())] == 7
     assert s[("m3serve:num_retractions_total", ())] == 4
+    assert s[("m3serve:kernel_compiles_after_ready_total", ())] == 2

@@ -545,3 +545,39 @@ def test_resumed_request_continues_its_seeded_stream_and_penalty_counts() -> Non
     resumed = Sampler(2, 50, "cpu")
     resumed.start(1, params, [1, 2, 3], output_ids=tokens[:4])
     assert [int(resumed.sample(logits, [1])[0][0]) for _ in range(2)] == tokens[4:]
+
+
+# ---------------------------------------------------------------------- grammar bitmask
+
+
+def packed(allowed: list[set[int]], vocab: int = VOCAB) -> torch.Tensor:
+    """The packed int32 bitmask (xgrammar's layout) allowing `allowed[i]` in row i."""
+    bits = torch.zeros(len(allowed), -(-vocab // 32) * 32, dtype=torch.int64)
+    for row, ids in enumerate(allowed):
+        bits[row, list(ids)] = 1
+    words = (bits.view(len(allowed), -1, 32) << torch.arange(32)).sum(-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def test_a_masked_token_is_never_sampled() -> None:
+    sampler = new_sampler()
+    allowed = {3, 17, VOCAB - 1}
+    for slot in range(4):
+        sampler.start(slot, params(temperature=1.5, seed=slot), [])
+    logits = torch.randn(4, VOCAB) * 4
+    logits[:, 0] = 50.0  # by far the likeliest token, and masked
+    bitmask = packed([allowed] * 4)
+    for _ in range(50):
+        tokens, _ = sampler.sample(logits, [0, 1, 2, 3], bitmask)
+        assert set(tokens.tolist()) <= allowed
+
+
+def test_greedy_picks_the_best_allowed_token_after_penalties() -> None:
+    sampler = new_sampler()
+    sampler.start(0, params(temperature=0.0, repetition_penalty=2.0), [9])
+    sampler.start(1, params(temperature=0.0), [])
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 5], logits[:, 9], logits[:, 11] = 8.0, 6.0, 4.0
+    tokens, _ = sampler.sample(logits, [0, 1], packed([{9, 11}, set(range(VOCAB))]))
+    # Row 0: 5 is masked and 9 (seen in the prompt) halves to 3.0, below 11. Row 1: no mask.
+    assert tokens.tolist() == [11, 5]

@@ -283,3 +283,18 @@ def test_random_workload_is_correct_and_leaks_nothing(
         assert run.outputs[rid] == expected
         assert reason == ("stop" if expected[-1] in STOP else "length")
     assert_all_pages_back(run)
+
+
+def test_a_finished_grammar_ends_its_request_with_stop_even_ignoring_eos() -> None:
+    run = make(num_pages=16)
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
+    run.scheduler.add(Req("g", [1, 2, 3], sampling, frozenset(), worker=0))
+    plan = run.scheduler.schedule()
+    assert plan is not None
+    result = run.model.run(plan)
+    result.grammar_ended = [True]
+    out = run.scheduler.process(result)
+    (finish,) = out.batches[0].finish
+    assert finish is not None and finish.reason == "stop"
+    assert finish.matched == result.tokens[0]
+    assert not run.scheduler.has_work
