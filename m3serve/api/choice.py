@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from m3serve.api.parsers.reasoning import ReasoningParser
-from m3serve.api.parsers.specials import NON_THINK_TOKENS, ControlTokenFilter
-from m3serve.api.parsers.tools import ToolCall, ToolCallDelta, ToolCallParser
 from m3serve.model.special_tokens import CONTROL_TOKENS
+from m3serve.parsers.reasoning import ReasoningParser
+from m3serve.parsers.specials import NON_THINK_TOKENS, ControlTokenFilter
+from m3serve.parsers.tools import ToolCall, ToolCallDelta, ToolCallParser
 
 
 @dataclass

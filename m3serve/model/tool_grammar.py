@@ -1,7 +1,7 @@
 """The grammar (xgrammar EBNF) of one MiniMax-M3 tool-call block whose arguments satisfy the
 tools' JSON schemas: what an enforced `tool_choice` constrains the output to.
 
-The block is the model's own format (see `api/parsers/tools.py`), with N the namespace token::
+The block is the model's own format (see `parsers/tools.py`), with N the namespace token::
 
     N<tool_call>\\n
     N<invoke name="f">N<a>1N</a>N<b>N<item>xN</item>N</b>N</invoke>\\n

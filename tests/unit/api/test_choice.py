@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from m3serve.api.choice import ChoiceOutput, Delta
-from m3serve.api.parsers.reasoning import ReasoningParser
-from m3serve.api.parsers.specials import strip_control_tokens
-from m3serve.api.parsers.tools import ToolCallParser
 from m3serve.model.special_tokens import CONTROL_TOKENS, THINK_START, TOOL_CALL_START
+from m3serve.parsers.reasoning import ReasoningParser
+from m3serve.parsers.specials import strip_control_tokens
+from m3serve.parsers.tools import ToolCallParser
 
 WEATHER = tool("get_weather", {"location": {"type": "string"}})
 

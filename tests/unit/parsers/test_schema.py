@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from m3serve.api.parsers.schema import MAX_VISITS, Schema
+from m3serve.parsers.schema import MAX_VISITS, Schema
 
 
 def at(node: Any, root: Any = None) -> Schema:

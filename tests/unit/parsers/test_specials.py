@@ -7,8 +7,8 @@ from helpers.chunking import all_chunkings
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from m3serve.api.parsers.specials import ControlTokenFilter, strip_control_tokens
 from m3serve.model.special_tokens import CONTROL_TOKENS
+from m3serve.parsers.specials import ControlTokenFilter, strip_control_tokens
 
 
 def stream(pieces: list[str]) -> str:

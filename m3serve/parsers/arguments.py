@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from m3serve.api.parsers.schema import Schema
+from m3serve.parsers.schema import Schema
 
 _FAIL = object()  # a schema type that does not fit the value
 _INTEGER = re.compile(r"-?[0-9]+")

@@ -21,8 +21,8 @@ from helpers.m3_tools import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from m3serve.api.parsers.arguments import Element, coerce
-from m3serve.api.parsers.tools import ToolCallParser
+from m3serve.parsers.arguments import Element, coerce
+from m3serve.parsers.tools import ToolCallParser
 
 
 def parsed(properties: dict[str, Any] | None, body: str, **extra: Any) -> dict[str, Any]:

@@ -5,9 +5,9 @@ then goes through `ToolCallParser`; last, `ControlTokenFilter` removes the speci
 either field. All are pure state machines, one instance per request.
 """
 
-from m3serve.api.parsers.reasoning import ReasoningDelta, ReasoningParser
-from m3serve.api.parsers.specials import ControlTokenFilter
-from m3serve.api.parsers.tools import ToolCall, ToolCallDelta, ToolCallParser, ToolDelta
+from m3serve.parsers.reasoning import ReasoningDelta, ReasoningParser
+from m3serve.parsers.specials import ControlTokenFilter
+from m3serve.parsers.tools import ToolCall, ToolCallDelta, ToolCallParser, ToolDelta
 
 __all__ = [
     "ControlTokenFilter",
