@@ -160,7 +160,8 @@ class FunctionCallOutputInput(msgspec.Struct, kw_only=True):
 class ResponsesRequest(msgspec.Struct, kw_only=True):
     """POST /v1/responses. `input` items are dicts here: a message item may come without its
     `type`, which a tagged union cannot decode; `response_input.py` checks each by its kind.
-    `thinking` is the chat endpoint's extension, accepted here too."""
+    `thinking` and the SGLang sampling fields after it are the chat endpoint's extensions,
+    accepted here too."""
 
     model: str | None = None
     input: str | list[dict[str, Any]]
@@ -173,6 +174,10 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     top_p: float | None = None
     reasoning: ReasoningConfig | None = None
     thinking: Thinking | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     stream: bool = False
     store: bool | None = None
     previous_response_id: str | None = None

@@ -53,6 +53,12 @@ class OutputItems:
             events += self._call(call)
         return events
 
+    def finish(self, complete: bool) -> list[Event]:
+        """The output is over: close its last item. An output with nothing in it is one empty
+        message, so that every finished response has an answer to read."""
+        events = [] if self.items else self._open_text(MESSAGE)
+        return [*events, *self.close(complete)]
+
     def close(self, complete: bool) -> list[Event]:
         """End the item being written: completed, or incomplete when the output was cut."""
         if self._open is None:

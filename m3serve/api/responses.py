@@ -103,7 +103,7 @@ class _Response:
         if piece.finish is None:
             return self.items.add(delta)
         delta += self.parsed.finish()
-        return [*self.items.add(delta), *self.items.close(piece.finish.reason != "length")]
+        return [*self.items.add(delta), *self.items.finish(piece.finish.reason != "length")]
 
     def _stamp(self, event: Event) -> Event:
         stamped = {**event, "sequence_number": self._sequence}

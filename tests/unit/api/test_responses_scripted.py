@@ -166,6 +166,16 @@ async def test_output_cut_by_the_token_limit_is_incomplete(serve, model_dir) -> 
     assert events[-1]["response"]["status"] == "incomplete"
 
 
+async def test_an_empty_output_is_one_empty_message(serve) -> None:
+    async with serve(says("")) as s:
+        body = (await s.post(PATH, {"input": "Hi"})).json()
+        events = await stream(s, {"input": "Hi"})
+    (item,) = body["output"]
+    assert item["type"] == "message" and item["content"][0]["text"] == ""
+    assert without_ids(events[-1]["response"]["output"]) == without_ids(body["output"])
+    assert [e["type"] for e in events].count("response.output_item.done") == 1
+
+
 # ---------------------------------------------------------------------- streaming
 
 
