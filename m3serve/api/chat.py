@@ -20,13 +20,13 @@ from m3serve.api.bodies import finish_reason, logprobs_content, usage_dict
 from m3serve.api.choice import ChoiceOutput, Delta
 from m3serve.api.errors import APIError, decode, read_body
 from m3serve.api.generation import Generation, Outputs
-from m3serve.api.parsers.reasoning import ReasoningParser
-from m3serve.api.parsers.tools import ToolCall, ToolCallDelta, ToolCallParser
 from m3serve.api.protocol import ChatCompletionRequest, Message, to_builtins
 from m3serve.api.sampling import check_n, sampling_params
 from m3serve.api.state import ServerState
 from m3serve.model.special_tokens import THINK_END, TOOL_CALL_START, TOOL_NAMESPACE
 from m3serve.model.thinking import ThinkingInvalid, resolve_thinking
+from m3serve.parsers.reasoning import ReasoningParser
+from m3serve.parsers.tools import ToolCall, ToolCallDelta, ToolCallParser
 from m3serve.runtime.messages import GenerateReq, RequestOutput
 
 MEDIA_PARTS = ("image_url", "image", "video_url", "video", "input_audio")

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from m3serve.api.parsers.reasoning import ReasoningParser
-from m3serve.api.parsers.tools import ToolCall, ToolCallDelta, ToolCallParser
+from m3serve.parsers.reasoning import ReasoningParser
+from m3serve.parsers.tools import ToolCall, ToolCallDelta, ToolCallParser
 
 
 @dataclass

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from m3serve.api.choice import Delta
-from m3serve.api.parsers.tools import ToolCallDelta
+from m3serve.parsers.tools import ToolCallDelta
 
 Event = dict[str, Any]
 

@@ -13,10 +13,10 @@ from helpers.chunking import all_chunkings, token_pieces
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from m3serve.api.parsers.reasoning import ReasoningParser
-from m3serve.api.parsers.tools import ToolCall, ToolCallDelta, ToolCallParser, ToolDelta
 from m3serve.model.chat_template import render_chat
 from m3serve.model.special_tokens import THINK_END, THINK_START, TOOL_CALL_START, TOOL_NAMESPACE
+from m3serve.parsers.reasoning import ReasoningParser
+from m3serve.parsers.tools import ToolCall, ToolCallDelta, ToolCallParser, ToolDelta
 
 N = TOOL_NAMESPACE
 BREAKS = "\r\n"

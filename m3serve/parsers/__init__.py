@@ -4,8 +4,8 @@ A response's text (special tokens kept) goes through `ReasoningParser` first; it
 then goes through `ToolCallParser`. Both are pure state machines, one instance per request.
 """
 
-from m3serve.api.parsers.reasoning import ReasoningDelta, ReasoningParser
-from m3serve.api.parsers.tools import ToolCall, ToolCallDelta, ToolCallParser, ToolDelta
+from m3serve.parsers.reasoning import ReasoningDelta, ReasoningParser
+from m3serve.parsers.tools import ToolCall, ToolCallDelta, ToolCallParser, ToolDelta
 
 __all__ = [
     "ReasoningDelta",

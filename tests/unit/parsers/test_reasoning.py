@@ -8,8 +8,8 @@ from helpers.chunking import all_chunkings, token_pieces
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from m3serve.api.parsers.reasoning import ReasoningDelta, ReasoningParser
 from m3serve.model.special_tokens import THINK_END, THINK_START
+from m3serve.parsers.reasoning import ReasoningDelta, ReasoningParser
 
 BREAKS = "\r\n"
 

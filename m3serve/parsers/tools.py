@@ -41,8 +41,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from m3serve.api.parsers.arguments import Element, coerce, loose_arguments, tool_properties
 from m3serve.model.special_tokens import TOOL_CALL_START, TOOL_NAMESPACE
+from m3serve.parsers.arguments import Element, coerce, loose_arguments, tool_properties
 from m3serve.text import held_back_length
 
 # A would-be tag this long without its ">" is text: real tags are short, and the bound keeps the
