@@ -111,6 +111,14 @@ def test_function_tools_tool_choice_and_sampling_carry_over_to_chat() -> None:
     assert (chat.reasoning_effort, chat.parallel_tool_calls, chat.stream) == ("low", False, True)
 
 
+def test_the_chat_endpoints_extensions_carry_over_too() -> None:
+    chat = chat_request(
+        request(thinking={"type": "enabled"}, top_k=5, seed=7, stop="END", stop_token_ids=[3])
+    )
+    assert chat.thinking is not None and chat.thinking.type == "enabled"
+    assert (chat.top_k, chat.seed, chat.stop, chat.stop_token_ids) == (5, 7, "END", [3])
+
+
 def test_store_is_accepted_and_stores_nothing() -> None:
     assert messages(store=True) == messages(store=False)
 
