@@ -27,6 +27,7 @@ from m3serve.api.completions import completions
 from m3serve.api.errors import CLIENT_CLOSED, APIError, ClientGone, error_response
 from m3serve.api.guards import AllowedHosts, GuardBody
 from m3serve.api.metrics import ServerMetrics
+from m3serve.api.responses import responses
 from m3serve.api.state import ServerState
 from m3serve.engine.async_engine import AsyncEngine
 from m3serve.runtime.config import ApiArgs
@@ -58,6 +59,7 @@ def create_app(
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/models", admin.models, methods=["GET"]),
         Route("/v1/models/{name:path}", admin.model, methods=["GET"]),
         Route("/v1/tokenize", admin.tokenize, methods=["POST"]),
@@ -175,6 +177,6 @@ class CountRequests:
 
 def _endpoint(path: str) -> str:
     # Unknown paths share one label, so scanners cannot blow up the metric's cardinality.
-    known = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/tokenize"}
-    known |= {"/v1/detokenize", "/health", "/openapi.json"}
+    known = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models"}
+    known |= {"/v1/tokenize", "/v1/detokenize", "/health", "/openapi.json"}
     return path if path in known else "other"

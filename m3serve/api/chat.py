@@ -91,11 +91,8 @@ def _constraint(
         specials = {token.content: i for i, token in added if token.special}
     forced = tool_choice_constraint(body, tools or [], specials)
     response = response_format_constraint(body.response_format)
-    if forced is not None and response is not None:
-        raise APIError(
-            400, "response_format cannot be combined with a tool_choice that forces a call",
-            "response_format",
-        )  # fmt: skip
+    # A forced call is the whole output: the answer format has no text to shape (as OpenAI,
+    # which accepts both; agent SDKs send their output type with every turn).
     return forced or response
 
 

@@ -138,11 +138,15 @@ class Generation:
 
     # ------------------------------------------------------------------ responses
 
-    def event_stream(self, events: AsyncGenerator[dict[str, Any], None]) -> sse.EventStream:
+    def event_stream(
+        self, events: AsyncGenerator[dict[str, Any], None], named: bool = False
+    ) -> sse.EventStream:
         """The streamed response: a handler's chunks (drawn from `stream`) as SSE. An engine
         failure mid-stream is reported in-band, `[DONE]` ends it, and the generation is closed
-        as the response ends, also when the client hangs up."""
-        return sse.EventStream(self._framed(events))
+        as the response ends, also when the client hangs up. `named` is the Responses API's
+        framing: each frame names its event type, and no `[DONE]` follows (the handler's own
+        terminal event ends the stream)."""
+        return sse.EventStream(self._framed(events, named))
 
     async def json_response(self, request: Request, render: Render) -> Response:
         """The non-streamed response: `render` turns the collected outputs into the body. A
@@ -155,7 +159,7 @@ class Generation:
         finally:
             await self.close()
         body = render(outputs)
-        self.state.log_exchange(self.rid, "response", body["choices"])
+        self.state.log_exchange(self.rid, "response", body.get("choices", body.get("output")))
         return JSONResponse(body)
 
     async def close(self) -> None:
@@ -245,16 +249,20 @@ class Generation:
         async for _ in self.stream():
             pass
 
-    async def _framed(self, events: AsyncGenerator[dict[str, Any], None]) -> AsyncIterator[bytes]:
+    async def _framed(
+        self, events: AsyncGenerator[dict[str, Any], None], named: bool
+    ) -> AsyncIterator[bytes]:
+        frame = sse.named_event if named else sse.event
         try:
             async for payload in events:
-                yield sse.event(payload)
+                yield frame(payload)
         except (RequestError, EngineDeadError) as exc:
             yield sse.error_event(str(exc), getattr(exc, "code", 503))
         finally:
             await self.close()
             await events.aclose()
-        yield sse.DONE
+        if not named:
+            yield sse.DONE
 
     def _add(self, choice: Choice, output: RequestOutput) -> None:
         choice.add(output)

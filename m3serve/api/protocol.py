@@ -124,6 +124,83 @@ class CompletionRequest(SamplingFields, kw_only=True):
     suffix: str | None = None
 
 
+class ResponseTool(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A Responses API tool: a function, flat (no nested `function` object). Any other type
+    decodes, so that the handler can refuse it by name."""
+
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseToolChoice(msgspec.Struct, kw_only=True):
+    type: str
+    name: str | None = None
+
+
+class ReasoningConfig(msgspec.Struct, kw_only=True):
+    effort: str | None = None
+    summary: str | None = None
+
+
+class InputMessage(msgspec.Struct, kw_only=True):
+    """A Responses input message item; content parts are checked by the handler."""
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class FunctionCallInput(msgspec.Struct, kw_only=True):
+    """A function call the model made in an earlier turn, sent back as input."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutputInput(msgspec.Struct, kw_only=True):
+    """A function call's result, for the model's next turn."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[dict[str, Any]]
+
+
+class ResponsesRequest(msgspec.Struct, kw_only=True):
+    """POST /v1/responses. `input` items are dicts here: a message item may come without its
+    `type`, which a tagged union cannot decode; `response_input.py` checks each by its kind.
+    `thinking` and the SGLang sampling fields after it are the chat endpoint's extensions,
+    accepted here too."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[ResponseTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponseToolChoice | None = None
+    parallel_tool_calls: bool = True
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    reasoning: ReasoningConfig | None = None
+    thinking: Thinking | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool = False
+    store: bool | None = None
+    previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None
+    text: dict[str, Any] | None = None
+    include: list[str] | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+
+
 class TokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     prompt: str | None = None
@@ -139,6 +216,7 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 REQUEST_TYPES: dict[str, type[msgspec.Struct]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
+    "/v1/responses": ResponsesRequest,
     "/v1/tokenize": TokenizeRequest,
     "/v1/detokenize": DetokenizeRequest,
 }

@@ -1,5 +1,6 @@
-"""Server-sent events on the wire: `data: <json>` frames, the in-band error frame, the closing
-`[DONE]`, and the response that carries them."""
+"""Server-sent events on the wire: `data: <json>` frames (named by an `event:` line for the
+Responses API), the in-band error frame, the closing `[DONE]`, and the response that carries
+them."""
 
 from __future__ import annotations
 
@@ -15,6 +16,11 @@ DONE = b"data: [DONE]\n\n"
 
 def event(payload: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def named_event(payload: dict[str, Any]) -> bytes:
+    """A Responses API frame: an `event:` line with the payload's type, then its data."""
+    return b"event: " + payload["type"].encode() + b"\n" + event(payload)
 
 
 def error_event(message: str, code: int) -> bytes:

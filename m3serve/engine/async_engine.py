@@ -1,26 +1,49 @@
-"""`AsyncEngine`: the engine inside a running event loop (what the API server holds).
+"""`AsyncEngine`: the engine inside a running event loop (what the API server holds, and the
+library's async surface).
+
+    engine = await AsyncEngine.create(model_path=None, single_process=False, ...)
+    out = await engine.generate("The capital of France is", {"max_new_tokens": 16})
+    async for chunk in engine.generate_stream("Stream me", max_new_tokens=8): ...
+    answer = await engine.chat([{"role": "user", "content": "hi"}], tools=None, temperature=0)
+    await engine.close()
 
 It starts the actor graph (`launch.py`) — as processes talking over ZeroMQ, or with
 `single_process=True` as tasks in the current loop — sends each request to the tokenizer worker
 that owns it and routes the returning `RequestOutput`s into per-request streams; `tokenize` and
-`detokenize` are one-message round trips to a worker. A dead actor fails every pending request
-with `EngineDeadError`. `metrics` is the engine's Prometheus
-metrics, readable in this process whichever way the actors run.
+`detokenize` are one-message round trips to a worker. Starting and closing never block the loop
+with the processes' start-up and exit (the checks and imports before the start run off the
+loop); single-process, the model itself loads in the loop. A dead actor fails every pending
+request with `EngineDeadError`. `metrics` is the engine's Prometheus metrics, readable in this
+process whichever way the actors run.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing as mp
+import sys
 import tempfile
+import time
 import uuid
 import zlib
 from collections.abc import AsyncIterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from m3serve.engine.chat import chat_request, parsed
+from m3serve.engine.errors import EngineDeadError, RequestError
 from m3serve.engine.launch import ActorGraph, start_in_process, start_processes
+from m3serve.engine.requests import (
+    Prompt,
+    Result,
+    SamplingArg,
+    generate_requests,
+    stream_request,
+    with_keywords,
+)
 from m3serve.runtime.actor import Actor
 from m3serve.runtime.config import ConfigInvalid, ServerArgs
 from m3serve.runtime.messages import (
@@ -44,16 +67,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class EngineDeadError(RuntimeError):
-    """The engine (or one of its actors) is gone; no request can complete."""
-
-
-class RequestError(RuntimeError):
-    """The engine refused or failed one request (code: the HTTP status it maps to)."""
-
-    def __init__(self, message: str, code: int = 400) -> None:
-        super().__init__(message)
-        self.code = code
+__all__ = ["AsyncEngine", "EngineDeadError", "RequestError"]
 
 
 @dataclass
@@ -76,32 +90,16 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def start(self) -> None:
-        from m3serve.backends import check_backend
-        from m3serve.model.build import resolve_device
-        from m3serve.model.config import load_model_config
-        from m3serve.model.locate import resolve_model_path
-        from m3serve.model.tiny.default import default_model_path
+    @classmethod
+    async def create(cls, model_path: str | None = None, **server_args: Any) -> AsyncEngine:
+        """A started engine: `server_args` are the CLI flags as keywords (`single_process`,
+        `max_total_tokens`, ...); no model_path means the built-in tiny checkpoint."""
+        engine = cls(ServerArgs.from_kwargs(model_path=model_path, **server_args))
+        await engine.start()
+        return engine
 
-        # Fail in this process, with the component's own message, before spawning anything.
-        self.args.check_supported()
-        path = self.args.model.model_path
-        if path:
-            self.model_path = resolve_model_path(path, self.args.model.revision)
-        else:
-            self.model_path = await asyncio.to_thread(default_model_path)
-        config = load_model_config(self.model_path)
-        page_size = self.args.cache.page_size
-        if page_size is not None and page_size != config.text.page_size:
-            raise ConfigInvalid(
-                f"--page-size {page_size}: this model's KV page is its sparse block, "
-                f"{config.text.page_size} tokens"
-            )
-        device = resolve_device(self.args.backend.device)
-        moe_runner = self.args.kernel.moe_runner_backend
-        backend = check_backend(self.args.backend.backend, device, moe_runner)
-        if self.args.cache.kv_cache_dtype == "fp8_e4m3" and backend != "hopper":
-            raise ConfigInvalid("--kv-cache-dtype fp8_e4m3 needs the hopper backend")
+    async def start(self) -> None:
+        self.model_path = await _checked_off_the_loop(self.args)
         session = new_session_id()
         supervisor = Supervisor(session, Path(tempfile.mkdtemp(prefix=f"m3s-{session}-")))
         launch = start_in_process if self.args.runtime.single_process else start_processes
@@ -131,6 +129,16 @@ class AsyncEngine:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
         self._fail_all(EngineDeadError("the engine was shut down"))
+
+    async def close(self) -> None:
+        """Shut down: the actors stop and their processes are waited for off the loop."""
+        await self.shutdown()
+
+    async def __aenter__(self) -> AsyncEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
     @property
     def actors(self) -> list[Actor]:
@@ -236,6 +244,82 @@ class AsyncEngine:
         finally:
             self._calls.pop(rid, None)
 
+    async def generate(
+        self,
+        prompt: Prompt | list[Prompt] | None = None,
+        sampling_params: SamplingArg = None,
+        *,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        rid: str | list[str] | None = None,
+        **sampling: Any,
+    ) -> Any:
+        """Generate from a prompt (text or token ids; or `input_ids=`): SGLang's result dict
+        (`text`, `output_ids`, `meta_info`), or a list of them for a list of prompts. Sampling
+        is a plain dict and/or keywords with SGLang's names (`temperature`, `max_new_tokens`,
+        `top_p`, `stop`, `seed`, ...)."""
+        params = with_keywords(sampling_params, sampling)
+        reqs, single = generate_requests(
+            prompt, input_ids, params, rid, return_logprob, top_logprobs_num
+        )
+        results = await asyncio.gather(*(self._collect(req) for req in reqs))
+        return results[0] if single else list(results)
+
+    async def generate_stream(
+        self,
+        prompt: Prompt | None = None,
+        sampling_params: dict[str, Any] | None = None,
+        *,
+        input_ids: list[int] | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        rid: str | None = None,
+        **sampling: Any,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """`generate` for one prompt, as it is written: each dict holds the new text and token
+        ids; the last one has the finish reason. Leaving the loop early aborts the request."""
+        params = with_keywords(sampling_params, sampling)
+        reqs, single = generate_requests(
+            prompt, input_ids, params, rid, return_logprob, top_logprobs_num
+        )
+        async for chunk in self._increments(stream_request(reqs, single)):
+            yield chunk
+
+    async def chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        thinking: str | None = None,
+        reasoning_effort: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        rid: str | None = None,
+        **sampling: Any,
+    ) -> dict[str, Any]:
+        """One chat turn through the model's chat template, parsed as the API parses it: the
+        generate result plus `content`, `reasoning_content` (None without reasoning) and
+        `tool_calls` (OpenAI's shape: id, type, function name and JSON arguments). Messages
+        and tools are OpenAI chat dicts; thinking is enabled, disabled or adaptive."""
+        req = chat_request(
+            messages, tools, sampling, thinking, reasoning_effort, chat_template_kwargs, rid
+        )
+        return parsed(await self._collect(req), req)
+
+    async def _collect(self, req: GenerateReq) -> dict[str, Any]:
+        started = time.monotonic()
+        result = Result(req.rid)
+        async for chunk in self.stream(req):
+            result.add(chunk)
+        return result.as_dict(time.monotonic() - started)
+
+    async def _increments(self, req: GenerateReq) -> AsyncIterator[dict[str, Any]]:
+        started = time.monotonic()
+        async for chunk in self.stream(req):
+            result = Result(req.rid)
+            result.add(chunk)
+            yield result.as_dict(time.monotonic() - started)
+
     async def abort(self, rid: str) -> None:
         if self.healthy:
             await self._tokenizer_of(rid).send(Abort(rid))
@@ -295,3 +379,43 @@ class AsyncEngine:
             state.queue.put_nowait(error)
         for rid in list(self._calls):
             self._answer(rid, error)
+
+
+async def _checked_off_the_loop(args: ServerArgs) -> Path:
+    """`checked_model_path` without stalling the event loop. Importing torch holds the GIL for
+    up to a second at a time even in a worker thread, so a process that has not imported it
+    (the API server, a script driving actor processes) checks in a short-lived child process
+    and never imports torch itself; otherwise a worker thread does."""
+    if args.runtime.single_process or "torch" in sys.modules:
+        return await asyncio.to_thread(checked_model_path, args)
+    pool = ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"))
+    try:
+        return await asyncio.get_running_loop().run_in_executor(pool, checked_model_path, args)
+    finally:
+        await asyncio.to_thread(pool.shutdown)  # the child's exit is waited for off the loop
+
+
+def checked_model_path(args: ServerArgs) -> Path:
+    """The model's directory, once every setting is known to work with it: a start fails here,
+    with the component's own message, before any actor is spawned."""
+    from m3serve.backends import check_backend
+    from m3serve.model.build import resolve_device
+    from m3serve.model.config import load_model_config
+    from m3serve.model.locate import resolve_model_path
+    from m3serve.model.tiny.default import default_model_path
+
+    args.check_supported()
+    path, revision = args.model.model_path, args.model.revision
+    model_path = resolve_model_path(path, revision) if path else default_model_path()
+    config = load_model_config(model_path)
+    page_size = args.cache.page_size
+    if page_size is not None and page_size != config.text.page_size:
+        raise ConfigInvalid(
+            f"--page-size {page_size}: this model's KV page is its sparse block, "
+            f"{config.text.page_size} tokens"
+        )
+    device = resolve_device(args.backend.device)
+    backend = check_backend(args.backend.backend, device, args.kernel.moe_runner_backend)
+    if args.cache.kv_cache_dtype == "fp8_e4m3" and backend != "hopper":
+        raise ConfigInvalid("--kv-cache-dtype fp8_e4m3 needs the hopper backend")
+    return model_path

@@ -6,28 +6,14 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine, Iterator
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import msgspec
-import numpy as np
-
-from m3serve.engine.async_engine import AsyncEngine, RequestError
+from m3serve.engine.async_engine import AsyncEngine
+from m3serve.engine.requests import Prompt, generate_requests, sampling, stream_request
 from m3serve.runtime.config import ServerArgs
-from m3serve.runtime.messages import (
-    Finish,
-    GenerateReq,
-    RequestOutput,
-    SamplingParams,
-    TokenIds,
-    TokenLogprob,
-    Usage,
-)
-
-Prompt = str | list[int]
+from m3serve.runtime.messages import GenerateReq
 
 T = TypeVar("T")
 
@@ -78,11 +64,11 @@ class Engine:
     ) -> Any:
         """One prompt -> a dict; a list of prompts -> a list of dicts; stream=True -> an
         iterator of incremental dicts (one prompt only)."""
-        reqs, single = _requests(
+        reqs, single = generate_requests(
             prompt, input_ids, sampling_params, rid, return_logprob, top_logprobs_num
         )
         if stream:
-            return self._stream_sync(_only(reqs, single))
+            return self._stream_sync(stream_request(reqs, single))
         results = self._call(self._collect_all(reqs))
         return results[0] if single else results
 
@@ -97,11 +83,11 @@ class Engine:
         rid: str | list[str] | None = None,
     ) -> Any:
         """Awaitable from any event loop; with stream=True returns an async iterator."""
-        reqs, single = _requests(
+        reqs, single = generate_requests(
             prompt, input_ids, sampling_params, rid, return_logprob, top_logprobs_num
         )
         if stream:
-            return self._stream_async(_only(reqs, single))
+            return self._stream_async(stream_request(reqs, single))
         results = await self._await(self._collect_all(reqs))
         return results[0] if single else results
 
@@ -120,7 +106,7 @@ class Engine:
             rid=rid or uuid.uuid4().hex,
             messages=messages,
             tools=tools,
-            sampling=_sampling(sampling_params, False, 0),
+            sampling=sampling(sampling_params),
             stream=stream,
             thinking=thinking,
             reasoning_effort=reasoning_effort,
@@ -167,11 +153,7 @@ class Engine:
         return list(await asyncio.gather(*(self._collect(r) for r in reqs)))
 
     async def _collect(self, req: GenerateReq) -> dict[str, Any]:
-        started = time.monotonic()
-        out = _Output(req.rid)
-        async for chunk in self.async_engine.stream(req):
-            out.add(chunk)
-        return out.as_dict(time.monotonic() - started)
+        return await self.async_engine._collect(req)
 
     def _stream_sync(self, req: GenerateReq) -> Iterator[dict[str, Any]]:
         items: queue.Queue[Any] = queue.Queue()
@@ -201,12 +183,9 @@ class Engine:
             future.cancel()
 
     async def _pump(self, req: GenerateReq, put: Any) -> None:
-        started = time.monotonic()
         try:
-            async for chunk in self.async_engine.stream(req):
-                out = _Output(req.rid)
-                out.add(chunk)
-                put(out.as_dict(time.monotonic() - started))
+            async for chunk in self.async_engine._increments(req):
+                put(chunk)
         except BaseException as exc:  # delivered to the consumer, raised there
             put(exc)
         finally:
@@ -218,112 +197,6 @@ class Engine:
 
 
 _END = object()
-
-
-@dataclass
-class _Output:
-    """Accumulates chunks into SGLang's result dict."""
-
-    rid: str
-    text: str = ""
-    ids: list[int] = field(default_factory=list)
-    finish: Finish | None = None
-    usage: Usage | None = None
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-
-    def add(self, chunk: RequestOutput) -> None:
-        self.text += chunk.text
-        self.ids.extend(chunk.output_ids)
-        self.finish = chunk.finish or self.finish
-        self.usage = chunk.usage
-        self.logprobs.extend(chunk.logprobs)
-
-    def as_dict(self, latency: float) -> dict[str, Any]:
-        usage = self.usage or Usage(0, 0, 0)
-        meta: dict[str, Any] = {
-            "id": self.rid,
-            "prompt_tokens": usage.prompt_tokens,
-            "completion_tokens": usage.completion_tokens,
-            "cached_tokens": usage.cached_tokens,
-            "finish_reason": _finish_dict(self.finish),
-            "e2e_latency": latency,
-        }
-        if self.logprobs:
-            meta["output_token_logprobs"] = [(lp.logprob, lp.token_id) for lp in self.logprobs]
-            if any(lp.top for lp in self.logprobs):
-                meta["output_top_logprobs"] = [
-                    [(value, token) for token, value in lp.top] for lp in self.logprobs
-                ]
-        return {"text": self.text, "output_ids": self.ids, "meta_info": meta}
-
-
-def _finish_dict(finish: Finish | None) -> dict[str, Any] | None:
-    if finish is None:
-        return None
-    out: dict[str, Any] = {"type": finish.reason}
-    if finish.reason == "stop" and finish.matched is not None:
-        out["matched"] = finish.matched
-    if finish.reason == "error" and finish.matched is not None:
-        out["message"] = finish.matched
-    return out
-
-
-def _sampling(params: dict[str, Any] | None, logprob: bool, top: int) -> SamplingParams:
-    values = dict(params or {})
-    if logprob or top:
-        values.setdefault("logprobs", True)
-        values.setdefault("top_logprobs", top)
-    try:
-        return msgspec.convert(values, SamplingParams)
-    except msgspec.ValidationError as exc:
-        raise RequestError(f"invalid sampling_params: {exc}") from exc
-
-
-def _requests(
-    prompt: Prompt | list[Prompt] | None,
-    input_ids: list[int] | list[list[int]] | None,
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None,
-    rid: str | list[str] | None,
-    return_logprob: bool,
-    top_logprobs_num: int,
-) -> tuple[list[GenerateReq], bool]:
-    if (prompt is None) == (input_ids is None):
-        raise ValueError("pass exactly one of prompt or input_ids")
-    if prompt is not None:
-        single = isinstance(prompt, str) or (bool(prompt) and isinstance(prompt[0], int))
-        items: list[Any] = [prompt] if single else list(prompt)
-    else:
-        assert input_ids is not None
-        single = not input_ids or isinstance(input_ids[0], int)
-        items = [input_ids] if single else list(input_ids)
-    params = (
-        sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
-    )
-    rids = rid if isinstance(rid, list) else [rid] * len(items)
-    if len(params) != len(items) or len(rids) != len(items):
-        raise ValueError("sampling_params and rid lists must match the number of prompts")
-    reqs = []
-    for item, param, one_rid in zip(items, params, rids, strict=True):
-        req = GenerateReq(
-            rid=one_rid or uuid.uuid4().hex,
-            sampling=_sampling(param, return_logprob, top_logprobs_num),
-        )
-        if isinstance(item, str):
-            req.prompt = item
-        else:
-            if any(not 0 <= t < 2**31 for t in item):
-                raise RequestError(f"token id outside the vocabulary in {item[:8]}...")
-            req.input_ids = TokenIds(len(item), np.asarray(item, dtype=np.int32))
-        reqs.append(req)
-    return reqs, single
-
-
-def _only(reqs: list[GenerateReq], single: bool) -> GenerateReq:
-    if not single:
-        raise ValueError("stream=True takes one prompt")
-    req = reqs[0]
-    req.stream = True
-    return req
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:

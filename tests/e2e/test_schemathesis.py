@@ -29,7 +29,7 @@ from m3serve.runtime.config import ApiArgs, ServerArgs
 MAX_NEW_TOKENS = 8
 MAX_N = 2
 MAX_PROMPTS = 3
-GENERATING = ("/v1/chat/completions", "/v1/completions")
+GENERATING = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
 
 
@@ -60,7 +60,7 @@ def clamp(path: str, body: Any) -> None:
     """Keep generation short: bound new tokens, choices and prompts of a body that has them."""
     if path not in GENERATING or not isinstance(body, dict):
         return
-    limits = ("max_tokens", "max_completion_tokens")
+    limits = ("max_tokens", "max_completion_tokens", "max_output_tokens")
     for key in limits:
         value = body.get(key)
         if _is_int(value) and value > MAX_NEW_TOKENS:
