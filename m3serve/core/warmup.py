@@ -68,8 +68,11 @@ def warmup_plans(limits: WarmupLimits) -> Iterator[StepPlan]:
     builder = _PlanBuilder(limits)
     for t in tokens:  # one prefill, from the start of the prompt
         yield builder.plan([(0, t)])
-    for ctx in contexts:  # one prefill after a long cached prefix, and a decode
-        for t in (1, 2, 17, page, 4 * page):
+    # One prefill (or decode) after a cached prefix: some launch choices depend on the step's
+    # tokens and its page-table width together (the top-k block selection's rows per program,
+    # by the GPU's SM count), so every token class meets every width class.
+    for ctx in contexts:
+        for t in tokens:
             if t <= min(ctx, limits.max_step_tokens):
                 yield builder.plan([(ctx - t, t)])
     longest = limits.context
