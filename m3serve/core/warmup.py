@@ -82,11 +82,11 @@ def warmup_plans(limits: WarmupLimits) -> Iterator[StepPlan]:
         for t in mixed:  # b - 1 decodes beside a prefill chunk, short and long contexts
             if b > 1 and t + b - 1 <= limits.max_step_tokens:
                 yield builder.plan([(page, 1)] * (b - 1) + [(0, t)])
-                yield builder.plan([(longest - 1, 1)] * (b - 1) + [(longest - t, t)])
+                yield builder.plan([(longest - 1, 1)] * (b - 1) + [(max(longest - t, 0), t)])
         for extend in shape_points(limits.max_step_tokens // b, dense_until=2):
             if extend > 1:  # b prefills of one length, from the start and after a prefix
                 yield builder.plan([(0, extend)] * b)
-                yield builder.plan([(longest - extend, extend)] * b)
+                yield builder.plan([(max(longest - extend, 0), extend)] * b)
 
 
 def _near_power_of_two(n: int) -> bool:

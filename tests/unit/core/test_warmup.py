@@ -68,6 +68,16 @@ def test_shape_points_cover_every_power_of_two_class() -> None:
     assert max(b / a for a, b in itertools.pairwise(above)) < 1.26
 
 
+@pytest.mark.parametrize("context", [40, 4096])
+def test_every_warmup_plan_is_a_valid_step(context: int) -> None:
+    """Also when a step can carry more tokens than the context holds."""
+    limits = WarmupLimits(16, 64, 4, max_step_tokens=200, context=context)
+    for plan in warmup_plans(limits):
+        for seq in plan.seqs:
+            assert seq.start >= 0 and min(seq.pages) >= 0 and max(seq.pages) < limits.num_pages
+        ForwardBatch.build(plan.seqs, limits.page_size, "cpu")
+
+
 def test_random_steps_launch_no_variant_the_warmup_missed(model: M3ForCausalLM) -> None:
     cfg = model.cfg
     limits = WarmupLimits(
