@@ -25,7 +25,7 @@ from m3serve.api.completions import completions
 from m3serve.api.errors import APIError, error_response
 from m3serve.api.metrics import ServerMetrics
 from m3serve.api.state import ServerState
-from m3serve.engine.async_engine import AsyncEngine
+from m3serve.engine.async_engine import AsyncEngine, EngineDeadError, RequestError
 from m3serve.runtime.config import ApiArgs
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,8 @@ def create_app(
         lifespan=lifespan,
         exception_handlers={
             APIError: _api_error,
+            RequestError: _engine_failed,
+            EngineDeadError: _engine_failed,
             404: _not_found,
             405: _not_allowed,
             Exception: _internal,
@@ -87,6 +89,13 @@ def create_app(
 async def _api_error(_: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
     return exc.response()
+
+
+async def _engine_failed(_: Request, exc: Exception) -> Response:
+    # A non-streamed request the engine failed while it ran (a dead engine, a shutdown's
+    # deadline): the engine's status and words, not a bare 500.
+    code = exc.code if isinstance(exc, RequestError) else 503
+    return error_response(code, str(exc))
 
 
 async def _not_found(request: Request, _: Exception) -> Response:
