@@ -112,10 +112,8 @@ def test_a_port_in_use_is_one_line_before_the_model_loads(tmp_path: Path) -> Non
         taken.listen()
         port = taken.getsockname()[1]
         # The model path is missing too: the port error comes first, before any model work.
-        run = run_cli(
-            "--log-level", "warning", "serve", "--port", str(port),
-            "--model-path", str(tmp_path / "no-such-model"),
-        )  # fmt: skip
+        flags = ["--port", str(port), "--model-path", str(tmp_path / "no-such-model")]
+        run = run_cli("--log-level", "warning", "serve", *flags)
     assert run.returncode == 2, run.stderr
     assert run.stderr.strip() == (
         f"m3serve: error: cannot listen on 127.0.0.1:{port}: Address already in use"
