@@ -43,6 +43,10 @@ REQUEST_TIMEOUT_S = 120.0
 SAMPLE_EVERY_S = 0.25
 ROUND = 1000  # cases per round of the plan below
 KEPT_FAILURES = 20
+KEPT_BODY_CHARS = 20_000  # enough to replay a failing request
+# Below uvicorn's keep-alive (5 s): the client drops an idle connection before the server
+# closes it, so a request never races a server-side close (a ReadError that is no bug).
+KEEPALIVE_S = 2.0
 # (source, method, path, mode, share of each round)
 PLAN = [
     ("schemathesis", "POST", "/v1/chat/completions", "positive", 0.03),
@@ -180,6 +184,7 @@ def _own_header(name: str) -> bool:
 class Rss:
     idle_mb: float = 0.0
     peak_mb: float = 0.0
+    trace_mb: list[float] = field(default_factory=list)  # at every tenth of the run
 
     @property
     def ratio(self) -> float:
@@ -217,12 +222,16 @@ def processes(served: Served) -> dict[str, int]:
     return found
 
 
-async def sample_rss(pids: dict[str, int], rss: dict[str, Rss], stop: asyncio.Event) -> None:
+async def sample_rss(
+    pids: dict[str, int], rss: dict[str, Rss], results: Results, stop: asyncio.Event
+) -> None:
     while not stop.is_set():
         for name, pid in pids.items():
             now = rss_mb(pid)
             if now is not None:
                 rss[name].peak_mb = max(rss[name].peak_mb, now)
+                if len(rss[name].trace_mb) < results.tenths:
+                    rss[name].trace_mb.append(round(now, 1))
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), SAMPLE_EVERY_S)
 
@@ -236,6 +245,7 @@ class Results:
     status: Counter[str] = field(default_factory=Counter)
     by_kind: dict[str, Counter[str]] = field(default_factory=dict)
     inband_5xx: int = 0
+    tenths: int = 0  # tenths of the run done, for the RSS trace
     refusals: Counter[str] = field(default_factory=Counter)  # 4xx messages, digits masked
     failures: list[dict[str, Any]] = field(default_factory=list)
 
@@ -263,7 +273,7 @@ class Results:
                     "kind": request.kind,
                     "status": status,
                     "inband": inband,
-                    "body": (request.body or b"")[:600].decode(errors="replace"),
+                    "body": (request.body or b"")[:KEPT_BODY_CHARS].decode(errors="replace"),
                     "response": response[-600:].decode(errors="replace"),
                 }
             )
@@ -337,6 +347,7 @@ async def consume(
         status, body = await send(http, request)
         results.record(request, status, body)
         if results.requests % max(total // 10, 1) == 0:
+            results.tenths += 1
             print(
                 f"{results.requests}/{total} requests, {results.server_errors} x 5xx",
                 file=sys.stderr,
@@ -346,7 +357,7 @@ async def consume(
 
 async def fuzz(served: Served, args: argparse.Namespace) -> dict[str, Any]:
     timeout = httpx.Timeout(REQUEST_TIMEOUT_S)
-    limits = httpx.Limits(max_connections=args.concurrency)
+    limits = httpx.Limits(max_connections=args.concurrency, keepalive_expiry=KEEPALIVE_S)
     async with httpx.AsyncClient(base_url=served.url, timeout=timeout, limits=limits) as http:
         document = (await http.get("/openapi.json")).text
         for method, path, body in WARM_UP:  # lazy imports and first allocations count as idle
@@ -356,8 +367,8 @@ async def fuzz(served: Served, args: argparse.Namespace) -> dict[str, Any]:
         pids = processes(served)
         rss = {name: Rss(idle_mb=rss_mb(pid) or 0.0) for name, pid in pids.items()}
         stop = asyncio.Event()
-        sampler = asyncio.create_task(sample_rss(pids, rss, stop))
         results = Results()
+        sampler = asyncio.create_task(sample_rss(pids, rss, results, stop))
         queue: asyncio.Queue[Request | None] = asyncio.Queue(maxsize=4 * ROUND)
         started = time.monotonic()
         await asyncio.gather(
@@ -387,6 +398,7 @@ async def fuzz(served: Served, args: argparse.Namespace) -> dict[str, Any]:
                 "idle": round(r.idle_mb, 1),
                 "peak": round(r.peak_mb, 1),
                 "ratio": round(r.ratio, 2),
+                "trace": r.trace_mb,
             }
             for name, r in rss.items()
         },
@@ -424,7 +436,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=20000)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument(
-        "--workers", type=int, default=1, help="case-generating processes; 0: a thread"
+        "--workers", type=int, default=2, help="case-generating processes; 0: a thread"
     )
     parser.add_argument("--server-args", default="--tokenizer-worker-num 2")
     parser.add_argument(
