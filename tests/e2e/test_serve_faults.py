@@ -14,7 +14,6 @@ from typing import Any
 
 import httpx
 import numpy as np
-from helpers.metrics_text import samples
 from helpers.serve_process import alive, running, stream_lines, wait_until
 
 from m3serve.runtime.shm import SHM_DIR, list_session_segments, write_array
@@ -42,11 +41,6 @@ def run_long_stream(url: str) -> tuple[threading.Thread, threading.Event, list[A
     return thread, started, result
 
 
-def running_requests(url: str) -> float:
-    metrics = samples(httpx.get(f"{url}/metrics", timeout=10).text)
-    return sum(v for k, v in metrics.items() if k.startswith("m3serve:num_running_reqs"))
-
-
 def test_a_killed_tokenizer_worker_is_restarted(tmp_path: Path, model_path: Path) -> None:
     with running(tmp_path / "serve.log", ["--model-path", str(model_path)]) as server:
         first = server.actors()["tokenizer0"]
@@ -57,7 +51,7 @@ def test_a_killed_tokenizer_worker_is_restarted(tmp_path: Path, model_path: Path
         wait_until(lambda: server.health() == 200, 120, "healthy again")
         after = httpx.post(f"{server.url}/v1/completions", json=SHORT, timeout=60)
         # The lost request was stopped in the engine too, not left decoding for nobody.
-        wait_until(lambda: running_requests(server.url) == 0, 60, "the lost request stopped")
+        wait_until(lambda: server.running_requests() == 0, 60, "the lost request stopped")
         restarted = server.actors()["tokenizer0"]
         server.signal(signal.SIGTERM)
         code = server.wait()

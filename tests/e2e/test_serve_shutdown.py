@@ -68,6 +68,7 @@ def test_sigterm_refuses_new_requests_and_ends_late_streams_with_an_error(
         )
         whole.start()
         stream.wait_started()
+        wait_until(lambda: server.running_requests() == 2, 60, "both requests running")
         server.signal(signal.SIGTERM)
         # Both run for far longer than the grace period: the drain is still on.
         wait_until(lambda: server.health() == 503, 30, "unhealthy while draining")

@@ -19,6 +19,8 @@ from typing import Any
 
 import httpx
 
+from helpers.metrics_text import samples
+
 START_TIMEOUT_S = 180.0
 EXIT_TIMEOUT_S = 60.0
 
@@ -78,6 +80,11 @@ class ServeProcess:
             return httpx.get(f"{self.url}/health", timeout=5.0).status_code
         except httpx.TransportError:
             return None
+
+    def running_requests(self) -> float:
+        """The engine's running requests, from /metrics."""
+        metrics = samples(httpx.get(f"{self.url}/metrics", timeout=10).text)
+        return sum(v for k, v in metrics.items() if k.startswith("m3serve:num_running_reqs"))
 
     def actors(self) -> dict[str, int]:
         """Actor process name -> pid, from the supervisor's start-up log lines."""
