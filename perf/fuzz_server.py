@@ -64,14 +64,11 @@ PLAN = [
     ("fixed", "GET", "/metrics", "get", 0.005),
     ("fixed", "GET", "/openapi.json", "get", 0.005),
 ]
+HI = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 WARM_UP = [
-    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
-    (
-        "POST",
-        "/v1/chat/completions",
-        {"messages": [{"role": "user", "content": "hi"}], "stream": True},
-    ),
-    ("POST", "/v1/completions", {"prompt": "Hello", "n": 2}),
+    ("POST", "/v1/chat/completions", HI),
+    ("POST", "/v1/chat/completions", {**HI, "stream": True}),
+    ("POST", "/v1/completions", {"prompt": "Hello", "n": 2, "max_tokens": 8}),
     ("POST", "/v1/tokenize", {"prompt": "Hello"}),
     ("POST", "/v1/detokenize", {"tokens": [1, 2, 3]}),
     ("GET", "/metrics", None),
