@@ -1,6 +1,8 @@
 """The `m3serve` command line: `serve`, `generate` and `make-tiny`.
 
 Flags come from the typed config sections; names follow SGLang's where SGLang has the setting.
+A refused setting, a missing model or a port in use is one line on stderr and exit code 2; an
+engine that died is exit code 1.
 """
 
 from __future__ import annotations
@@ -12,18 +14,40 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from m3serve import __version__
+from m3serve.engine.async_engine import EngineDeadError
+from m3serve.model.locate import ModelNotFound
 from m3serve.runtime.config import ConfigInvalid, ServerArgs, add_section, section_from_args
+
+INTERRUPTED = 130  # the shell's code for a command ended by Ctrl-C
+
+
+class DefaultsShown(argparse.HelpFormatter):
+    """Help that shows each flag's default, unless it has none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "%(default)" in text or action.default in (None, argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="m3serve", description="MiniMax-M3.1 inference server")
+    parser.add_argument("--version", action="version", version=f"m3serve {__version__}")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
     commands = parser.add_subparsers(dest="command", required=True)
 
-    serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    serve = commands.add_parser(
+        "serve", help="run the OpenAI-compatible HTTP server", formatter_class=DefaultsShown
+    )
     ServerArgs.add_arguments(serve)
 
-    gen = commands.add_parser("generate", help="generate text from a prompt through the engine")
+    gen = commands.add_parser(
+        "generate",
+        help="generate text from a prompt through the engine",
+        formatter_class=DefaultsShown,
+    )
     gen.add_argument("prompt", nargs="?", default="The capital of France is")
     ServerArgs.add_arguments(gen)
     sampling = gen.add_argument_group("sampling")
@@ -55,16 +79,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "generate":
             return _generate(args)
         return _make_tiny(args)
-    except (ConfigInvalid, ValueError, RuntimeError) as exc:
+    except EngineDeadError as exc:
+        print(f"m3serve: error: {exc}", file=sys.stderr)
+        return 1
+    except (ConfigInvalid, ModelNotFound, ValueError, RuntimeError) as exc:
         print(f"m3serve: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return INTERRUPTED
 
 
 def _serve(args: argparse.Namespace) -> int:
     from m3serve.api.server import serve
 
-    serve(ServerArgs.from_args(args))
-    return 0
+    return serve(ServerArgs.from_args(args))
 
 
 def _make_tiny(args: argparse.Namespace) -> int:

@@ -21,8 +21,8 @@ T = TypeVar("T")
 
 async def health(request: Request) -> Response:
     state: ServerState | None = getattr(request.app.state, "server", None)
-    if state is None or not state.engine.healthy:
-        reason = "starting" if state is None else str(state.engine.dead or "not running")
+    reason = "starting" if state is None else state.engine.unavailable
+    if reason is not None:
         return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
     return JSONResponse({"status": "ok"})
 

@@ -29,7 +29,7 @@ from m3serve.api.guards import AllowedHosts, GuardBody
 from m3serve.api.metrics import ServerMetrics
 from m3serve.api.responses import responses
 from m3serve.api.state import ServerState
-from m3serve.engine.async_engine import AsyncEngine
+from m3serve.engine.async_engine import AsyncEngine, EngineDeadError, RequestError
 from m3serve.runtime.config import ApiArgs
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,8 @@ def create_app(
         exception_handlers={
             APIError: _api_error,
             ClientGone: _client_gone,
+            RequestError: _engine_failed,
+            EngineDeadError: _engine_failed,
             404: _not_found,
             405: _not_allowed,
             Exception: _internal,
@@ -104,6 +106,13 @@ async def _client_gone(request: Request, exc: Exception) -> Response:
     # One line, no traceback: a client that hangs up is not a server error.
     log.info("%s %s: %s (%d)", request.method, request.url.path, exc, CLIENT_CLOSED)
     return Response(status_code=CLIENT_CLOSED)
+
+
+async def _engine_failed(_: Request, exc: Exception) -> Response:
+    # A non-streamed request the engine failed while it ran (a dead engine, a shutdown's
+    # deadline): the engine's status and words, not a bare 500.
+    code = exc.code if isinstance(exc, RequestError) else 503
+    return error_response(code, str(exc))
 
 
 async def _not_found(request: Request, _: Exception) -> Response:

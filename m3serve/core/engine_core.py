@@ -68,7 +68,8 @@ class EngineCore:
             self.backend = create_backend(
                 args.backend.backend, self.device, args.kernel.moe_runner_backend
             )
-            self.loaded = load_model(model_path, self.backend, args.model.dtype, progress=False)
+            # Progress goes to the server's log: the engine process has no terminal.
+            self.loaded = load_model(model_path, self.backend, args.model.dtype, progress=log)
             self.model = self.loaded.model
         cfg = self.model.cfg
         if self.device.type == "cpu":

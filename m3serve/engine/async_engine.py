@@ -12,8 +12,11 @@ It starts the actor graph (`launch.py`) — as processes talking over ZeroMQ, or
 that owns it and routes the returning `RequestOutput`s into per-request streams; `tokenize` and
 `detokenize` are one-message round trips to a worker. Starting and closing never block the loop
 with the processes' start-up and exit (the checks and imports before the start run off the
-loop); single-process, the model itself loads in the loop. A dead actor fails every pending
-request with `EngineDeadError`. `metrics` is the engine's Prometheus metrics, readable in this
+loop); single-process, the model itself loads in the loop. A dead engine process (or a crashed
+actor) fails every pending request with `EngineDeadError` and sets `died`; a dead tokenizer
+worker fails only its own requests and is started again (`workers.py`). `stop_admitting` and
+`drain` are the graceful shutdown: new requests are refused, running ones get a deadline.
+`metrics` is the engine's Prometheus metrics, readable in this
 process whichever way the actors run.
 """
 
@@ -23,10 +26,8 @@ import asyncio
 import logging
 import multiprocessing as mp
 import sys
-import tempfile
 import time
 import uuid
-import zlib
 from collections.abc import AsyncIterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ from m3serve.engine.requests import (
     stream_request,
     with_keywords,
 )
+from m3serve.engine.workers import TokenizerWorkers, worker_index
 from m3serve.runtime.actor import Actor
 from m3serve.runtime.config import ConfigInvalid, ServerArgs
 from m3serve.runtime.messages import (
@@ -52,19 +54,23 @@ from m3serve.runtime.messages import (
     DetokenizeResult,
     Error,
     GenerateReq,
+    Ready,
     RequestOutput,
     TextBatch,
     TokenizeReq,
     TokenizeResult,
 )
+from m3serve.runtime.orphans import new_run_dir, remove_orphans
 from m3serve.runtime.shm import new_session_id
 from m3serve.runtime.supervisor import Supervisor
-from m3serve.runtime.transport import Inbox, MailboxClosed, Outbox
+from m3serve.runtime.transport import Inbox, MailboxClosed
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
 log = logging.getLogger(__name__)
+
+DRAIN_POLL_S = 0.05
 
 
 __all__ = ["AsyncEngine", "EngineDeadError", "RequestError"]
@@ -72,6 +78,7 @@ __all__ = ["AsyncEngine", "EngineDeadError", "RequestError"]
 
 @dataclass
 class _Stream:
+    worker: int  # the tokenizer worker that tokenizes and detokenizes the request
     queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
     done: bool = False
 
@@ -82,11 +89,16 @@ class AsyncEngine:
         self.info: dict[str, Any] = {}
         self.healthy = False
         self.dead: EngineDeadError | None = None
+        self.died = asyncio.Event()  # set once the engine is dead (not by a shutdown)
+        self.closing: str | None = None  # why new requests are refused (graceful shutdown)
         self.model_path: Path | None = None
+        self.workers: TokenizerWorkers | None = None
         self._streams: dict[str, _Stream] = {}
         self._calls: dict[str, asyncio.Future[TokenizeResult | DetokenizeResult]] = {}
+        self._call_workers: dict[str, int] = {}  # rid of a call -> the worker answering it
         self._graph: ActorGraph | None = None
         self._tasks: list[asyncio.Task[Any]] = []
+        self._restart_timers: dict[int, asyncio.TimerHandle] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -100,8 +112,9 @@ class AsyncEngine:
 
     async def start(self) -> None:
         self.model_path = await _checked_off_the_loop(self.args)
+        remove_orphans()  # what servers killed with SIGKILL left behind
         session = new_session_id()
-        supervisor = Supervisor(session, Path(tempfile.mkdtemp(prefix=f"m3s-{session}-")))
+        supervisor = Supervisor(session, new_run_dir(session))
         launch = start_in_process if self.args.runtime.single_process else start_processes
         try:
             self._graph = await launch(self.args, self.model_path, supervisor)
@@ -109,6 +122,7 @@ class AsyncEngine:
             await supervisor.shutdown()
             raise
         graph = self._graph
+        self.workers = TokenizerWorkers(graph.tokenizers)
         supervisor.watch(self._on_death)
         self._tasks = [
             asyncio.create_task(self._read(graph.outputs), name="engine-outputs"),
@@ -121,6 +135,8 @@ class AsyncEngine:
 
     async def shutdown(self) -> None:
         self.healthy = False
+        for timer in self._restart_timers.values():
+            timer.cancel()
         if self._graph is not None:
             await self._graph.shutdown()
             self._graph = None
@@ -139,6 +155,36 @@ class AsyncEngine:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+    @property
+    def unavailable(self) -> str | None:
+        """Why the engine takes no new request now; None when it does."""
+        if self.dead is not None:
+            return str(self.dead)
+        if not self.healthy:
+            return "not running"
+        if self.closing is not None:
+            return self.closing
+        if self.workers is not None and not self.workers.any_live:
+            return "no tokenizer worker is running (one is restarting after a crash)"
+        return None
+
+    def stop_admitting(self, reason: str) -> None:
+        """Refuse every new request from now on (a 503 giving `reason`); running ones go on."""
+        self.closing = reason
+
+    async def drain(self, timeout: float) -> int:
+        """Wait up to `timeout` seconds for the running requests to finish, then fail the rest
+        (a 503, in-band for a stream); returns how many were cut off."""
+        deadline = time.monotonic() + timeout
+        while self._streams and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        cut = len(self._streams)
+        if cut:
+            reason = self.closing or "the server is shutting down"
+            message = f"{reason}: the request did not finish within {timeout:g}s"
+            self._fail_all(RequestError(message, 503))
+        return cut
 
     @property
     def actors(self) -> list[Actor]:
@@ -168,24 +214,24 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ requests
 
-    def _tokenizer_of(self, rid: str) -> Outbox:
-        assert self._graph is not None
-        tokenizers = self._graph.tokenizers
-        return tokenizers[zlib.crc32(rid.encode()) % len(tokenizers)]
-
     async def stream(self, req: GenerateReq) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs as they arrive; closing the iterator early
         aborts it."""
         if self.dead is not None:
             raise self.dead
-        if not self.healthy:
+        if not self.healthy or self.workers is None:
             raise EngineDeadError("the engine is not running")
+        if self.closing is not None:
+            raise RequestError(self.closing, 503)
         if req.rid in self._streams:
             raise RequestError(f"request id {req.rid!r} is already in use")
-        state = _Stream()
+        worker = self.workers.route(req.rid)
+        if worker is None:
+            raise RequestError(str(self.unavailable), 503)
+        state = _Stream(worker)
         self._streams[req.rid] = state
         try:
-            await self._tokenizer_of(req.rid).send(req)
+            await self.workers.outboxes[worker].send(req)
             while True:
                 item = await state.queue.get()
                 if isinstance(item, BaseException):
@@ -198,8 +244,8 @@ class AsyncEngine:
                     return
         finally:
             self._streams.pop(req.rid, None)
-            if not state.done and self.healthy:
-                await self.abort(req.rid)
+            if not state.done:
+                await self._abort(req.rid, state.worker)
 
     @property
     def num_requests(self) -> int:
@@ -238,11 +284,16 @@ class AsyncEngine:
             raise EngineDeadError("the engine is not running")
         reply = asyncio.get_running_loop().create_future()
         self._calls[rid] = reply
+        worker = self.workers.route(rid) if self.workers is not None else None
+        if worker is None:
+            raise RequestError(str(self.unavailable), 503)
+        self._call_workers[rid] = worker
         try:
-            await self._tokenizer_of(rid).send(req)
+            await self.workers.outboxes[worker].send(req)  # type: ignore[union-attr]
             return await reply
         finally:
             self._calls.pop(rid, None)
+            self._call_workers.pop(rid, None)
 
     async def generate(
         self,
@@ -321,8 +372,20 @@ class AsyncEngine:
             yield result.as_dict(time.monotonic() - started)
 
     async def abort(self, rid: str) -> None:
-        if self.healthy:
-            await self._tokenizer_of(rid).send(Abort(rid))
+        state = self._streams.get(rid)
+        if state is not None:
+            await self._abort(rid, state.worker)
+        elif self.workers is not None:
+            await self._abort(rid, self.workers.route(rid))
+
+    async def _abort(self, rid: str, worker: int | None) -> None:
+        if not self.healthy or self._graph is None or self.workers is None:
+            return
+        if worker is None or worker in self.workers.down:
+            # Its worker is gone: tell the scheduler itself, so the request stops running.
+            await self._graph.scheduler.send(Abort(rid))
+        else:
+            await self.workers.outboxes[worker].send(Abort(rid))
 
     async def _read(self, inbox: Inbox) -> None:
         """Route what the actors send back (outputs, request errors, crash reports)."""
@@ -337,6 +400,8 @@ class AsyncEngine:
                 self._answer(message.rid, message)
             elif isinstance(message, Error):
                 self._deliver_error(message)
+            elif isinstance(message, Ready):
+                self._on_ready(message)
 
     def _deliver(self, batch: TextBatch) -> None:
         for output in batch.outputs:
@@ -346,7 +411,11 @@ class AsyncEngine:
 
     def _deliver_error(self, error: Error) -> None:
         if error.rid is None:
-            self._die(EngineDeadError(error.message))
+            if self._restartable(error.actor):
+                # Its process exits next; the supervisor's notice of that starts it again.
+                log.error("%s", error.message)
+            else:
+                self._die(EngineDeadError(error.message))
             return
         state = self._streams.get(error.rid)
         if state is not None:
@@ -363,15 +432,78 @@ class AsyncEngine:
             call.set_result(reply)
 
     def _on_death(self, name: str, exitcode: int | None) -> None:
+        message = f"the {name} process exited unexpectedly (exit code {exitcode})"
+        worker = worker_index(name)
+        if worker is not None and self._restartable(name):
+            self._restart_worker(worker, name, message)
+            return
         if self._graph is not None:
             self._graph.forget_metrics_of(name)
-        self._die(EngineDeadError(f"the {name} process exited unexpectedly (exit code {exitcode})"))
+        self._die(EngineDeadError(message))
+
+    def _restartable(self, actor: str | None) -> bool:
+        """A tokenizer worker in its own process can be started again; the engine cannot (its
+        requests' KV and state are gone with it), nor can an in-process actor."""
+        return (
+            actor is not None
+            and worker_index(actor) is not None
+            and not self.args.runtime.single_process
+        )
+
+    def _restart_worker(self, worker: int, name: str, message: str) -> None:
+        """Fail the dead worker's requests (their detokenizer state died with it), tell the
+        scheduler to stop them, and start the worker again."""
+        assert self._graph is not None and self.workers is not None
+        log.error("%s", message)
+        may_restart = self.workers.died(worker)
+        lost = [rid for rid, state in self._streams.items() if state.worker == worker]
+        for rid in lost:
+            self._streams[rid].queue.put_nowait(
+                RequestError(f"{message}; the request was lost, send it again", 503)
+            )
+        if lost:
+            self._tasks.append(asyncio.create_task(self._abort_lost(lost)))
+        for rid in [r for r, w in self._call_workers.items() if w == worker]:
+            self._answer(rid, RequestError(f"{message}; send the request again", 503))
+        if not may_restart:
+            self._die(EngineDeadError(f"{message}; tokenizer workers keep dying, not restarted"))
+            return
+        self._graph.supervisor.respawn(name)
+        timeout = self.args.runtime.startup_timeout
+        old = self._restart_timers.pop(worker, None)
+        if old is not None:
+            old.cancel()
+        self._restart_timers[worker] = asyncio.get_running_loop().call_later(
+            timeout, self._restart_timed_out, worker, timeout
+        )
+
+    async def _abort_lost(self, rids: list[str]) -> None:
+        assert self._graph is not None
+        for rid in rids:
+            await self._graph.scheduler.send(Abort(rid))
+
+    def _restart_timed_out(self, worker: int, timeout: float) -> None:
+        assert self.workers is not None
+        if worker in self.workers.down:
+            self._die(
+                EngineDeadError(f"tokenizer{worker} was not ready {timeout:g}s after a restart")
+            )
+
+    def _on_ready(self, ready: Ready) -> None:
+        worker = worker_index(ready.actor)
+        if worker is None or self.workers is None or not self.workers.ready(worker):
+            return
+        timer = self._restart_timers.pop(worker, None)
+        if timer is not None:
+            timer.cancel()
+        log.info("tokenizer%d is serving again (pid %d)", worker, ready.pid)
 
     def _die(self, error: EngineDeadError) -> None:
         if self.dead is None:
             log.error("%s", error)
             self.dead = error
         self.healthy = False
+        self.died.set()
         self._fail_all(error)
 
     def _fail_all(self, error: BaseException) -> None:

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -296,6 +297,10 @@ def _run(name: str, main: Coroutine[Any, Any, None], log_level: int) -> None:
     logging.basicConfig(
         level=log_level, format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s"
     )
+    # Ctrl-C in a terminal signals the whole process group. A child stops when its parent says
+    # so (Shutdown) or dies, so it ignores the signal instead of dying with a traceback while
+    # the parent still drains its requests.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with_parent()
     try:
         import uvloop

@@ -52,9 +52,10 @@ def load_model(
     model_path: str | Path | None,
     backend: Backend,
     dtype: str = "auto",
-    progress: bool = True,
+    progress: bool | logging.Logger = True,
 ) -> LoadedModel:
-    """The model at `model_path` (None: the built-in tiny checkpoint) on `backend`'s device."""
+    """The model at `model_path` (None: the built-in tiny checkpoint) on `backend`'s device;
+    `progress` as `load_weights` takes it."""
     if model_path is None:
         from m3serve.model.tiny.default import default_model_path
 

@@ -221,13 +221,18 @@ def read_logical(files: CheckpointFiles, spec: TensorSpec, algo: str | None) -> 
 
 
 def load_weights(
-    model: torch.nn.Module, model_dir: str | Path, cfg: ModelConfig, progress: bool = True
+    model: torch.nn.Module,
+    model_dir: str | Path,
+    cfg: ModelConfig,
+    progress: bool | logging.Logger = True,
 ) -> None:
-    """Fill every parameter of `model` from the checkpoint in `model_dir`."""
+    """Fill every parameter of `model` from the checkpoint in `model_dir`. `progress`: True for
+    a progress bar on stderr, a logger for progress lines in its log, False for none."""
     files = CheckpointFiles(Path(model_dir))
     plan = plan_load(files, cfg)
     params = dict(model.named_parameters())
-    bar = Progress("Loading weights", len(plan), enabled=progress)
+    into_log = progress if isinstance(progress, logging.Logger) else None
+    bar = Progress("Loading weights", len(plan), enabled=progress is not False, log=into_log)
     # Read shard by shard so the OS page cache streams each file once.
     plan.sort(key=lambda item: (str(files.location[_stored_name(item[0])]), item[0].name))
     with torch.no_grad():

@@ -74,7 +74,8 @@ class Actor:
         except Exception as exc:
             log.exception("%s crashed", self.name)
             if self.control is not None:
-                await self.control.send(Error(None, f"{self.name} crashed: {exc!r}"))
+                crash = Error(None, f"{self.name} crashed: {exc!r}", actor=self.name)
+                await self.control.send(crash)
             raise
         finally:
             await self.on_stop()

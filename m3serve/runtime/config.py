@@ -114,6 +114,11 @@ class RuntimeArgs:
     skip_tokenizer_init: bool = option(False, "token ids in and out only; no tokenizer files")
     context_length: int | None = option(None, "max prompt + output tokens; default: the model's")
     startup_timeout: float = option(300.0, "seconds to wait for every actor to be ready")
+    graceful_shutdown_timeout: float = option(
+        30.0,
+        "on SIGTERM / Ctrl-C: seconds running requests get to finish (new ones get 503) before "
+        "the rest are ended with an error",
+    )
     enable_step_trace: bool = option(
         False,
         "log one line per engine step: kind, batch, tokens, host and run ms, kernels compiled",
@@ -132,6 +137,8 @@ class RuntimeArgs:
             problems.append("--max-prompt-chars must be >= 1")
         if self.context_length is not None and self.context_length < 2:
             problems.append("--context-length must be >= 2")
+        if self.graceful_shutdown_timeout < 0:
+            problems.append("--graceful-shutdown-timeout must be >= 0")
         _raise(problems)
 
 
@@ -326,8 +333,26 @@ class ServerArgs:
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
+        """One flag per field, grouped by section; the flags of features not built yet are
+        listed apart, after every built one."""
+        planned = dict(_PLANNED)
         for section in SECTIONS:
-            add_section(parser, section)
+            built = [
+                f
+                for f in dataclasses.fields(section)
+                if section not in planned or f.name in _HONOURED
+            ]
+            if built:
+                group = parser.add_argument_group(_TITLES.get(section, section.__name__))
+                _add_fields(group, section, built)
+        group = parser.add_argument_group(
+            "not built yet",
+            "accepted so that SGLang launch commands parse; any value but the default stops the "
+            "start with a message listing each such flag",
+        )
+        for section in planned:
+            fields = [f for f in dataclasses.fields(section) if f.name not in _HONOURED]
+            _add_fields(group, section, fields)
 
 
 _SECTION_ATTRS = (
@@ -343,6 +368,18 @@ _SECTION_ATTRS = (
     "kernel",
 )
 _attr_of = dict(zip(SECTIONS, _SECTION_ATTRS, strict=True))
+_TITLES: dict[type, str] = {
+    ModelArgs: "model",
+    BackendArgs: "backend",
+    CacheArgs: "KV cache",
+    SchedArgs: "scheduling",
+    RuntimeArgs: "runtime",
+    ApiArgs: "HTTP API",
+    ParallelArgs: "parallelism",
+    SpecArgs: "speculative decoding",
+    HiCacheArgs: "hierarchical cache",
+    KernelArgs: "kernels",
+}
 _PLANNED: tuple[tuple[type, str], ...] = (
     (ParallelArgs, "multi-GPU parallelism is not built yet"),
     (SpecArgs, "speculative decoding is not built yet"),
@@ -371,12 +408,18 @@ def _raise(problems: list[str]) -> None:
 def add_section(parser: argparse.ArgumentParser, section: type) -> None:
     """Add one flag per field of a config dataclass."""
     group = parser.add_argument_group(section.__name__)
+    _add_fields(group, section, list(dataclasses.fields(section)))
+
+
+def _add_fields(
+    group: argparse._ArgumentGroup, section: type, fields: list[dataclasses.Field[Any]]
+) -> None:
     hints = typing.get_type_hints(section)
-    for f in dataclasses.fields(section):
-        flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+    for f in fields:
         kind = _kind(hints[f.name])
-        help_text = f.metadata.get("help")
-        group.add_argument(flag, dest=f.name, default=f.default, help=help_text, **kind)
+        group.add_argument(
+            _flag(f), dest=f.name, default=f.default, help=f.metadata.get("help"), **kind
+        )
 
 
 def _kind(annotation: Any) -> dict[str, Any]:

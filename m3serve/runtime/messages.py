@@ -214,11 +214,12 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
 
 
 class Error(msgspec.Struct, tag=True, array_like=True):
-    """With a rid: that request failed. Without: the sender is going down."""
+    """With a rid: that request failed. Without: the sender (`actor`) is going down."""
 
     rid: str | None
     message: str
     code: int = 500
+    actor: str | None = None
 
 
 class Shutdown(msgspec.Struct, tag=True, array_like=True):

@@ -5,7 +5,9 @@ This module owns segment naming, the hand-over rule and cleanup. A segment is na
 `<pid>_<n>` so that processes sharing a session never pick the same name. Hand-over: the creator
 writes the payload, closes the segment and forgets it; the receiver reads it once and unlinks it.
 A segment whose receiver died stays behind until the supervisor removes every segment of its
-session with `remove_session_segments` at shutdown.
+session with `remove_session_segments` at shutdown. The session id starts with the pid of the
+process that owns the run, so that segments left by an owner killed with SIGKILL can be told
+apart from a live server's and removed at the next start (`runtime/orphans.py`).
 
 Before Python 3.13 every `SharedMemory` open registers the segment with the process's
 multiprocessing resource_tracker, which unlinks it with a "leaked" warning when the process
@@ -36,12 +38,28 @@ DEFAULT_SHM_THRESHOLD_BYTES = 64 * 1024
 # Track the segment in resource_tracker at all? Only 3.13+ lets us say no when opening.
 _CAN_SKIP_TRACKING = sys.version_info >= (3, 13)
 _SESSION_RE = re.compile(r"[0-9A-Za-z]{1,16}")
+_OWNED_SESSION_RE = re.compile(r"([0-9]{1,9})p[0-9a-f]{6}")
 _counter = itertools.count()
 
 
 def new_session_id() -> str:
-    """A short random id for one engine run; every segment of the run carries it."""
-    return secrets.token_hex(4)
+    """A short id for one engine run, `<owner pid>p<random>`; every segment of the run carries
+    it."""
+    return f"{os.getpid()}p{secrets.token_hex(3)}"
+
+
+def session_owner(session: str) -> int | None:
+    """The pid of the process that made `session` (None for an id not made by new_session_id)."""
+    match = _OWNED_SESSION_RE.fullmatch(session)
+    return int(match.group(1)) if match else None
+
+
+def segment_session(name: str) -> str | None:
+    """The session id in a segment name `m3s-<session>-<counter>`, if it is one of ours."""
+    parts = name.split("-")
+    if len(parts) != 3 or parts[0] != PREFIX or not _SESSION_RE.fullmatch(parts[1]):
+        return None
+    return parts[1]
 
 
 def _session_prefix(session: str) -> str:

@@ -1,5 +1,6 @@
-"""Spawning actor processes, waiting for them to be ready, noticing when one dies, and shutting
-everything down so that no child process, socket file or shared-memory segment is left behind."""
+"""Spawning actor processes, waiting for them to be ready, noticing when one dies, starting a
+dead one again, and shutting everything down so that no child process, socket file or
+shared-memory segment is left behind."""
 
 from __future__ import annotations
 
@@ -30,14 +31,24 @@ class Supervisor:
         self.run_dir = run_dir
         self.procs: dict[str, BaseProcess] = {}
         self._context = mp.get_context("spawn")
-        self._watched: list[int] = []
+        self._specs: dict[str, tuple[Callable[..., None], tuple[Any, ...]]] = {}
+        self._watched: dict[str, int] = {}  # name -> sentinel fd the loop watches
+        self._on_death: Callable[[str, int | None], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def spawn(self, name: str, target: Callable[..., None], *args: Any) -> None:
         proc = self._context.Process(target=target, args=args, name=f"m3serve-{name}")
         proc.start()
         self.procs[name] = proc
+        self._specs[name] = (target, args)
         log.info("started %s (pid %d)", name, proc.pid)
+
+    def respawn(self, name: str) -> None:
+        """Start a dead child again, as it was first started; it is watched like the first."""
+        target, args = self._specs[name]
+        self.spawn(name, target, *args)
+        if self._on_death is not None:
+            self._watch(name)
 
     async def wait_ready(self, control: Inbox, timeout: float) -> dict[str, Ready]:
         """Collect one Ready per spawned process; fail fast on an Error or a dead child."""
@@ -67,22 +78,27 @@ class Supervisor:
     def watch(self, on_death: Callable[[str, int | None], None]) -> None:
         """Call on_death(name, exitcode) from the event loop as soon as a child exits."""
         self._loop = asyncio.get_running_loop()
-        for name, proc in self.procs.items():
-            self._loop.add_reader(proc.sentinel, self._reap, name, on_death)
-            self._watched.append(proc.sentinel)
+        self._on_death = on_death
+        for name in self.procs:
+            self._watch(name)
 
-    def _reap(self, name: str, on_death: Callable[[str, int | None], None]) -> None:
-        proc = self.procs[name]
+    def _watch(self, name: str) -> None:
         assert self._loop is not None
-        self._loop.remove_reader(proc.sentinel)
-        self._watched.remove(proc.sentinel)
+        sentinel = self.procs[name].sentinel
+        self._loop.add_reader(sentinel, self._reap, name)
+        self._watched[name] = sentinel
+
+    def _reap(self, name: str) -> None:
+        proc = self.procs[name]
+        assert self._loop is not None and self._on_death is not None
+        self._loop.remove_reader(self._watched.pop(name))
         proc.join(timeout=1)
-        on_death(name, proc.exitcode)
+        self._on_death(name, proc.exitcode)
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Wait for the children to exit on their own, then terminate, then kill."""
         if self._loop is not None:
-            for fd in self._watched:
+            for fd in self._watched.values():
                 self._loop.remove_reader(fd)
             self._watched.clear()
         await asyncio.to_thread(self._stop_all, timeout)

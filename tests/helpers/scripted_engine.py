@@ -36,6 +36,12 @@ class ScriptedEngine:
     num_requests: int = 0  # streams open now
 
     @property
+    def unavailable(self) -> str | None:
+        if self.dead is not None:
+            return str(self.dead)
+        return None if self.healthy else "not running"
+
+    @property
     def info(self) -> dict[str, Any]:
         return {"model_path": self.model_path, "context_length": 4096, "special_ids": {}}
 

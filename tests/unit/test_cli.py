@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import m3serve
 from m3serve.cli import build_parser
 
 
@@ -66,3 +68,53 @@ def test_make_tiny_flags_come_from_the_spec_fields() -> None:
         ["make-tiny", "x", "--quant", "modelopt-mixed", "--shards", "3", "--dtype", "float32"]
     )
     assert (args.quant, args.shards, args.dtype) == ("modelopt-mixed", 3, "float32")
+
+
+def test_version_prints_the_package_version() -> None:
+    shown = run_cli("--version")
+    assert shown.returncode == 0
+    assert shown.stdout.strip() == f"m3serve {m3serve.__version__}"
+
+
+def help_entry(text: str, flag: str) -> str:
+    """One flag's entry in the option list of a --help text."""
+    start = text.index(f"\n  {flag} ") + 3
+    return text[start:].split("\n  --")[0]
+
+
+def test_serve_help_groups_flags_by_section_and_lists_unbuilt_ones_apart() -> None:
+    shown = run_cli("serve", "--help")
+    assert shown.returncode == 0, shown.stderr
+    text = shown.stdout
+    titles = ["model:", "KV cache:", "scheduling:", "runtime:", "HTTP API:", "kernels:"]
+    at = [text.index(f"\n{title}\n") for title in [*titles, "not built yet:"]]
+    assert at == sorted(at)  # every built section comes before the unbuilt flags
+    built, unbuilt = text[: at[-1]], text[at[-1] :]
+    for flag in ("--tp", "--speculative-algorithm", "--enable-hierarchical-cache"):
+        assert flag in unbuilt and f"[{flag}" in built  # listed apart; the usage line has all
+    assert "--disable-cuda-graph" not in unbuilt  # a kernel flag this build honours
+    assert "(default: 30000)" in help_entry(built, "--port")
+    assert "(default: 30.0)" in help_entry(built, "--graceful-shutdown-timeout")
+
+
+def test_a_missing_model_path_is_one_line(tmp_path: Path) -> None:
+    missing = str(tmp_path / "no-such-model")
+    for command in ("serve", "generate"):
+        run = run_cli("--log-level", "warning", command, "--model-path", missing)
+        assert run.returncode == 2, run.stderr
+        assert run.stderr.splitlines() == [run.stderr.strip()]
+        assert run.stderr.startswith(f"m3serve: error: model {missing!r} is not a local directory")
+
+
+def test_a_port_in_use_is_one_line_before_the_model_loads(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # The model path is missing too: the port error comes first, before any model work.
+        flags = ["--port", str(port), "--model-path", str(tmp_path / "no-such-model")]
+        run = run_cli("--log-level", "warning", "serve", *flags)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip() == (
+        f"m3serve: error: cannot listen on 127.0.0.1:{port}: Address already in use"
+    )

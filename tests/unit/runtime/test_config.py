@@ -68,9 +68,15 @@ def test_defaults_are_all_supported() -> None:
         ({"mem_fraction_static": 1.5}, "--mem-fraction-static"),
         ({"port": 0}, "--port"),
         ({"tokenizer_worker_num": 0}, "--tokenizer-worker-num"),
+        ({"graceful_shutdown_timeout": -1.0}, "--graceful-shutdown-timeout"),
         ({"nonsense": 1}, "unknown server argument"),
     ],
 )
 def test_bad_settings_stop_construction(kwargs: dict, fragment: str) -> None:
     with pytest.raises(ConfigInvalid, match=fragment):
         ServerArgs.from_kwargs(**kwargs)
+
+
+def test_the_graceful_shutdown_timeout_is_a_runtime_setting() -> None:
+    assert ServerArgs().runtime.graceful_shutdown_timeout == 30.0
+    assert parse("--graceful-shutdown-timeout 5").runtime.graceful_shutdown_timeout == 5.0
