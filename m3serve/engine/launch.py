@@ -299,7 +299,7 @@ def _run(name: str, main: Coroutine[Any, Any, None], log_level: int) -> None:
     )
     # Ctrl-C in a terminal signals the whole process group. A child stops when its parent says
     # so (Shutdown) or dies, so it ignores the signal instead of dying with a traceback while
-    # the parent still drains its requests.
+    # the parent still drains its requests (the supervisor already starts it so, where it can).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with_parent()
     try:

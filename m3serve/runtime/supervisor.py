@@ -5,11 +5,14 @@ shared-memory segment is left behind."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing as mp
 import shutil
+import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,23 @@ from m3serve.runtime.shm import remove_session_segments
 from m3serve.runtime.transport import Inbox
 
 log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _ctrl_c_ignored() -> Iterator[None]:
+    """Children start with SIGINT ignored (an ignored signal stays ignored across exec, and
+    Python then installs no KeyboardInterrupt handler): a terminal's Ctrl-C reaches the whole
+    process group, and a child still importing must not die of it with a traceback; the parent
+    stops its children itself. Only the main thread may change a signal's handler; a child
+    spawned from another thread ignores SIGINT from its entry point on (launch.py)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class StartupError(RuntimeError):
@@ -38,7 +58,8 @@ class Supervisor:
 
     def spawn(self, name: str, target: Callable[..., None], *args: Any) -> None:
         proc = self._context.Process(target=target, args=args, name=f"m3serve-{name}")
-        proc.start()
+        with _ctrl_c_ignored():
+            proc.start()
         self.procs[name] = proc
         self._specs[name] = (target, args)
         log.info("started %s (pid %d)", name, proc.pid)
