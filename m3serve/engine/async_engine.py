@@ -24,17 +24,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing as mp
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from m3serve.engine.chat import chat_request, parsed
+from m3serve.engine.checks import checked_off_the_loop
 from m3serve.engine.errors import EngineDeadError, RequestError
 from m3serve.engine.launch import ActorGraph, start_in_process, start_processes
 from m3serve.engine.requests import (
@@ -47,7 +45,7 @@ from m3serve.engine.requests import (
 )
 from m3serve.engine.workers import TokenizerWorkers, worker_index
 from m3serve.runtime.actor import Actor
-from m3serve.runtime.config import ConfigInvalid, ServerArgs
+from m3serve.runtime.config import ServerArgs
 from m3serve.runtime.messages import (
     Abort,
     DetokenizeReq,
@@ -111,7 +109,7 @@ class AsyncEngine:
         return engine
 
     async def start(self) -> None:
-        self.model_path = await _checked_off_the_loop(self.args)
+        self.model_path = await checked_off_the_loop(self.args)
         remove_orphans()  # what servers killed with SIGKILL left behind
         session = new_session_id()
         supervisor = Supervisor(session, new_run_dir(session))
@@ -214,24 +212,29 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ requests
 
-    async def stream(self, req: GenerateReq) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield its outputs as they arrive; closing the iterator early
-        aborts it."""
+    def _worker_for(self, rid: str) -> tuple[TokenizerWorkers, int]:
+        """The live tokenizer worker a new request goes to; raises why there is none."""
         if self.dead is not None:
             raise self.dead
         if not self.healthy or self.workers is None:
             raise EngineDeadError("the engine is not running")
         if self.closing is not None:
             raise RequestError(self.closing, 503)
-        if req.rid in self._streams:
-            raise RequestError(f"request id {req.rid!r} is already in use")
-        worker = self.workers.route(req.rid)
+        worker = self.workers.route(rid)
         if worker is None:
             raise RequestError(str(self.unavailable), 503)
+        return self.workers, worker
+
+    async def stream(self, req: GenerateReq) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its outputs as they arrive; closing the iterator early
+        aborts it."""
+        workers, worker = self._worker_for(req.rid)
+        if req.rid in self._streams:
+            raise RequestError(f"request id {req.rid!r} is already in use")
         state = _Stream(worker)
         self._streams[req.rid] = state
         try:
-            await self.workers.outboxes[worker].send(req)
+            await workers.outboxes[worker].send(req)
             while True:
                 item = await state.queue.get()
                 if isinstance(item, BaseException):
@@ -278,18 +281,12 @@ class AsyncEngine:
     async def _call(
         self, rid: str, req: TokenizeReq | DetokenizeReq
     ) -> TokenizeResult | DetokenizeResult:
-        if self.dead is not None:
-            raise self.dead
-        if not self.healthy:
-            raise EngineDeadError("the engine is not running")
+        workers, worker = self._worker_for(rid)
         reply = asyncio.get_running_loop().create_future()
         self._calls[rid] = reply
-        worker = self.workers.route(rid) if self.workers is not None else None
-        if worker is None:
-            raise RequestError(str(self.unavailable), 503)
         self._call_workers[rid] = worker
         try:
-            await self.workers.outboxes[worker].send(req)  # type: ignore[union-attr]
+            await workers.outboxes[worker].send(req)
             return await reply
         finally:
             self._calls.pop(rid, None)
@@ -511,43 +508,3 @@ class AsyncEngine:
             state.queue.put_nowait(error)
         for rid in list(self._calls):
             self._answer(rid, error)
-
-
-async def _checked_off_the_loop(args: ServerArgs) -> Path:
-    """`checked_model_path` without stalling the event loop. Importing torch holds the GIL for
-    up to a second at a time even in a worker thread, so a process that has not imported it
-    (the API server, a script driving actor processes) checks in a short-lived child process
-    and never imports torch itself; otherwise a worker thread does."""
-    if args.runtime.single_process or "torch" in sys.modules:
-        return await asyncio.to_thread(checked_model_path, args)
-    pool = ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"))
-    try:
-        return await asyncio.get_running_loop().run_in_executor(pool, checked_model_path, args)
-    finally:
-        await asyncio.to_thread(pool.shutdown)  # the child's exit is waited for off the loop
-
-
-def checked_model_path(args: ServerArgs) -> Path:
-    """The model's directory, once every setting is known to work with it: a start fails here,
-    with the component's own message, before any actor is spawned."""
-    from m3serve.backends import check_backend
-    from m3serve.model.build import resolve_device
-    from m3serve.model.config import load_model_config
-    from m3serve.model.locate import resolve_model_path
-    from m3serve.model.tiny.default import default_model_path
-
-    args.check_supported()
-    path, revision = args.model.model_path, args.model.revision
-    model_path = resolve_model_path(path, revision) if path else default_model_path()
-    config = load_model_config(model_path)
-    page_size = args.cache.page_size
-    if page_size is not None and page_size != config.text.page_size:
-        raise ConfigInvalid(
-            f"--page-size {page_size}: this model's KV page is its sparse block, "
-            f"{config.text.page_size} tokens"
-        )
-    device = resolve_device(args.backend.device)
-    backend = check_backend(args.backend.backend, device, args.kernel.moe_runner_backend)
-    if args.cache.kv_cache_dtype == "fp8_e4m3" and backend != "hopper":
-        raise ConfigInvalid("--kv-cache-dtype fp8_e4m3 needs the hopper backend")
-    return model_path

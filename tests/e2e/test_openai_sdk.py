@@ -15,7 +15,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ import httpx
 import openai
 import pytest
 from helpers.metrics_text import samples
+from helpers.serve_process import alive, descendants, free_port
 
 API_KEY = "sk-test"
 MAX_REQUEST_BYTES = 65536
@@ -40,35 +40,6 @@ GREEDY = {"temperature": 0, "max_tokens": SMALL}
 
 
 # ---------------------------------------------------------------------- the server process
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid`, from /proc/<pid>/task/*/children."""
-    found: list[int] = []
-    todo = [pid]
-    while todo:
-        parent = todo.pop()
-        for children in Path(f"/proc/{parent}/task").glob("*/children"):
-            with contextlib.suppress(OSError):
-                ids = [int(c) for c in children.read_text().split()]
-                found += ids
-                todo += ids
-    return found
-
-
-def alive(pid: int) -> bool:
-    # A zombie still has a /proc entry; it is gone for every purpose but reaping.
-    status = Path(f"/proc/{pid}/status")
-    try:
-        return "zombie" not in status.read_text()
-    except OSError:
-        return False
 
 
 @dataclass

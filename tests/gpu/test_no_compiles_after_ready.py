@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers.serve_process import free_port
 
 from m3serve.model.tiny.checkpoint import TinySpec
 
@@ -51,15 +51,9 @@ BURSTS = [1, 2, 3, 5, 8, 13, 21, MAX_RUNNING]
 START_TIMEOUT_S = 900.0  # a cold compile cache: the warm-up compiles every variant
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint: Callable[[TinySpec], Path]) -> Iterator[tuple[str, Path]]:
-    port = _free_port()
+    port = free_port()
     log_path = Path(tempfile.mkdtemp()) / "server.log"
     command = [
         sys.executable, "-m", "m3serve", "serve", "--model-path",
