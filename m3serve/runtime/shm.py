@@ -111,6 +111,25 @@ def _create(session: str, size: int) -> SharedMemory:
             continue  # left over by an earlier process with the same pid; take the next number
 
 
+def create_segment(session: str, size: int) -> SharedMemory:
+    """A long-lived segment of the session (the host KV pool), left open for its creator.
+
+    Unlike `write_array`'s hand-over segments, the creator keeps it and unlinks it when done;
+    if the creator dies first, the supervisor's `remove_session_segments` (or the next start's
+    orphan sweep) removes it, since its name carries the session.
+    """
+    shm = _create(session, max(size, 1))
+    _untrack(shm)
+    return shm
+
+
+def attach_segment(name: str) -> SharedMemory:
+    """Open a segment another process created (`create_segment`); close it, never unlink it."""
+    shm = _open(name)
+    _untrack(shm)
+    return shm
+
+
 def write_array(arr: np.ndarray, session: str) -> ShmRef:
     """Copy `arr`'s bytes (C order) into a new segment and hand back its handle.
 
