@@ -16,6 +16,8 @@ exits. Since the receiver, not the creator, unlinks, registrations are dropped h
 
 from __future__ import annotations
 
+import _posixshmem
+import contextlib
 import itertools
 import os
 import re
@@ -128,6 +130,18 @@ def attach_segment(name: str) -> SharedMemory:
     shm = _open(name)
     _untrack(shm)
     return shm
+
+
+def unlink_segment(shm: SharedMemory) -> None:
+    """Close and remove a segment from `create_segment`. Not `shm.unlink()`: before 3.13 that
+    also unregisters it from a resource_tracker that no longer knows it, which warns."""
+    name = shm.name
+    shm.close()
+    if _CAN_SKIP_TRACKING:
+        shm.unlink()
+        return
+    with contextlib.suppress(FileNotFoundError):
+        _posixshmem.shm_unlink("/" + name)
 
 
 def write_array(arr: np.ndarray, session: str) -> ShmRef:
