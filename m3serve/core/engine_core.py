@@ -36,6 +36,7 @@ from m3serve.core.grammar import Compiled, Grammar, GrammarCompiler, GrammarUnav
 from m3serve.core.graphs import DecodeGraphs
 from m3serve.core.matchers import GrammarMatchers
 from m3serve.core.memory import kv_cache_dtype, leave_a_core_for_the_scheduler, plan_kv_budget
+from m3serve.core.piecewise import DEFAULT_MAX_TOKENS, PiecewiseGraphs
 from m3serve.core.req import Req
 from m3serve.core.sampler import Sampler
 from m3serve.core.scheduler import Outputs, QueueFull, Scheduler
@@ -45,8 +46,8 @@ from m3serve.model.batch import ForwardBatch
 from m3serve.model.build import load_model, resolve_device
 from m3serve.model.config import load_generation_config
 from m3serve.model.kv_cache import KVCache
-from m3serve.runtime.config import ServerArgs
-from m3serve.runtime.messages import StepPlan, StepResult
+from m3serve.runtime.config import SchedArgs, ServerArgs
+from m3serve.runtime.messages import SKIPPED_TOKEN, SeqStep, StepPlan, StepResult, TokenLogprob
 from m3serve.runtime.paths import cache_root
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,10 @@ class EngineCore:
         self._compiling: list[tuple[Req, bool, Compiled]] = []
         # Compiled grammars of the slots a step starts, from planning to that step's run.
         self._step_grammars: dict[int, dict[int, Grammar]] = {}
+        # Executor-thread state: each slot's stop ids, and the slots whose last sampled token
+        # ended their request (their rows in an already planned step are dropped).
+        self._stops: dict[int, frozenset[int]] = {}
+        self._ended: set[int] = set()
         # ------------------------------------------------------------------ warm-up
         if self.device.type == "cuda" and not args.kernel.skip_warmup:
             with self.startup.phase("warm-up"):
@@ -108,6 +113,7 @@ class EngineCore:
         # ------------------------------------------------------------------ CUDA graphs
         with self.startup.phase("CUDA graphs"):
             self.graphs = self._capture_graphs(args, context, slots)
+            self.piecewise = self._capture_piecewise(args, slots)
         # ------------------------------------------------------------------ scheduler
         radix = not args.cache.disable_radix_cache
         self.scheduler = Scheduler(args.sched, self.budget.num_pages, cfg.page_size, radix)
@@ -126,6 +132,7 @@ class EngineCore:
             "dtype": str(self.model.dtype).removeprefix("torch."),
             "device": str(self.device),
             "cuda_graph_bs": self.graphs.sizes if self.graphs else [],
+            "piecewise_cuda_graph_tokens": self.piecewise.sizes if self.piecewise else [],
         }
 
     @property
@@ -244,28 +251,74 @@ class EngineCore:
         self, plan: StepPlan, layers: Sequence[int] | None = None
     ) -> StepResult:
         self._start_new_requests(plan)
-        batch = ForwardBatch.build(plan.seqs, self.budget.page_size, self.device)
-        self._fill_slot_tokens(plan, batch)
-        slots = [seq.slot for seq in plan.seqs if seq.sample]
+        sampled = [seq.slot for seq in plan.seqs if seq.sample]
+        seqs = self._live_seqs(plan.seqs)
+        if not seqs:
+            return self._result(plan.step, sampled, [], [], [], [])
+        batch = ForwardBatch.build(seqs, self.budget.page_size, self.device)
+        self._fill_slot_tokens(seqs, batch)
+        slots = [seq.slot for seq in seqs if seq.sample]
         if layers is not None:
             logits = self.model(batch, self.kv, layers)
         else:
-            logits = self._logits(batch, decode_only=len(slots) == len(plan.seqs))
+            logits = self._logits(batch, decode_only=len(slots) == len(seqs))
         if not slots:
-            return StepResult(step=plan.step, slots=[], tokens=[])
+            return self._result(plan.step, sampled, [], [], [], [])
         # After the launch, before the draw: on a GPU this host work overlaps the forward.
         allowed = self.matchers.fill(slots)
         tokens, logprobs = self.sampler.sample(logits, slots, allowed)
         self.last_tokens[torch.tensor(slots, device=self.device)] = tokens
         ids = tokens.tolist()
         ended = self.matchers.accept(slots, ids)
+        self._note_ended(slots, ids, ended)
+        return self._result(plan.step, sampled, slots, ids, logprobs, ended)
+
+    def _live_seqs(self, seqs: Sequence[SeqStep]) -> list[SeqStep]:
+        """The plan's seqs less the decode rows of requests that ended on the step before: with
+        overlap, the plan was made before the CPU saw their stop token, but this thread has."""
+        if not self._ended:
+            return list(seqs)
+        return [s for s in seqs if s.input_ids is not None or s.slot not in self._ended]
+
+    def _note_ended(self, slots: list[int], ids: list[int], grammar_ended: list[bool]) -> None:
+        """Which slots sampled the token that ends their request (what the scheduler will
+        conclude when it processes this step)."""
+        for row, (slot, token) in enumerate(zip(slots, ids, strict=True)):
+            if token in self._stops.get(slot, ()) or (grammar_ended and grammar_ended[row]):
+                self._ended.add(slot)
+            else:
+                self._ended.discard(slot)
+
+    @staticmethod
+    def _result(
+        step: int,
+        sampled: list[int],
+        slots: list[int],
+        ids: list[int],
+        logprobs: list[TokenLogprob | None],
+        ended: list[bool],
+    ) -> StepResult:
+        """The result over every row the plan samples; dropped rows get SKIPPED_TOKEN."""
+        if len(slots) == len(sampled):
+            return StepResult(
+                step=step, slots=slots, tokens=ids, logprobs=logprobs, grammar_ended=ended
+            )
+        by_slot = {slot: row for row, slot in enumerate(slots)}
+        rows = [by_slot.get(slot) for slot in sampled]
         return StepResult(
-            step=plan.step, slots=slots, tokens=ids, logprobs=logprobs, grammar_ended=ended
+            step=step,
+            slots=sampled,
+            tokens=[SKIPPED_TOKEN if r is None else ids[r] for r in rows],
+            logprobs=[None if r is None else logprobs[r] for r in rows] if logprobs else [],
+            grammar_ended=[r is not None and ended[r] for r in rows] if ended else [],
         )
 
     def _logits(self, batch: ForwardBatch, decode_only: bool) -> torch.Tensor:
         if self.graphs is not None and decode_only and self.graphs.fits(batch):
             return self.graphs.run(batch)
+        if self.piecewise is not None and self.piecewise.fits(batch):
+            hidden = self.piecewise.run(batch)
+            return self.model.compute_logits(hidden[batch.logit_rows])
         return self.model(batch, self.kv)
 
     def _start_new_requests(self, plan: StepPlan) -> None:
@@ -275,12 +328,14 @@ class EngineCore:
                 slot = seq.slot
                 output = plan.output_ids.get(slot, ())
                 self.sampler.start(slot, plan.sampling[slot], plan.prompt_ids[slot], output)
+                self._stops[slot] = frozenset(plan.stop_ids.get(slot, ()))
+                self._ended.discard(slot)
                 self.matchers.start(slot, grammars.get(slot), output)
 
-    def _fill_slot_tokens(self, plan: StepPlan, batch: ForwardBatch) -> None:
+    def _fill_slot_tokens(self, seqs: Sequence[SeqStep], batch: ForwardBatch) -> None:
         """Decode inputs the CPU has not seen yet come from the device-side token table."""
         rows, slots, row = [], [], 0
-        for seq in plan.seqs:
+        for seq in seqs:
             if seq.input_ids is None:
                 rows.append(row)
                 slots.append(seq.slot)
@@ -292,15 +347,11 @@ class EngineCore:
     def _warm_up(self, args: ServerArgs, context: int, slots: int) -> None:
         """Run every step shape class once (core/warmup.py), so no request waits for a compile:
         one layer of each kind suffices, since layers of a kind launch the same kernels."""
-        sched = args.sched
-        prefill = sched.max_prefill_tokens  # unchunked, longer prompts are refused
-        if sched.chunked_prefill_size > 0:
-            prefill = min(prefill, sched.chunked_prefill_size)
         limits = WarmupLimits(
             page_size=self.budget.page_size,
             num_pages=self.budget.num_pages,
             max_running=slots,
-            max_step_tokens=min(prefill + slots, self.budget.tokens),
+            max_step_tokens=self._max_step_tokens(args.sched, slots),
             context=min(context, self.budget.tokens),
         )
         cfg = self.model.cfg
@@ -312,6 +363,13 @@ class EngineCore:
         torch.cuda.synchronize(self.device)
         compiled = self.trace.compiles.count - before
         self.startup.note("warm-up", f"{steps} steps on layers {layers}, {compiled} kernels")
+
+    def _max_step_tokens(self, sched: SchedArgs, slots: int) -> int:
+        """The most tokens one step can carry: a prefill budget of chunks and every decode."""
+        prefill = sched.max_prefill_tokens  # unchunked, longer prompts are refused
+        if sched.chunked_prefill_size > 0:
+            prefill = min(prefill, sched.chunked_prefill_size)
+        return min(prefill + slots, self.budget.tokens)
 
     def _grammar_compiler(self, vocab_size: int) -> GrammarCompiler | None:
         """The compiler for this model's tokenizer; None (constrained requests refused) when
@@ -337,6 +395,19 @@ class EngineCore:
         graphs.capture()
         return graphs
 
+    def _capture_piecewise(self, args: ServerArgs, slots: int) -> PiecewiseGraphs | None:
+        kernel = args.kernel
+        off = kernel.disable_cuda_graph or kernel.cuda_graph_backend_prefill == "disabled"
+        if off or not self.backend.capturable:
+            return None
+        largest = self._max_step_tokens(args.sched, slots)
+        wanted = kernel.cuda_graph_max_bs_prefill or DEFAULT_MAX_TOKENS
+        piecewise = PiecewiseGraphs(
+            self.model, self.kv, self.budget.num_pages, min(wanted, largest)
+        )
+        piecewise.capture()
+        return piecewise
+
     # ------------------------------------------------------------------ shutdown
 
     def close(self) -> None:
@@ -346,6 +417,14 @@ class EngineCore:
         self.trace.close()
         if self.grammar is not None:
             self.grammar.close()
-        del self.graphs, self.kv, self.model, self.loaded, self.sampler, self.last_tokens
+        del (
+            self.graphs,
+            self.piecewise,
+            self.kv,
+            self.model,
+            self.loaded,
+            self.sampler,
+            self.last_tokens,
+        )
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -25,6 +25,7 @@ from m3serve.core.kvcache.slots import SlotPool
 from m3serve.core.req import Phase, Req
 from m3serve.runtime.config import SchedArgs
 from m3serve.runtime.messages import (
+    SKIPPED_TOKEN,
     Error,
     Finish,
     SeqStep,
@@ -268,6 +269,7 @@ class Scheduler:
         if new:
             plan.sampling[req.slot] = req.sampling
             plan.prompt_ids[req.slot] = req.prompt
+            plan.stop_ids[req.slot] = sorted(req.stop_ids)
             if req.output:
                 plan.output_ids[req.slot] = list(req.output)
         req.kv_len += chunk
@@ -310,6 +312,8 @@ class Scheduler:
             req.inflight -= 1
             if req.phase is Phase.DONE:
                 continue  # finished or aborted while this step was in flight
+            if token == SKIPPED_TOKEN:
+                raise RuntimeError(f"the engine dropped the row of {req.rid}, which is running")
             req.output.append(token)
             # A finished grammar ends its request like a stop token, even with ignore_eos.
             req.finish = Finish("stop", token) if done else self._finish_reason(req, token)

@@ -46,6 +46,15 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, kv: LayerKV, inv_freq: torch.Tensor
     ) -> torch.Tensor:
+        q, index_q = self.project(x, batch, kv, inv_freq)
+        return self.output(self.attend(q, index_q, batch, kv))
+
+    def project(
+        self, x: torch.Tensor, batch: ForwardBatch, kv: LayerKV, inv_freq: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The queries [T, Hq, D] and (sparse layers) index queries of the new tokens, with
+        their keys, values and index keys written to the cache. Reads only the token count,
+        positions and cache slots of the batch, so it can run inside a CUDA graph."""
         cfg, backend = self.cfg, self.backend
         n = x.shape[0]
         parts = backend.linear(x, self.qkv_proj.data).split(self.splits, dim=-1)
@@ -53,23 +62,32 @@ class Attention(nn.Module):
         # Keys are normalized, rotated and written to the cache in one backend op.
         k = parts[1].view(n, cfg.num_kv_heads, cfg.head_dim)
         v = parts[2].view(n, cfg.num_kv_heads, cfg.head_dim)
+        if not self.sparse:
+            eps = self.k_norm.eps
+            backend.store_kv(kv, batch, k, v, self.k_norm.weight, None, None, eps, inv_freq)
+            return q, None
+        index_q = self._norm_rope(parts[3], self.index_q_norm, cfg.index_n_heads, batch, inv_freq)
+        backend.store_kv(
+            kv,
+            batch,
+            k,
+            v,
+            self.k_norm.weight,
+            parts[4],
+            self.index_k_norm.weight,
+            self.k_norm.eps,
+            inv_freq,
+        )
+        return q, index_q
+
+    def attend(
+        self, q: torch.Tensor, index_q: torch.Tensor | None, batch: ForwardBatch, kv: LayerKV
+    ) -> torch.Tensor:
+        """Attention of the new tokens over the cache, [T, q_size]: the part of the layer that
+        reads each request's lengths and page table."""
+        cfg, backend = self.cfg, self.backend
         block_ids = None
-        if self.sparse:
-            index_q = self._norm_rope(
-                parts[3], self.index_q_norm, cfg.index_n_heads, batch, inv_freq
-            )
-            index_k = parts[4]
-            backend.store_kv(
-                kv,
-                batch,
-                k,
-                v,
-                self.k_norm.weight,
-                index_k,
-                self.index_k_norm.weight,
-                self.k_norm.eps,
-                inv_freq,
-            )
+        if index_q is not None:
             block_ids = backend.index_topk(
                 index_q,
                 kv,
@@ -78,12 +96,11 @@ class Attention(nn.Module):
                 cfg.index_local_blocks,
                 cfg.index_init_blocks,
             )
-        else:
-            backend.store_kv(
-                kv, batch, k, v, self.k_norm.weight, None, None, self.k_norm.eps, inv_freq
-            )
         out = backend.attention(q, kv, batch, cfg.head_dim**-0.5, block_ids)
-        return backend.linear(out.reshape(n, cfg.q_size), self.o_proj.data)
+        return out.reshape(q.shape[0], cfg.q_size)
+
+    def output(self, attn: torch.Tensor) -> torch.Tensor:
+        return self.backend.linear(attn, self.o_proj.data)
 
     def _norm_rope(
         self,

@@ -52,12 +52,38 @@ class DecoderLayer(nn.Module):
         kv: KVCache,
         inv_freq: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        backend = self.backend
+        q, index_q, residual = self.attention_inputs(hidden, residual, batch, kv, inv_freq)
+        return self.finish(self.attend(q, index_q, batch, kv), residual)
+
+    # The three parts below are the layer split where it reads per-request metadata (`attend`)
+    # and where it does not (the rest): piecewise CUDA graphs capture the latter.
+
+    def attention_inputs(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+        kv: KVCache,
+        inv_freq: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Queries, index queries and the residual stream; K/V written to the cache."""
         norm = self.input_layernorm
-        x, residual = backend.add_rms_norm(hidden, residual, norm.weight, norm.eps)
-        hidden = self.self_attn(x, batch, kv.layers[self.index], inv_freq)
+        x, residual = self.backend.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        q, index_q = self.self_attn.project(x, batch, kv.layers[self.index], inv_freq)
+        return q, index_q, residual
+
+    def attend(
+        self, q: torch.Tensor, index_q: torch.Tensor | None, batch: ForwardBatch, kv: KVCache
+    ) -> torch.Tensor:
+        return self.self_attn.attend(q, index_q, batch, kv.layers[self.index])
+
+    def finish(
+        self, attn: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """From the attention output to the layer's output: o_proj, norm, feed-forward."""
+        hidden = self.self_attn.output(attn)
         norm = self.post_attention_layernorm
-        x, residual = backend.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        x, residual = self.backend.add_rms_norm(hidden, residual, norm.weight, norm.eps)
         ffn = self.block_sparse_moe if self.is_moe else self.mlp
         return ffn(x), residual
 
@@ -118,14 +144,23 @@ class M3ForCausalLM(nn.Module):
         self, batch: ForwardBatch, kv: KVCache, layers: Sequence[int] | None = None
     ) -> torch.Tensor:
         """Final-normed hidden states of every new token [T, hidden]."""
-        backend = self.backend
-        hidden = self.model.embed_tokens.weight[batch.input_ids]
+        hidden = self.embed(batch.input_ids)
         residual: torch.Tensor | None = None
         chosen = self.model.layers if layers is None else [self.model.layers[i] for i in layers]
         for layer in chosen:
             hidden, residual = layer(hidden, residual, batch, kv, self.inv_freq)
+        return self.final_norm(hidden, residual)
+
+    @property
+    def layers(self) -> list[DecoderLayer]:
+        return list(self.model.layers)  # type: ignore[arg-type]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens.weight[input_ids]
+
+    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         norm = self.model.norm
-        return backend.add_rms_norm(hidden, residual, norm.weight, norm.eps)[0]
+        return self.backend.add_rms_norm(hidden, residual, norm.weight, norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.backend.linear(hidden, self.lm_head.weight).float()

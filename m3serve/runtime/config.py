@@ -249,8 +249,16 @@ class KernelArgs:
     cuda_graph_max_bs_decode: int | None = option(
         None, "largest decode batch replayed from a CUDA graph (hopper backend; default 128)"
     )
-    cuda_graph_max_bs_prefill: int | None = option(None, "largest CUDA-graph prefill tokens")
-    cuda_graph_backend_prefill: str | None = option(None, "prefill graph backend")
+    cuda_graph_max_bs_prefill: int | None = option(
+        None,
+        "largest prefill or mixed step, in tokens, replayed from piecewise CUDA graphs (hopper "
+        "backend; default: the step token budget, at most 8192); larger steps run eagerly",
+    )
+    cuda_graph_backend_prefill: Literal["breakable", "disabled"] | None = option(
+        None,
+        "CUDA graphs for prefill and mixed steps: breakable (captured pieces between eager "
+        "attention calls; the default where decode graphs run) or disabled",
+    )
     moe_runner_backend: str = option(
         "auto",
         "what runs the routed experts: auto, triton (W4A16 NVFP4 fused MoE; hopper) or torch "
@@ -388,7 +396,14 @@ _PLANNED: tuple[tuple[type, str], ...] = (
 )
 # Planned-section settings that already hold in this build (nothing to refuse).
 _HONOURED = frozenset(
-    {"disable_cuda_graph", "skip_warmup", "cuda_graph_max_bs_decode", "moe_runner_backend"}
+    {
+        "disable_cuda_graph",
+        "skip_warmup",
+        "cuda_graph_max_bs_decode",
+        "cuda_graph_max_bs_prefill",
+        "cuda_graph_backend_prefill",
+        "moe_runner_backend",
+    }
 )
 
 

@@ -257,6 +257,13 @@ class StepPlan(msgspec.Struct, tag=True, kw_only=True, array_like=True):
     sampling: dict[int, SamplingParams] = msgspec.field(default_factory=dict)
     prompt_ids: dict[int, list[int]] = msgspec.field(default_factory=dict)
     output_ids: dict[int, list[int]] = msgspec.field(default_factory=dict)
+    # The token ids that end each starting slot's request (so the engine core can drop its
+    # decode row from a step planned before the CPU saw the stop token).
+    stop_ids: dict[int, list[int]] = msgspec.field(default_factory=dict)
+
+
+# A sampled row the engine core dropped: its request had ended on the step before (overlap).
+SKIPPED_TOKEN = -1
 
 
 class StepResult(msgspec.Struct, tag=True, kw_only=True, array_like=True):

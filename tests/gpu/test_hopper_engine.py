@@ -72,3 +72,15 @@ def test_fp8_kv_cache_stays_close_to_bf16(path: Path) -> None:
     assert all(0 <= t < SPEC.vocab_size for out in fp8 for t in out)
     # The first token only depends on the prompt's KV; fp8 rounding should rarely flip it.
     assert sum(d is None or d > 0 for d in divergences) >= len(PROMPTS) // 2
+
+
+def test_piecewise_prefill_graphs_on_and_off_give_identical_tokens(path: Path) -> None:
+    off = outputs(path, backend="hopper", dtype="bfloat16", cuda_graph_backend_prefill="disabled")
+    on = outputs(path, backend="hopper", dtype="bfloat16", cuda_graph_max_bs_prefill=256)
+    assert on == off
+
+
+def test_overlap_on_and_off_give_identical_tokens(path: Path) -> None:
+    on = outputs(path, backend="hopper", dtype="bfloat16")
+    off = outputs(path, backend="hopper", dtype="bfloat16", disable_overlap_schedule=True)
+    assert on == off

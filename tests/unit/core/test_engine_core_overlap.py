@@ -1,0 +1,102 @@
+"""Overlap in the engine core: a step planned before the CPU saw a request's stop token does not
+decode that request again, and its output is the one without overlap."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from conftest import M31_SPEC
+
+from m3serve.core.engine_core import EngineCore
+from m3serve.core.req import Req
+from m3serve.model.batch import ForwardBatch
+from m3serve.model.tiny.checkpoint import TinySpec
+from m3serve.runtime.config import ServerArgs
+from m3serve.runtime.messages import SamplingParams
+
+PROMPT = [5, 6, 7, 8, 9, 10, 11]
+
+
+@pytest.fixture(scope="module")
+def core(tiny_checkpoint: Callable[[TinySpec], Path]) -> Iterator[EngineCore]:
+    path = tiny_checkpoint(M31_SPEC)
+    args = ServerArgs.from_kwargs(
+        model_path=str(path), device="cpu", dtype="float32", max_total_tokens=2048
+    )
+    engine = EngineCore(args, path)
+    yield engine
+    engine.close()
+
+
+def _req(rid: str, stop_ids: frozenset[int], max_new: int = 12) -> Req:
+    sampling = SamplingParams(max_new_tokens=max_new, temperature=0.0)
+    return Req(rid=rid, prompt=list(PROMPT), sampling=sampling, stop_ids=stop_ids, worker=0)
+
+
+def _generate(core: EngineCore, reqs: list[Req], overlap: bool) -> dict[str, list[int]]:
+    async def go() -> dict[str, list[int]]:
+        for req in reqs:
+            core.add(req)
+        out: dict[str, list[int]] = {req.rid: [] for req in reqs}
+        while core.has_work or core._in_flight is not None:
+            step = await (core.overlap_step() if overlap else core.step())
+            if step is None:
+                break
+            for batch in step.batches.values():
+                for rid, ids in zip(batch.rids, batch.new_ids, strict=True):
+                    out[rid].extend(ids)
+        return out
+
+    return asyncio.run(go())
+
+
+def _decode_rows(core: EngineCore, monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """The slots of the decode rows of every forward the engine core builds."""
+    rows: list[list[int]] = []
+    build = ForwardBatch.build
+
+    def spy(seqs, *args, **kwargs):  # type: ignore[no-untyped-def]
+        rows.append([s.slot for s in seqs if s.input_ids is None])
+        return build(seqs, *args, **kwargs)
+
+    monkeypatch.setattr(ForwardBatch, "build", spy)
+    return rows
+
+
+def test_a_request_ending_on_a_stop_token_is_not_decoded_again(
+    core: EngineCore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    greedy = _generate(core, [_req("probe", frozenset())], overlap=False)["probe"]
+    stop = greedy[3]
+    ends_at = greedy.index(stop) + 1  # the stop token is the last output token
+    core.scheduler.cache.reset()
+
+    rows = _decode_rows(core, monkeypatch)
+    stopping, running = _req("stopping", frozenset({stop})), _req("running", frozenset(), 12)
+    out = _generate(core, [stopping, running], overlap=True)
+
+    assert out["stopping"] == greedy[:ends_at]
+    assert out["running"] == greedy
+    # One prefill step samples the first token; then one decode row per later token, no more.
+    # Slots are handed out lowest first, in arrival order: "stopping" decodes in slot 0.
+    assert sum(row.count(0) for row in rows) == ends_at - 1
+    core.scheduler.idle_check()
+
+
+def test_a_step_whose_every_row_ended_runs_no_forward(
+    core: EngineCore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    greedy = _generate(core, [_req("probe", frozenset())], overlap=False)["probe"]
+    stop = greedy[2]
+    ends_at = greedy.index(stop) + 1
+    core.scheduler.cache.reset()
+
+    rows = _decode_rows(core, monkeypatch)
+    out = _generate(core, [_req("alone", frozenset({stop}))], overlap=True)
+
+    assert out["alone"] == greedy[:ends_at]
+    assert len(rows) == ends_at  # the prefill and one decode per later token
+    core.scheduler.idle_check()
