@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ from m3serve.core.piecewise import DEFAULT_MAX_TOKENS, PiecewiseGraphs
 from m3serve.core.req import Req
 from m3serve.core.sampler import Sampler
 from m3serve.core.scheduler import Outputs, QueueFull, Scheduler
+from m3serve.core.step_cost import measure_step_cost
 from m3serve.core.trace import StartupPhases, StepTrace
 from m3serve.core.warmup import WarmupLimits, distinct_layers, use_kernel_cache, warmup_plans
 from m3serve.model.batch import ForwardBatch
@@ -116,7 +117,8 @@ class EngineCore:
             self.piecewise = self._capture_piecewise(args, slots)
         # ------------------------------------------------------------------ scheduler
         radix = not args.cache.disable_radix_cache
-        self.scheduler = Scheduler(args.sched, self.budget.num_pages, cfg.page_size, radix)
+        budget = self._mixed_budget(args, slots)
+        self.scheduler = Scheduler(args.sched, self.budget.num_pages, cfg.page_size, radix, budget)
         # ------------------------------------------------------------------ executor
         self.executor = Executor(self.run)
         self._in_flight: Launched | None = None
@@ -407,6 +409,31 @@ class EngineCore:
         )
         piecewise.capture()
         return piecewise
+
+    def _mixed_budget(self, args: ServerArgs, slots: int) -> Callable[[int], int] | None:
+        """The scheduler's prompt budget for steps that decode, from step times measured now
+        (GPU only: on a CPU the forward is too noisy to time, and nobody streams from it)."""
+        stretch = args.sched.mixed_step_stretch
+        if not stretch or self.device.type != "cuda" or args.sched.chunked_prefill_size < 0:
+            return None
+        page = self.budget.page_size
+        sizes = self.graphs.sizes if self.graphs else [1, 8, 32, 64, 128]
+        with self.startup.phase("step cost"):
+            cost = measure_step_cost(
+                self._time_forward,
+                lambda: torch.cuda.synchronize(self.device),
+                [s for s in sizes if s <= slots],
+                page,
+                self.budget.num_pages,
+                self._max_step_tokens(args.sched, slots),
+            )
+        log.info("%s", cost.describe(stretch, page))
+        return lambda decodes: cost.mixed_budget(decodes, stretch, page)
+
+    @torch.inference_mode()
+    def _time_forward(self, seqs: list[SeqStep]) -> None:
+        batch = ForwardBatch.build(seqs, self.budget.page_size, self.device)
+        self._logits(batch, decode_only=all(seq.extend == 1 for seq in seqs))
 
     # ------------------------------------------------------------------ shutdown
 

@@ -40,12 +40,17 @@ from m3serve.model.m3 import M3ForCausalLM
 
 log = logging.getLogger(__name__)
 
-# Token buckets: about 1.25x apart above 64, so padding wastes at most a fifth of a step.
+# Token buckets, 16 apart up to 256 and then at most 1/8 of a step apart: padding is real work
+# in a compute-bound prefill. Past the largest one a step runs eagerly, where its device time
+# hides the launches anyway.
 BUCKETS = (
-    8, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512, 640, 768, 1024, 1280,
-    1536, 2048, 2560, 3072, 4096, 5120, 6144, 8192, 10240, 12288, 16384, 20480, 24576, 32768,
-)  # fmt: skip
-DEFAULT_MAX_TOKENS = 8192
+    *range(16, 256, 16),
+    *range(256, 512, 32),
+    *range(512, 1024, 64),
+    *range(1024, 2048, 128),
+    *range(2048, 4096 + 1, 256),
+)
+DEFAULT_MAX_TOKENS = 4096
 
 
 def token_buckets(max_tokens: int) -> list[int]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from m3serve.core.kvcache.pages import PagePool
@@ -74,8 +75,18 @@ class Outputs:
 
 
 class Scheduler:
-    def __init__(self, args: SchedArgs, num_pages: int, page_size: int, radix: bool) -> None:
+    def __init__(
+        self,
+        args: SchedArgs,
+        num_pages: int,
+        page_size: int,
+        radix: bool,
+        mixed_budget: Callable[[int], int] | None = None,
+    ) -> None:
+        """`mixed_budget(decodes)`: the prompt tokens a step with that many decode rows may
+        carry (core/step_cost.py); None lets every step fill the whole prefill budget."""
         self.args = args
+        self.mixed_budget = mixed_budget
         self.page_size = page_size
         self.pool = PagePool(num_pages)
         self.cache = PrefixCache(self.pool, page_size, enabled=radix)
@@ -134,7 +145,7 @@ class Scheduler:
 
     def schedule(self) -> StepPlan | None:
         decode = self._plan_decode()
-        prefill = self._plan_prefill()
+        prefill = self._plan_prefill(len(decode))
         if not decode and not prefill:
             return None
         self.step += 1
@@ -171,10 +182,12 @@ class Scheduler:
             self._retract(victim)
         return decode
 
-    def _plan_prefill(self) -> list[tuple[Req, int]]:
+    def _plan_prefill(self, decodes: int) -> list[tuple[Req, int]]:
         budget = self.args.max_prefill_tokens
         if self.args.chunked_prefill_size > 0:
             budget = min(budget, self.args.chunked_prefill_size)
+            if decodes and self.mixed_budget is not None:
+                budget = min(budget, self.mixed_budget(decodes))
         chosen: list[tuple[Req, int]] = []
         if self.args.schedule_policy == "lpm" and 1 < len(self.waiting) <= LPM_MAX_WAITING:
             self._longest_prefix_first()

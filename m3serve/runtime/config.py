@@ -91,9 +91,17 @@ class SchedArgs:
     )
     min_new_token_ratio: float = option(0.1, "floor of the decaying reservation ratio")
     new_token_ratio_decay: float = option(0.001, "per-step decay of the reservation ratio")
+    mixed_step_stretch: float = option(
+        2.5,
+        "a step that decodes carries only as many prompt tokens as keep it within this many "
+        "pure decode steps (measured at start on a GPU), which bounds inter-token latency "
+        "while prompts are prefilled; 0 gives every step the whole --chunked-prefill-size",
+    )
 
     def __post_init__(self) -> None:
         problems = []
+        if self.mixed_step_stretch != 0 and self.mixed_step_stretch <= 1:
+            problems.append("--mixed-step-stretch must be 0 (off) or above 1")
         if self.max_running_requests < 1:
             problems.append("--max-running-requests must be >= 1")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
@@ -252,7 +260,7 @@ class KernelArgs:
     cuda_graph_max_bs_prefill: int | None = option(
         None,
         "largest prefill or mixed step, in tokens, replayed from piecewise CUDA graphs (hopper "
-        "backend; default: the step token budget, at most 8192); larger steps run eagerly",
+        "backend; default: the step token budget, at most 4096); larger steps run eagerly",
     )
     cuda_graph_backend_prefill: Literal["breakable", "disabled"] | None = option(
         None,

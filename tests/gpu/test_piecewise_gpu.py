@@ -28,7 +28,7 @@ TOLERANCE = 2e-2
 
 @pytest.fixture(scope="module", params=["bf16", "modelopt-mixed"])
 def model(request: pytest.FixtureRequest, tiny_checkpoint: Callable[[TinySpec], Path]):
-    quant = None if request.param == "bf16" else request.param
+    quant = "none" if request.param == "bf16" else request.param
     spec = TinySpec(dtype="bfloat16", seed=5, quant=quant)
     backend = HopperBackend(torch.device("cuda"))
     return load_model(tiny_checkpoint(spec), backend, "bfloat16", progress=False).model

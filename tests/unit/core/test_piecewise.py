@@ -4,6 +4,7 @@ the logits and KV of the plain forward."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -53,8 +54,10 @@ def mixed_step(model: M3ForCausalLM) -> tuple[list[SeqStep], list[list[int]], li
 
 
 def test_buckets_end_at_the_largest_step() -> None:
-    assert token_buckets(100) == [8, 16, 24, 32, 48, 64, 80, 96, 100]
+    assert token_buckets(100) == [16, 32, 48, 64, 80, 96, 100]
     assert token_buckets(8) == [8]
+    sizes = token_buckets(4096)
+    assert all(b / a <= 1 + 1 / 8 for a, b in itertools.pairwise(sizes[8:]))
 
 
 @torch.inference_mode()

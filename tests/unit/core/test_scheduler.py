@@ -298,3 +298,31 @@ def test_a_finished_grammar_ends_its_request_with_stop_even_ignoring_eos() -> No
     assert finish is not None and finish.reason == "stop"
     assert finish.matched == result.tokens[0]
     assert not run.scheduler.has_work
+
+
+def test_steps_that_decode_carry_at_most_the_mixed_budget_of_prompt_tokens() -> None:
+    run = make(256, chunked_prefill_size=32)
+    run.scheduler.mixed_budget = lambda decodes: 4 * decodes
+    early = request("early", prompts(3, 1, 20, 20)[0], 30)
+    run.scheduler.add(early)
+    late = [request(f"late{i}", p, 6) for i, p in enumerate(prompts(4, 3, 30, 40))]
+    arrivals = [(3, req) for req in late]
+    plans: list[StepPlan] = []
+    schedule = run.scheduler.schedule
+
+    def recording() -> StepPlan | None:
+        plan = schedule()
+        if plan is not None:
+            plans.append(plan)
+        return plan
+
+    run.scheduler.schedule = recording  # type: ignore[method-assign]
+    drive(run, arrivals=arrivals)
+    for plan in plans:
+        decodes = sum(seq.input_ids is None for seq in plan.seqs)
+        prompt_tokens = sum(seq.extend for seq in plan.seqs if seq.input_ids is not None)
+        assert prompt_tokens <= (4 * decodes if decodes else 32)
+    assert any(sum(s.input_ids is None for s in p.seqs) == 0 and len(p.seqs) == 1 for p in plans)
+    for req in [early, *late]:
+        assert run.outputs[req.rid] == reference_output(req.prompt, req.max_new, STOP)
+    assert_all_pages_back(run)

@@ -48,9 +48,10 @@ def test_every_unsupported_setting_is_listed_in_one_message() -> None:
         "--enable-hierarchical-cache",
         "--hicache-size 192",
         "--moe-runner-backend flashinfer_trtllm_routed",
-        "--cuda-graph-backend-prefill breakable",
+        "--disable-attn-tp-gather",
     ):
         assert flag in listed
+    assert "--cuda-graph-backend-prefill" not in listed  # piecewise graphs are built
     with pytest.raises(ConfigInvalid, match=r"this build cannot honour: .*--tp 4.*DSPARK"):
         parse(COOKBOOK).check_supported()
 

@@ -1,0 +1,54 @@
+"""The mixed-step prompt budget from measured step times, and the synthetic steps that measure
+them (valid batches over the unused pool)."""
+
+from __future__ import annotations
+
+import pytest
+
+from m3serve.core.step_cost import StepCost, fit_per_token, measure_step_cost
+from m3serve.model.batch import ForwardBatch
+from m3serve.runtime.messages import SeqStep
+
+COST = StepCost({1: 2.0, 16: 2.5, 64: 4.0}, prefill_ms_per_token=0.01)
+
+
+def test_a_mixed_step_may_add_stretch_minus_one_decode_steps_of_prompt_work() -> None:
+    # (2.5 - 1) * 2.5 ms = 3.75 ms of prompt work = 375 tokens -> 256 in whole 128-token pages.
+    assert COST.mixed_budget(16, 2.5, 128) == 256
+    assert COST.mixed_budget(9, 2.5, 128) == 256  # the 16 bucket's time
+    assert COST.mixed_budget(64, 2.5, 128) == 512  # 6 ms -> 600 tokens
+    assert COST.mixed_budget(200, 2.5, 128) == 512  # past the largest bucket: its time
+
+
+def test_the_budget_is_never_below_one_page() -> None:
+    slow = StepCost({1: 0.1}, prefill_ms_per_token=1.0)
+    assert slow.mixed_budget(1, 1.5, 128) == 128
+
+
+def test_the_per_token_cost_is_the_slope_not_the_mean() -> None:
+    # 1 ms of fixed launch cost plus 0.02 ms per token.
+    samples = {n: 1.0 + 0.02 * n for n in (256, 512, 1024)}
+    assert fit_per_token(samples) == pytest.approx(0.02)
+    assert fit_per_token({100: 5.0}) == pytest.approx(0.05)
+
+
+def test_the_measured_steps_are_valid_batches_over_distinct_pages() -> None:
+    steps: list[list[SeqStep]] = []
+
+    def forward(seqs: list[SeqStep]) -> None:
+        ForwardBatch.build(seqs, 128, "cpu")  # raises on a malformed step
+        pages = [p for s in seqs for p in s.pages]
+        assert len(pages) == len(set(pages)) and max(pages) < 300
+        steps.append(seqs)
+
+    cost = measure_step_cost(forward, lambda: None, [1, 8, 64], 128, 300, 2048)
+    assert sorted(cost.decode_ms) == [1, 8, 64]
+    assert cost.prefill_ms_per_token > 0
+    decode_rows = {len(seqs) for seqs in steps if all(s.extend == 1 for s in seqs)}
+    assert decode_rows == {1, 8, 64}
+    assert {seqs[0].extend for seqs in steps if len(seqs) == 1 and seqs[0].extend > 1} == {
+        256,
+        512,
+        1024,
+        2048,
+    }
