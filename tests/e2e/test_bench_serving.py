@@ -4,35 +4,21 @@ a temporary XDG cache), three levels of 8 requests, the JSON it writes checked l
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+from serving.client import RequestRecord, StreamParser
+from serving.options import SMOKE
+from serving.stats import percentile, stats
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "perf" / "bench_serving.py"
 METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "e2e_done_ms")
-
-
-@pytest.fixture(scope="module")
-def bench() -> Iterator[ModuleType]:
-    spec = importlib.util.spec_from_file_location("bench_serving", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    # dataclasses look their module up in sys.modules while the class is being made.
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        del sys.modules[spec.name]
 
 
 def sse(*events: dict[str, Any] | str) -> bytes:
@@ -47,9 +33,9 @@ def chat_chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, An
 # ---------------------------------------------------------------------- definitions
 
 
-def test_per_request_metrics_follow_the_documented_formulas(bench: ModuleType) -> None:
+def test_per_request_metrics_follow_the_documented_formulas() -> None:
     # Five tokens in four content chunks (the third carried two): ITL is per chunk, TPOT per token.
-    record = bench.RequestRecord(start=10.0, prompt_text_tokens=3, completion_tokens=5)
+    record = RequestRecord(start=10.0, prompt_text_tokens=3, completion_tokens=5)
     record.chunk_times = [10.1, 10.15, 10.2, 10.3]
     record.done = 10.31
     assert record.ttft == pytest.approx(0.1)
@@ -57,21 +43,21 @@ def test_per_request_metrics_follow_the_documented_formulas(bench: ModuleType) -
     assert record.e2e_done == pytest.approx(0.31)
     assert record.tpot == pytest.approx((0.3 - 0.1) / (5 - 1))
     assert record.itls == pytest.approx([0.05, 0.05, 0.1])
-    one = bench.RequestRecord(start=0.0, prompt_text_tokens=3, completion_tokens=1)
+    one = RequestRecord(start=0.0, prompt_text_tokens=3, completion_tokens=1)
     one.chunk_times = [0.5]
     assert one.tpot is None and one.itls == []
 
 
-def test_percentiles_interpolate_between_order_statistics(bench: ModuleType) -> None:
+def test_percentiles_interpolate_between_order_statistics() -> None:
     ordered = [1.0, 2.0, 3.0, 4.0]
-    assert bench.percentile(ordered, 50) == pytest.approx(2.5)
-    assert bench.percentile(ordered, 90) == pytest.approx(3.7)
-    assert bench.percentile(ordered, 99) == pytest.approx(3.97)
-    assert bench.percentile([7.0], 99) == 7.0
-    assert bench.stats([])["mean"] is None
+    assert percentile(ordered, 50) == pytest.approx(2.5)
+    assert percentile(ordered, 90) == pytest.approx(3.7)
+    assert percentile(ordered, 99) == pytest.approx(3.97)
+    assert percentile([7.0], 99) == 7.0
+    assert stats([])["mean"] is None
 
 
-def test_only_content_bearing_chunks_are_stamped(bench: ModuleType) -> None:
+def test_only_content_bearing_chunks_are_stamped() -> None:
     usage = {"prompt_tokens": 11, "completion_tokens": 4, "total_tokens": 15}
     stream = sse(
         chat_chunk({"role": "assistant", "content": ""}),
@@ -82,8 +68,8 @@ def test_only_content_bearing_chunks_are_stamped(bench: ModuleType) -> None:
         {"choices": [], "usage": usage},
         "[DONE]",
     )
-    record = bench.RequestRecord(start=0.0, prompt_text_tokens=3)
-    parser = bench.StreamParser(record)
+    record = RequestRecord(start=0.0, prompt_text_tokens=3)
+    parser = StreamParser(record)
     for i in range(len(stream)):  # one byte per read: events and CRLFs split every way
         parser.feed(stream[i : i + 1], float(i))
     assert parser.saw_done
@@ -91,20 +77,20 @@ def test_only_content_bearing_chunks_are_stamped(bench: ModuleType) -> None:
     assert record.chunk_times == sorted(record.chunk_times)
     assert (record.prompt_tokens, record.completion_tokens) == (11, 4)
 
-    completion = bench.RequestRecord(start=0.0, prompt_text_tokens=3)
-    parser = bench.StreamParser(completion)
+    completion = RequestRecord(start=0.0, prompt_text_tokens=3)
+    parser = StreamParser(completion)
     parser.feed(sse({"choices": [{"text": ""}]}, {"choices": [{"text": "a"}]}, "[DONE]"), 1.0)
     assert completion.chunk_times == [1.0] and completion.completion_tokens is None
     assert completion.output_tokens == 1  # no usage: one token per content chunk
 
     with pytest.raises(RuntimeError, match="error event"):
-        bench.StreamParser(completion).feed(sse({"error": {"message": "boom"}}), 2.0)
+        StreamParser(completion).feed(sse({"error": {"message": "boom"}}), 2.0)
 
 
 # ---------------------------------------------------------------------- the smoke run
 
 
-def test_smoke_run_reports_every_level_with_sane_values(bench: ModuleType, tmp_path: Path) -> None:
+def test_smoke_run_reports_every_level_with_sane_values(tmp_path: Path) -> None:
     out = tmp_path / "bench_serving.json"
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     env.pop("OUT", None)
@@ -119,7 +105,7 @@ def test_smoke_run_reports_every_level_with_sane_values(bench: ModuleType, tmp_p
     )
     assert run.returncode == 0, run.stdout + run.stderr
     report = json.loads(out.read_text())
-    smoke = bench.SMOKE
+    smoke = SMOKE
     assert report["prompt_tokens_source"] == "server /v1/tokenize"
     assert report["server"]["started_here"]
     expected = [("concurrency", c) for c in smoke["concurrency"]]
