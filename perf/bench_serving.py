@@ -20,7 +20,8 @@ prompts are sent and not counted. Every level (and every warm-up) gets fresh ran
 (seeded by `--seed` and the level's index), so a prefix cache never serves one level's prompts
 to another.
 
-Requests. Streamed, with `stream_options.include_usage`, `max_tokens = --output-len` and
+Requests. Streamed, with `stream_options: {include_usage, continuous_usage_stats}` (the latter
+not with `--no-continuous-usage`), `max_tokens = --output-len` and
 `ignore_eos: true` (a server that ignores it may stop early: the real counts are reported). The
 prompt is random English words, one user message for chat or the raw prompt for completions.
 Its token count (before any chat template) is drawn from `--input-len-dist`: `fixed` (=
@@ -42,12 +43,18 @@ a stamp. Per request, with t0 = just before the request is sent:
     TTFT = t(first content chunk) - t0
     E2E  = t(last content chunk) - t0
     TPOT = (E2E - TTFT) / (output tokens - 1)              (requests with >= 2 output tokens)
-    ITL  = t(content chunk i) - t(content chunk i-1)       (every gap of every request, pooled)
+    ITL  = per token where every content chunk carries the running usage.completion_tokens
+           (vLLM's continuous_usage_stats; m3serve sends it): a chunk bringing k new tokens a
+           gap g after the previous one counts as k gaps of g/k; per chunk otherwise,
+           t(content chunk i) - t(content chunk i-1). Every gap of every request, pooled.
     output tokens = usage.completion_tokens of the stream's usage chunk; a server that sends no
         usage falls back to one token per content chunk (`output_tokens_source`: chunks)
-ITL is per chunk, not per token: a server that packs k tokens into a chunk shows gaps k tokens
-long (and k-1 fewer of them); TPOT is the per-token figure, and `tokens_per_chunk` (output
-tokens / content chunks) says how many tokens a gap held. E2E_done (JSON only) runs to the
+`itl_definition` in the JSON says which ITL `itl_ms` holds; `itl_chunk_ms` is always the per
+chunk one (what a client sees between chunks), and `tokens_per_chunk` (output tokens / content
+chunks) says how many tokens a chunk held. Per chunk, a server that packs k tokens into a chunk
+(its detokenizer holding back partial UTF-8 or a possible stop string, as random-weight models
+often make it) shows gaps k tokens long and k-1 fewer of them, which inflates the percentiles;
+TPOT is per token either way. E2E_done (JSON only) runs to the
 [DONE] event. Over the level, with T = wall time from the first send to the last stream's end:
     requests/s = completed requests / T; input tokens/s = sum(input tokens) / T;
     output tokens/s = sum(output tokens) / T; mean in-flight = sum(E2E_done, all requests) / T
@@ -67,9 +74,10 @@ end, our E2E_done); TPOT is aiperf's `inter_token_latency` and guidellm's
 `inter_token_latency_ms` (same formula, as in vLLM's and SGLang's bench_serving) — guidellm's
 `time_per_output_token_ms` is a different quantity, (last token - t0) / output tokens, TTFT
 included; our per-chunk ITL is aiperf's `inter_chunk_latency` and vLLM's ITL (guidellm keeps no
-per-gap distribution). aiperf divides by (output tokens - tokens of the first chunk) where the
-server reports per-chunk usage; here the first chunk is taken to hold one token. Throughputs
-follow aiperf's (totals over the benchmark's duration).
+per-gap distribution); the per-token ITL has no counterpart there. aiperf divides TPOT by
+(output tokens - tokens of the first chunk) where the server reports per-chunk usage; here the
+first chunk is taken to hold one token. Throughputs follow aiperf's (totals over the
+benchmark's duration).
 
 Output: a table per level as it finishes and a summary; JSON at `--out` (default
 perf/results/bench_serving.json, or $OUT/bench_serving.json when $OUT is set) with every level's
@@ -125,6 +133,7 @@ async def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
         output_len=args.output_len,
         ignore_eos=args.ignore_eos,
         extra_body=json.loads(args.extra_body),
+        continuous_usage=args.continuous_usage,
     )
     results = []
     for level, warm, prompts, arrivals in plans:
@@ -183,6 +192,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "input_len_spread": args.input_len_spread,
             "output_len": args.output_len,
             "ignore_eos": args.ignore_eos,
+            "continuous_usage_stats": args.continuous_usage,
             "extra_body": json.loads(args.extra_body),
             "num_requests": args.num_requests,
             "warmup_requests": args.warmup_requests,

@@ -84,6 +84,13 @@ def parse_args(description: str, argv: Sequence[str] | None = None) -> argparse.
     data.add_argument(
         "--no-ignore-eos", dest="ignore_eos", action="store_false", help="do not send ignore_eos"
     )
+    data.add_argument(
+        "--no-continuous-usage",
+        dest="continuous_usage",
+        action="store_false",
+        help="do not ask for usage in every chunk (stream_options.continuous_usage_stats); "
+        "ITL is then per chunk",
+    )
     data.add_argument("--extra-body", default="{}", help="JSON merged into every request body")
     data.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true", help="tiny fast run (CI): " + str(SMOKE))

@@ -36,9 +36,11 @@ def print_level(r: dict[str, Any]) -> None:
             f"tokens/chunk {tpc:.2f}"
         )
         print(f"{'(ms)':<6}{'mean':>9}{'p50':>9}{'p90':>9}{'p99':>9}")
-        for name in ("ttft", "tpot", "itl", "e2e"):
+        for name in ("ttft", "tpot", "itl", "itl_chunk", "e2e"):
             s = r[f"{name}_ms"]
-            print(f"{name.upper():<6}" + "".join(_ms(s[k]) for k in ("mean", "p50", "p90", "p99")))
+            label = "ITL/ch" if name == "itl_chunk" else name.upper()
+            print(f"{label:<6}" + "".join(_ms(s[k]) for k in ("mean", "p50", "p90", "p99")))
+        print(f"ITL {r['itl_definition']}")
     for error, count in r["errors"].items():
         print(f"  {count} x {error}")
     if r["short_outputs"]:
@@ -101,7 +103,7 @@ def plot(levels: list[dict[str, Any]], path: Path, title: str) -> Path | None:
         for key, color in (("p50", "tab:blue"), ("p99", "tab:red")):
             ys = [r["itl_ms"][key] for r in rows]
             itl.plot(xs, ys, style, color=color, label=f"ITL {key}, {labels[mode]}")
-    for ax, name in ((tput, "output tokens/s"), (itl, "inter-token (chunk) latency, ms")):
+    for ax, name in ((tput, "output tokens/s"), (itl, "inter-token latency, ms")):
         ax.set_xlabel("concurrency (requests in flight)")
         ax.set_title(name)
         ax.set_xscale("log", base=2)

@@ -64,7 +64,9 @@ def summarize(
         "output_tokens": stats(r.output_tokens for r in ok),
         "ttft_ms": stats(1e3 * r.ttft for r in ok),
         "tpot_ms": stats(1e3 * t for r in ok if (t := r.tpot) is not None),
-        "itl_ms": stats(1e3 * gap for r in ok for gap in r.itls),
+        "itl_definition": itl_definition(ok),
+        "itl_ms": stats(1e3 * gap for r in ok for gap in r.token_itls),
+        "itl_chunk_ms": stats(1e3 * gap for r in ok for gap in r.itls),
         "e2e_ms": stats(1e3 * r.e2e for r in ok),
         "e2e_done_ms": stats(1e3 * r.e2e_done for r in ok),
         "arrival_lag_ms": stats(1e3 * lag for lag in lags) if lags else None,
@@ -81,3 +83,14 @@ def _source(with_usage: int, requests: int, fallback: str) -> str:
         if with_usage == 0
         else "mixed"
     )
+
+
+def itl_definition(records: Sequence[RequestRecord]) -> str:
+    """Which inter-token latency `itl_ms` holds: per token where every content chunk carried
+    the running completion count, else per chunk (see serving/client.py)."""
+    counted = sum(r.token_counted for r in records)
+    if counted == len(records):
+        return "per token: a chunk of k new tokens after a gap g counts as k gaps of g/k"
+    if counted == 0:
+        return "per chunk: the server sent no per-chunk usage (continuous_usage_stats)"
+    return f"mixed: per token for {counted} of {len(records)} requests, per chunk for the rest"

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from serving.client import RequestRecord, StreamParser
 from serving.options import SMOKE
-from serving.stats import percentile, stats
+from serving.stats import itl_definition, percentile, stats
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "perf" / "bench_serving.py"
@@ -46,6 +46,21 @@ def test_per_request_metrics_follow_the_documented_formulas() -> None:
     one = RequestRecord(start=0.0, prompt_text_tokens=3, completion_tokens=1)
     one.chunk_times = [0.5]
     assert one.tpot is None and one.itls == []
+
+
+def test_itl_is_per_token_where_every_chunk_carries_its_running_count() -> None:
+    # Counts 1, 3, 3, 4: the second chunk brought two tokens (two gaps of half its wait), the
+    # third none (its wait runs on into the fourth's gap).
+    record = RequestRecord(start=0.0, prompt_text_tokens=3, completion_tokens=4)
+    record.chunk_times = [1.0, 1.4, 1.5, 1.6]
+    record.chunk_tokens = [1, 3, 3, 4]
+    assert record.token_counted
+    assert [k for _, _, k in record.spans] == [2, 1]
+    assert record.token_itls == pytest.approx([0.2, 0.2, 0.2])
+    assert record.itls == pytest.approx([0.4, 0.1, 0.1])  # per chunk, as before
+    record.chunk_tokens = [1, 3, None, 4]  # one chunk without usage: per chunk throughout
+    assert not record.token_counted and record.token_itls == pytest.approx(record.itls)
+    assert itl_definition([record]).startswith("per chunk")
 
 
 def test_percentiles_interpolate_between_order_statistics() -> None:
@@ -82,6 +97,22 @@ def test_only_content_bearing_chunks_are_stamped() -> None:
     parser.feed(sse({"choices": [{"text": ""}]}, {"choices": [{"text": "a"}]}, "[DONE]"), 1.0)
     assert completion.chunk_times == [1.0] and completion.completion_tokens is None
     assert completion.output_tokens == 1  # no usage: one token per content chunk
+
+    # continuous_usage_stats: every chunk's usage is recorded with it, cached tokens too.
+    counted = RequestRecord(start=0.0, prompt_text_tokens=3)
+    usage = {"prompt_tokens": 5, "prompt_tokens_details": {"cached_tokens": 2}}
+    parser = StreamParser(counted)
+    parser.feed(
+        sse(
+            {**chat_chunk({"role": "assistant"}), "usage": usage | {"completion_tokens": 0}},
+            {**chat_chunk({"content": "ab"}), "usage": usage | {"completion_tokens": 2}},
+            {**chat_chunk({"content": "c"}), "usage": usage | {"completion_tokens": 3}},
+            "[DONE]",
+        ),
+        1.0,
+    )
+    assert counted.chunk_tokens == [2, 3] and counted.token_counted
+    assert (counted.cached_tokens, counted.text) == (2, "abc")
 
     with pytest.raises(RuntimeError, match="error event"):
         StreamParser(completion).feed(sse({"error": {"message": "boom"}}), 2.0)
@@ -136,7 +167,10 @@ def test_smoke_run_reports_every_level_with_sane_values(tmp_path: Path) -> None:
             assert s["n"] > 0, (name, metric)
             assert 0 <= s["min"] <= s["p50"] <= s["p90"] <= s["p99"] <= s["max"], (name, metric, s)
         assert level["tpot_ms"]["n"] == smoke["num_requests"]
-        assert level["itl_ms"]["n"] >= smoke["num_requests"]  # two or more chunks per request
+        assert level["itl_chunk_ms"]["n"] >= smoke["num_requests"]  # two or more chunks each
+        # m3serve sends continuous usage: one gap per token after the first chunk's.
+        assert level["itl_definition"].startswith("per token"), name
+        assert level["itl_ms"]["n"] >= level["itl_chunk_ms"]["n"], name
 
     assert "concurrency 4" in run.stdout and "TTFT" in run.stdout
     png = out.with_suffix(".png")
