@@ -79,6 +79,12 @@ per-gap distribution); the per-token ITL has no counterpart there. aiperf divide
 first chunk is taken to hold one token. Throughputs follow aiperf's (totals over the
 benchmark's duration).
 
+Decode probe (`--decode-probe N`): after the levels, N requests at once (prompts of
+--input-len, `--decode-probe-output-len` tokens, default 4 x --output-len); the median per-token
+gap between the last one's first token and the first one's end is the pure decode step time at
+batch N, `ideal_tok_s` = N / step, and the closed-loop level at concurrency N gets `efficiency`
+= its output tokens/s / ideal_tok_s (serving/probe.py; issue 11's "≥ 85% at concurrency 64").
+
 Output: a table per level as it finishes and a summary; JSON at `--out` (default
 perf/results/bench_serving.json, or $OUT/bench_serving.json when $OUT is set) with every level's
 metrics and per-request records; a PNG next to it (output tokens/s and ITL p50/p99 against
@@ -103,6 +109,7 @@ import httpx
 from serving.client import Target
 from serving.load import run_level
 from serving.options import parse_args
+from serving.probe import add_efficiency, decode_probe, print_probe
 from serving.prompts import PromptMaker, input_lengths
 from serving.report import plot, print_level, print_summary
 
@@ -127,6 +134,10 @@ async def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
                 warm_rng, input_lengths(warm_rng, args.warmup_requests, *lengths)
             )
             plans.append((level, warm, prompts, random.Random(f"{args.seed}-arrivals{i}")))
+        probe_prompts = []
+        if args.decode_probe:  # one length for all: every request is in the same phase
+            rng = random.Random(f"{args.seed}-probe")
+            probe_prompts = await maker.make_many(rng, [args.input_len] * args.decode_probe)
     target = Target(
         path="/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions",
         model=model,
@@ -141,7 +152,15 @@ async def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
         result = await run_level(url, headers, timeout, target, level, warm, prompts, arrivals)
         print_level(result)
         results.append(result)
-    return {"model": model, "prompt_tokens_source": maker.source, "levels": results}
+    report = {"model": model, "prompt_tokens_source": maker.source, "levels": results}
+    if probe_prompts:
+        probe = await decode_probe(
+            url, headers, timeout, target, probe_prompts, args.decode_probe_output_len
+        )
+        add_efficiency(probe, results)
+        print_probe(probe)
+        report["decode_probe"] = probe
+    return report
 
 
 async def served_model(http: httpx.AsyncClient) -> str:
@@ -177,6 +196,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"{report['prompt_tokens_source']}"
     )
     print_summary(report["levels"])
+    if "decode_probe" in report:
+        print_probe(report["decode_probe"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     full = {
         "benchmark": "bench_serving",
@@ -197,6 +218,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             "num_requests": args.num_requests,
             "warmup_requests": args.warmup_requests,
             "seed": args.seed,
+            "decode_probe": args.decode_probe,
+            "decode_probe_output_len": args.decode_probe_output_len,
         },
         **report,
     }

@@ -73,6 +73,15 @@ def parse_args(description: str, argv: Sequence[str] | None = None) -> argparse.
     load.add_argument("--request-rate", type=rate, nargs="*", help="requests/s, Poisson; [none]")
     load.add_argument("--num-requests", type=positive, help="per level [64]")
     load.add_argument("--warmup-requests", type=nonnegative, help="per level, not counted [4]")
+    load.add_argument(
+        "--decode-probe",
+        type=positive,
+        metavar="N",
+        help="also measure the pure decode step at batch N and the efficiency of concurrency N",
+    )
+    load.add_argument(
+        "--decode-probe-output-len", type=positive, help="its output tokens [4 x output-len]"
+    )
     load.add_argument("--request-timeout", type=float, default=600.0, help="seconds [600]")
     data = parser.add_argument_group("requests")
     data.add_argument("--input-len", type=positive, help="prompt tokens [1024]")
@@ -101,6 +110,8 @@ def parse_args(description: str, argv: Sequence[str] | None = None) -> argparse.
     for key, value in (SMOKE if args.smoke else DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.decode_probe_output_len is None:
+        args.decode_probe_output_len = 4 * args.output_len
     if args.input_len_spread is None:
         args.input_len_spread = args.input_len / 4
     if not args.concurrency and not args.request_rate:

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from serving.client import RequestRecord, StreamParser
 from serving.options import SMOKE
+from serving.probe import add_efficiency, summarize_probe, window
 from serving.stats import itl_definition, percentile, stats
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,6 +62,29 @@ def test_itl_is_per_token_where_every_chunk_carries_its_running_count() -> None:
     record.chunk_tokens = [1, 3, None, 4]  # one chunk without usage: per chunk throughout
     assert not record.token_counted and record.token_itls == pytest.approx(record.itls)
     assert itl_definition([record]).startswith("per chunk")
+
+
+def test_decode_probe_takes_the_median_gap_while_all_requests_decode() -> None:
+    def record(times: list[float]) -> RequestRecord:
+        r = RequestRecord(start=0.0, prompt_text_tokens=3, completion_tokens=len(times))
+        r.chunk_times, r.chunk_tokens = times, list(range(1, len(times) + 1))
+        return r
+
+    # The window runs from the last first token (1.0) to the first last token (1.3): its gaps
+    # are 0.1 each (the 0.5 gap before it is prefill time, the 0.9 after it a lone request).
+    early, late = record([0.5, 1.0, 1.1, 1.2, 1.3]), record([1.0, 1.1, 1.2, 1.3, 2.2])
+    probe = summarize_probe([early, late], output_len=5)
+    assert window([early, late]) == (1.0, 1.3)
+    assert probe["window_gaps"] == 6
+    assert probe["pure_decode_step_ms"] == pytest.approx(100.0)
+    assert probe["ideal_tok_s"] == pytest.approx(2 / 0.1)
+    levels = [{"mode": "concurrency", "concurrency": 2, "completed": 8}]
+    levels[0]["output_token_throughput"] = 15.0
+    add_efficiency(probe, levels)
+    assert probe["efficiency"] == levels[0]["efficiency"] == pytest.approx(0.75)
+    # Requests that never ran together (the first ended before the last began): no figure.
+    apart = summarize_probe([record([0.0, 0.1]), record([0.2, 0.3])], output_len=2)
+    assert apart["pure_decode_step_ms"] is None and apart["note"]
 
 
 def test_percentiles_interpolate_between_order_statistics() -> None:
@@ -126,7 +150,7 @@ def test_smoke_run_reports_every_level_with_sane_values(tmp_path: Path) -> None:
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     env.pop("OUT", None)
     run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--out", str(out)],
+        [sys.executable, str(SCRIPT), "--smoke", "--decode-probe", "4", "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -171,6 +195,12 @@ def test_smoke_run_reports_every_level_with_sane_values(tmp_path: Path) -> None:
         # m3serve sends continuous usage: one gap per token after the first chunk's.
         assert level["itl_definition"].startswith("per token"), name
         assert level["itl_ms"]["n"] >= level["itl_chunk_ms"]["n"], name
+
+    probe = report["decode_probe"]  # 4 requests at once beside the level at concurrency 4
+    assert (probe["requests"], probe["completed"]) == (4, 4), probe
+    assert probe["output_len"] == 4 * smoke["output_len"] and probe["window_gaps"] > 0
+    assert probe["pure_decode_step_ms"] > 0 and probe["ideal_tok_s"] > 0
+    assert probe["efficiency"] == levels[1]["efficiency"] > 0
 
     assert "concurrency 4" in run.stdout and "TTFT" in run.stdout
     png = out.with_suffix(".png")
