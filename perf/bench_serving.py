@@ -94,7 +94,6 @@ concurrency; open-loop levels at their mean in-flight count) when matplotlib is 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform
@@ -102,7 +101,7 @@ import random
 import shlex
 import sys
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
@@ -112,10 +111,11 @@ from serving.options import parse_args
 from serving.probe import add_efficiency, decode_probe, print_probe
 from serving.prompts import PromptMaker, input_lengths
 from serving.report import plot, print_level, print_summary
+from serving.runner import auth_headers, run_against_server, served_model
 
 
 async def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    headers = auth_headers(args)
     timeout = httpx.Timeout(args.request_timeout, connect=30.0)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout) as http:
         model = args.model or await served_model(http)
@@ -163,27 +163,9 @@ async def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
     return report
 
 
-async def served_model(http: httpx.AsyncClient) -> str:
-    response = await http.get("/v1/models")
-    response.raise_for_status()
-    return str(response.json()["data"][0]["id"])
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(__doc__ or "", argv)
-    served = None
-    if args.url:
-        url = args.url.rstrip("/")
-    else:
-        from server_process import start_m3serve  # perf/ is on sys.path when run by path
-
-        served = start_m3serve(shlex.split(args.server_args))
-        url = served.url
-    try:
-        report = _event_loop_run(run(args, url))
-    finally:
-        if served is not None:
-            served.stop()
+    report, url, started_here = run_against_server(args, lambda url: run(args, url))
 
     endpoint = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
     title = (
@@ -192,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"{os.cpu_count()} cpus"
     )
     print(
-        f"{title}; server {url}{' (started here)' if served else ''}; prompt tokens by "
+        f"{title}; server {url}{' (started here)' if started_here else ''}; prompt tokens by "
         f"{report['prompt_tokens_source']}"
     )
     print_summary(report["levels"])
@@ -205,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
-        "server": {"url": url, "started_here": served is not None, "args": args.server_args},
+        "server": {"url": url, "started_here": started_here, "args": args.server_args},
         "config": {
             "endpoint": endpoint,
             "input_len": args.input_len,
@@ -228,14 +210,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     picture = plot(report["levels"], args.out.with_suffix(".png"), title)
     if picture is not None:
         print(f"wrote {picture}")
-
-
-def _event_loop_run(coro: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
-    try:
-        import uvloop
-    except ImportError:  # uvloop is faster, not needed
-        return asyncio.run(coro)
-    return uvloop.run(coro)
 
 
 if __name__ == "__main__":

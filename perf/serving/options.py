@@ -58,14 +58,8 @@ def parse_args(description: str, argv: Sequence[str] | None = None) -> argparse.
     parser = argparse.ArgumentParser(
         description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    target = parser.add_argument_group("target")
-    target.add_argument("--url", help="a running OpenAI-compatible server; default: start m3serve")
-    target.add_argument(
-        "--server-args", default="", help="flags for the m3serve serve started here, one string"
-    )
-    target.add_argument("--model", help="the model name to send; default: the first /v1/models")
-    target.add_argument("--api-key", help="sent as a Bearer token")
-    target.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
+    add_target_args(parser)
+    parser.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
     load = parser.add_argument_group("load (defaults in brackets; --smoke changes them)")
     load.add_argument(
         "--concurrency", type=positive, nargs="*", help="closed-loop levels [1 16 64]"
@@ -116,6 +110,25 @@ def parse_args(description: str, argv: Sequence[str] | None = None) -> argparse.
         args.input_len_spread = args.input_len / 4
     if not args.concurrency and not args.request_rate:
         parser.error("nothing to run: give --concurrency and/or --request-rate levels")
+    check_target_args(parser, args)
+    if not isinstance(json.loads(args.extra_body), dict):
+        parser.error("--extra-body must be a JSON object")
+    args.out = args.out or default_out()
+    return args
+
+
+def add_target_args(parser: argparse.ArgumentParser) -> None:
+    """The server flags every serving benchmark has: one to run against, or one to start."""
+    target = parser.add_argument_group("target")
+    target.add_argument("--url", help="a running OpenAI-compatible server; default: start m3serve")
+    target.add_argument(
+        "--server-args", default="", help="flags for the m3serve serve started here, one string"
+    )
+    target.add_argument("--model", help="the model name to send; default: the first /v1/models")
+    target.add_argument("--api-key", help="sent as a Bearer token")
+
+
+def check_target_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.url and args.server_args:
         parser.error("--server-args start a server; --url names a running one: pick one")
     server_args = shlex.split(args.server_args)
@@ -126,7 +139,3 @@ def parse_args(description: str, argv: Sequence[str] | None = None) -> argparse.
             args.api_key = server_args[i + 1]
         elif args.api_key is None and flag.startswith("--api-key="):
             args.api_key = flag.split("=", 1)[1]
-    if not isinstance(json.loads(args.extra_body), dict):
-        parser.error("--extra-body must be a JSON object")
-    args.out = args.out or default_out()
-    return args
