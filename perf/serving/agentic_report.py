@@ -54,15 +54,16 @@ def summarize_agentic(
         "tpot_ms": stats(1e3 * t for r in ok if (t := r.tpot) is not None),
         "per_user_tok_s": 1e3 / itl["p90"] if itl["p90"] else None,
         "prefix_cache_hit_rate": cached / prompt if with_cache and prompt else None,
-        "ideal_hit_rate": ideal_hit_rate(results),
+        "ideal_session_hit_rate": ideal_session_hit_rate(results),
         "server": server_rates(server, prompt),
         "requests": [{"session": t.session, "turn": t.turn} | t.record.summary() for t in results],
     }
 
 
-def ideal_hit_rate(results: Sequence[TurnResult]) -> float | None:
-    """What a perfect prefix cache could serve: of each later turn's prompt, the previous
-    turn's prompt and answer (by the server's counts), over all prompt tokens."""
+def ideal_session_hit_rate(results: Sequence[TurnResult]) -> float | None:
+    """What a prefix cache could serve from within each session: of each later turn's prompt,
+    the previous turn's prompt and answer (by the server's counts), over all prompt tokens. A
+    prefix every request shares (the chat template's opening) can lift the real rate above."""
     by_turn = {(t.session, t.turn): t.record for t in results if t.record.ok}
     total = sum(r.input_tokens for r in by_turn.values())
     reusable = 0
@@ -108,9 +109,9 @@ def print_agentic_level(r: dict[str, Any]) -> None:
     )
     server = r["server"]
     print(
-        f"prefix cache hit {_pct(r['prefix_cache_hit_rate'])} (usage; ideal "
-        f"{_pct(r['ideal_hit_rate'])}; /metrics {_pct(server['prefix_hit_rate'])}) | HiCache hit "
-        f"{_pct(server['hicache_hit_rate'])}"
+        f"prefix cache hit {_pct(r['prefix_cache_hit_rate'])} (usage; ideal in-session "
+        f"{_pct(r['ideal_session_hit_rate'])}; /metrics {_pct(server['prefix_hit_rate'])})"
+        f" | HiCache hit {_pct(server['hicache_hit_rate'])}"
     )
     print(f"{'(ms)':<13}{'p50':>9}{'p90':>9}{'p99':>9}")
     for key, label in (
@@ -139,7 +140,7 @@ def print_agentic_summary(levels: Sequence[dict[str, Any]]) -> None:
             f"{r['output_token_throughput']:>10.1f}{_num(r['ttft_ms']['p50']):>9}"
             f"{_num(r['ttft_ms']['p90']):>8}{_num(r['itl_ms']['p50']):>8}"
             f"{_num(r['itl_ms']['p90']):>7}{_num(r['per_user_tok_s']):>9}"
-            f"{_pct(r['prefix_cache_hit_rate']):>7}{_pct(r['ideal_hit_rate']):>7}"
+            f"{_pct(r['prefix_cache_hit_rate']):>7}{_pct(r['ideal_session_hit_rate']):>7}"
             f"{_pct(r['server']['hicache_hit_rate']):>8}"
         )
 

@@ -108,5 +108,5 @@ def describe(trace: list[Session]) -> dict[str, Any]:
         "prompt_tokens": sum(contexts),
         "output_tokens": sum(t.output_tokens for s in trace for t in s.turns),
         "max_context": max(contexts, default=0),
-        "ideal_hit_rate": reusable / sum(contexts) if contexts else None,
+        "ideal_session_hit_rate": reusable / sum(contexts) if contexts else None,
     }
