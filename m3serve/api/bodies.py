@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from m3serve.api.state import ServerState
-from m3serve.runtime.messages import Finish, RequestOutput, TokenLogprob
+from m3serve.runtime.messages import Finish, RequestOutput, TokenLogprob, Usage
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}
 
@@ -36,6 +36,17 @@ def usage_dict(
     if reasoning_tokens is not None:
         out["completion_tokens_details"] = {"reasoning_tokens": sum(reasoning_tokens)}
     return out
+
+
+def running_usage(usage: Usage) -> dict[str, Any]:
+    """One choice's usage so far, for a chunk under `continuous_usage_stats` (vLLM's shape:
+    the prompt, the completion tokens generated up to this chunk, their total)."""
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
 
 
 def token_text(state: ServerState, token_id: int) -> str:

@@ -16,7 +16,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from m3serve.api.bodies import finish_reason, logprobs_content, usage_dict
+from m3serve.api.bodies import finish_reason, logprobs_content, running_usage, usage_dict
 from m3serve.api.choice import ChoiceOutput, Delta
 from m3serve.api.constraints import response_format_constraint, tool_choice_constraint
 from m3serve.api.errors import APIError, decode, read_body
@@ -27,7 +27,7 @@ from m3serve.api.state import ServerState
 from m3serve.model.thinking import ThinkingInvalid, resolve_thinking
 from m3serve.parsers.reasoning import ReasoningParser
 from m3serve.parsers.tools import ToolCall, ToolCallDelta, ToolCallParser
-from m3serve.runtime.messages import Constraint, GenerateReq, RequestOutput
+from m3serve.runtime.messages import Constraint, GenerateReq, RequestOutput, Usage
 
 MEDIA_PARTS = ("image_url", "image", "video_url", "video", "input_audio")
 THINKING_KEYS = ("thinking", "thinking_mode", "reasoning_effort")  # not for the template
@@ -191,14 +191,22 @@ class _ChatResponse:
     async def chunks(self, generation: Generation) -> AsyncGenerator[dict[str, Any], None]:
         head = {"id": self.rid, "object": "chat.completion.chunk", "created": int(time.time())}
         head["model"] = self.state.model_name
+        options = self.plan.body.stream_options
+        continuous = options is not None and options.continuous
         for index in range(len(self.parsed)):
-            yield {**head, "choices": [_choice(index, {"role": "assistant", "content": ""})]}
+            chunk = {**head, "choices": [_choice(index, {"role": "assistant", "content": ""})]}
+            if continuous:  # nothing generated yet: the prompt's counts, as vLLM
+                first = generation.choices[index].outputs[0].usage
+                chunk["usage"] = running_usage(Usage(first.prompt_tokens, 0, first.cached_tokens))
+            yield chunk
         async for index, output in generation.stream():
             choice = self._delta_choice(index, output)
             if choice is not None:
-                yield {**head, "choices": [choice]}
+                chunk = {**head, "choices": [choice]}
+                if continuous:  # tokens of pieces held back (no chunk) count in the next one
+                    chunk["usage"] = running_usage(output.usage)
+                yield chunk
         self.state.log_exchange(self.rid, "streamed", [o.text for o in self.parsed])
-        options = self.plan.body.stream_options
         if options and options.include_usage:
             usage = usage_dict(generation.outputs, self._reasoning_counts())
             yield {**head, "choices": [], "usage": usage}

@@ -16,7 +16,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
-from m3serve.api.bodies import completion_logprobs, finish_reason, usage_dict
+from m3serve.api.bodies import completion_logprobs, finish_reason, running_usage, usage_dict
 from m3serve.api.constraints import response_format_constraint
 from m3serve.api.errors import APIError, decode, read_body
 from m3serve.api.generation import Generation, Outputs, check_fanout
@@ -145,6 +145,8 @@ class _CompletionResponse:
         # prompt, so the streamed logprobs equal the non-streamed ones.
         offsets = [len(echo) for echo in self.echoes]
         sent_echo = [False] * len(self.echoes)
+        options = self.body.stream_options
+        continuous = options is not None and options.continuous
         async for index, piece in generation.stream():
             text = piece.text if sent_echo[index] else self.echoes[index] + piece.text
             sent_echo[index] = True
@@ -154,8 +156,10 @@ class _CompletionResponse:
                 offsets[index] += sum(len(token) for token in logprobs["tokens"])
             choice = {"index": index, "text": text, "logprobs": logprobs}
             choice["finish_reason"] = finish_reason(piece.finish, False)
-            yield {**head, "choices": [choice]}
-        options = self.body.stream_options
+            chunk = {**head, "choices": [choice]}
+            if continuous:
+                chunk["usage"] = running_usage(piece.usage)
+            yield chunk
         if options and options.include_usage:
             yield {**head, "choices": [], "usage": self._usage(generation.outputs)}
 

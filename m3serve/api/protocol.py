@@ -76,6 +76,13 @@ class ResponseFormat(msgspec.Struct, kw_only=True):
 
 class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
+    # vLLM's extension: with include_usage, every chunk carries the running usage (so a client
+    # can count the tokens each chunk held); without include_usage it does nothing, as in vLLM.
+    continuous_usage_stats: bool = False
+
+    @property
+    def continuous(self) -> bool:
+        return self.include_usage and self.continuous_usage_stats
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):

@@ -4,35 +4,22 @@ a temporary XDG cache), three levels of 8 requests, the JSON it writes checked l
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+from serving.client import RequestRecord, StreamParser
+from serving.options import SMOKE
+from serving.probe import add_efficiency, summarize_probe, window
+from serving.stats import itl_definition, percentile, stats
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "perf" / "bench_serving.py"
 METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "e2e_done_ms")
-
-
-@pytest.fixture(scope="module")
-def bench() -> Iterator[ModuleType]:
-    spec = importlib.util.spec_from_file_location("bench_serving", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    # dataclasses look their module up in sys.modules while the class is being made.
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        del sys.modules[spec.name]
 
 
 def sse(*events: dict[str, Any] | str) -> bytes:
@@ -47,9 +34,9 @@ def chat_chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, An
 # ---------------------------------------------------------------------- definitions
 
 
-def test_per_request_metrics_follow_the_documented_formulas(bench: ModuleType) -> None:
+def test_per_request_metrics_follow_the_documented_formulas() -> None:
     # Five tokens in four content chunks (the third carried two): ITL is per chunk, TPOT per token.
-    record = bench.RequestRecord(start=10.0, prompt_text_tokens=3, completion_tokens=5)
+    record = RequestRecord(start=10.0, prompt_text_tokens=3, completion_tokens=5)
     record.chunk_times = [10.1, 10.15, 10.2, 10.3]
     record.done = 10.31
     assert record.ttft == pytest.approx(0.1)
@@ -57,21 +44,59 @@ def test_per_request_metrics_follow_the_documented_formulas(bench: ModuleType) -
     assert record.e2e_done == pytest.approx(0.31)
     assert record.tpot == pytest.approx((0.3 - 0.1) / (5 - 1))
     assert record.itls == pytest.approx([0.05, 0.05, 0.1])
-    one = bench.RequestRecord(start=0.0, prompt_text_tokens=3, completion_tokens=1)
+    one = RequestRecord(start=0.0, prompt_text_tokens=3, completion_tokens=1)
     one.chunk_times = [0.5]
     assert one.tpot is None and one.itls == []
 
 
-def test_percentiles_interpolate_between_order_statistics(bench: ModuleType) -> None:
+def test_itl_is_per_token_where_every_chunk_carries_its_running_count() -> None:
+    # Counts 1, 3, 3, 4: the second chunk brought two tokens (two gaps of half its wait), the
+    # third none (its wait runs on into the fourth's gap).
+    record = RequestRecord(start=0.0, prompt_text_tokens=3, completion_tokens=4)
+    record.chunk_times = [1.0, 1.4, 1.5, 1.6]
+    record.chunk_tokens = [1, 3, 3, 4]
+    assert record.token_counted
+    assert [k for _, _, k in record.spans] == [2, 1]
+    assert record.token_itls == pytest.approx([0.2, 0.2, 0.2])
+    assert record.itls == pytest.approx([0.4, 0.1, 0.1])  # per chunk, as before
+    record.chunk_tokens = [1, 3, None, 4]  # one chunk without usage: per chunk throughout
+    assert not record.token_counted and record.token_itls == pytest.approx(record.itls)
+    assert itl_definition([record]).startswith("per chunk")
+
+
+def test_decode_probe_takes_the_median_gap_while_all_requests_decode() -> None:
+    def record(times: list[float]) -> RequestRecord:
+        r = RequestRecord(start=0.0, prompt_text_tokens=3, completion_tokens=len(times))
+        r.chunk_times, r.chunk_tokens = times, list(range(1, len(times) + 1))
+        return r
+
+    # The window runs from the last first token (1.0) to the first last token (1.3): its gaps
+    # are 0.1 each (the 0.5 gap before it is prefill time, the 0.9 after it a lone request).
+    early, late = record([0.5, 1.0, 1.1, 1.2, 1.3]), record([1.0, 1.1, 1.2, 1.3, 2.2])
+    probe = summarize_probe([early, late], output_len=5)
+    assert window([early, late]) == (1.0, 1.3)
+    assert probe["window_gaps"] == 6
+    assert probe["pure_decode_step_ms"] == pytest.approx(100.0)
+    assert probe["ideal_tok_s"] == pytest.approx(2 / 0.1)
+    levels = [{"mode": "concurrency", "concurrency": 2, "completed": 8}]
+    levels[0]["output_token_throughput"] = 15.0
+    add_efficiency(probe, levels)
+    assert probe["efficiency"] == levels[0]["efficiency"] == pytest.approx(0.75)
+    # Requests that never ran together (the first ended before the last began): no figure.
+    apart = summarize_probe([record([0.0, 0.1]), record([0.2, 0.3])], output_len=2)
+    assert apart["pure_decode_step_ms"] is None and apart["note"]
+
+
+def test_percentiles_interpolate_between_order_statistics() -> None:
     ordered = [1.0, 2.0, 3.0, 4.0]
-    assert bench.percentile(ordered, 50) == pytest.approx(2.5)
-    assert bench.percentile(ordered, 90) == pytest.approx(3.7)
-    assert bench.percentile(ordered, 99) == pytest.approx(3.97)
-    assert bench.percentile([7.0], 99) == 7.0
-    assert bench.stats([])["mean"] is None
+    assert percentile(ordered, 50) == pytest.approx(2.5)
+    assert percentile(ordered, 90) == pytest.approx(3.7)
+    assert percentile(ordered, 99) == pytest.approx(3.97)
+    assert percentile([7.0], 99) == 7.0
+    assert stats([])["mean"] is None
 
 
-def test_only_content_bearing_chunks_are_stamped(bench: ModuleType) -> None:
+def test_only_content_bearing_chunks_are_stamped() -> None:
     usage = {"prompt_tokens": 11, "completion_tokens": 4, "total_tokens": 15}
     stream = sse(
         chat_chunk({"role": "assistant", "content": ""}),
@@ -82,8 +107,8 @@ def test_only_content_bearing_chunks_are_stamped(bench: ModuleType) -> None:
         {"choices": [], "usage": usage},
         "[DONE]",
     )
-    record = bench.RequestRecord(start=0.0, prompt_text_tokens=3)
-    parser = bench.StreamParser(record)
+    record = RequestRecord(start=0.0, prompt_text_tokens=3)
+    parser = StreamParser(record)
     for i in range(len(stream)):  # one byte per read: events and CRLFs split every way
         parser.feed(stream[i : i + 1], float(i))
     assert parser.saw_done
@@ -91,25 +116,41 @@ def test_only_content_bearing_chunks_are_stamped(bench: ModuleType) -> None:
     assert record.chunk_times == sorted(record.chunk_times)
     assert (record.prompt_tokens, record.completion_tokens) == (11, 4)
 
-    completion = bench.RequestRecord(start=0.0, prompt_text_tokens=3)
-    parser = bench.StreamParser(completion)
+    completion = RequestRecord(start=0.0, prompt_text_tokens=3)
+    parser = StreamParser(completion)
     parser.feed(sse({"choices": [{"text": ""}]}, {"choices": [{"text": "a"}]}, "[DONE]"), 1.0)
     assert completion.chunk_times == [1.0] and completion.completion_tokens is None
     assert completion.output_tokens == 1  # no usage: one token per content chunk
 
+    # continuous_usage_stats: every chunk's usage is recorded with it, cached tokens too.
+    counted = RequestRecord(start=0.0, prompt_text_tokens=3)
+    usage = {"prompt_tokens": 5, "prompt_tokens_details": {"cached_tokens": 2}}
+    parser = StreamParser(counted)
+    parser.feed(
+        sse(
+            {**chat_chunk({"role": "assistant"}), "usage": usage | {"completion_tokens": 0}},
+            {**chat_chunk({"content": "ab"}), "usage": usage | {"completion_tokens": 2}},
+            {**chat_chunk({"content": "c"}), "usage": usage | {"completion_tokens": 3}},
+            "[DONE]",
+        ),
+        1.0,
+    )
+    assert counted.chunk_tokens == [2, 3] and counted.token_counted
+    assert (counted.cached_tokens, counted.text) == (2, "abc")
+
     with pytest.raises(RuntimeError, match="error event"):
-        bench.StreamParser(completion).feed(sse({"error": {"message": "boom"}}), 2.0)
+        StreamParser(completion).feed(sse({"error": {"message": "boom"}}), 2.0)
 
 
 # ---------------------------------------------------------------------- the smoke run
 
 
-def test_smoke_run_reports_every_level_with_sane_values(bench: ModuleType, tmp_path: Path) -> None:
+def test_smoke_run_reports_every_level_with_sane_values(tmp_path: Path) -> None:
     out = tmp_path / "bench_serving.json"
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     env.pop("OUT", None)
     run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--out", str(out)],
+        [sys.executable, str(SCRIPT), "--smoke", "--decode-probe", "4", "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -119,7 +160,7 @@ def test_smoke_run_reports_every_level_with_sane_values(bench: ModuleType, tmp_p
     )
     assert run.returncode == 0, run.stdout + run.stderr
     report = json.loads(out.read_text())
-    smoke = bench.SMOKE
+    smoke = SMOKE
     assert report["prompt_tokens_source"] == "server /v1/tokenize"
     assert report["server"]["started_here"]
     expected = [("concurrency", c) for c in smoke["concurrency"]]
@@ -150,7 +191,16 @@ def test_smoke_run_reports_every_level_with_sane_values(bench: ModuleType, tmp_p
             assert s["n"] > 0, (name, metric)
             assert 0 <= s["min"] <= s["p50"] <= s["p90"] <= s["p99"] <= s["max"], (name, metric, s)
         assert level["tpot_ms"]["n"] == smoke["num_requests"]
-        assert level["itl_ms"]["n"] >= smoke["num_requests"]  # two or more chunks per request
+        assert level["itl_chunk_ms"]["n"] >= smoke["num_requests"]  # two or more chunks each
+        # m3serve sends continuous usage: one gap per token after the first chunk's.
+        assert level["itl_definition"].startswith("per token"), name
+        assert level["itl_ms"]["n"] >= level["itl_chunk_ms"]["n"], name
+
+    probe = report["decode_probe"]  # 4 requests at once beside the level at concurrency 4
+    assert (probe["requests"], probe["completed"]) == (4, 4), probe
+    assert probe["output_len"] == 4 * smoke["output_len"] and probe["window_gaps"] > 0
+    assert probe["pure_decode_step_ms"] > 0 and probe["ideal_tok_s"] > 0
+    assert probe["efficiency"] == levels[1]["efficiency"] > 0
 
     assert "concurrency 4" in run.stdout and "TTFT" in run.stdout
     png = out.with_suffix(".png")

@@ -1,0 +1,206 @@
+"""Agentic multi-turn benchmark: a synthetic trace with the AgentX shape (sessions of many turns,
+each resending the conversation so far plus ~2% new tokens; serving/trace.py) replayed against
+an OpenAI-compatible /v1/chat/completions, by default an `m3serve serve` started here.
+
+    # 4 and 16 concurrent sessions of 8 turns, ~4K-token system prompts, ~256-token answers
+    python perf/bench_agentic.py --sessions 4,16
+    python perf/bench_agentic.py --server-args "--model-path /ckpt --enable-hierarchical-cache" \\
+        --sessions 32,64 --turns 20 --initial-tokens 20000 --output-tokens 500 --num-gpus 1
+    # what CI runs (tests/e2e/test_bench_agentic.py): tiny model, 2 and 4 sessions of 3 turns
+    python perf/bench_agentic.py --smoke --out /tmp/bench_agentic.json
+
+Load. Each `--sessions N` level replays N sessions at once (N lanes, AgentX's notion of
+concurrency): each session sends its turns one after another, turn k+1 as soon as turn k's
+answer has streamed (plus a think time if `--think-time` is set), as a real multi-turn chat —
+system prompt, then user / assistant messages with the answers the server gave — so that the
+server's prefix cache can serve the resent conversation. Every level gets its own sessions
+(seeded by `--seed` and the level), so no level's cache serves another's. Requests are streamed
+with `max_tokens` = the turn's output size, `ignore_eos`, and `stream_options` include_usage +
+continuous_usage_stats. `--warmup-requests` short single-turn requests go first, not counted.
+
+Metrics per level (client perf_counter stamps; T = the level's wall time; TTFT, ITL, TPOT as in
+perf/bench_serving.py, ITL per token where the server sends per-chunk usage):
+    throughput per GPU = (sum usage.prompt_tokens, cached ones included, + sum
+                          usage.completion_tokens) / T / --num-gpus
+    TTFT p50/p90 (also for first turns and later turns apart), ITL p50/p90
+    per-user speed     = 1 / ITL p90 (tokens/s one user sees at the slow end)
+    prefix cache hit   = sum usage.prompt_tokens_details.cached_tokens / sum prompt tokens
+                         (n/a if the server sends no cached_tokens)
+    ideal session hit  = what a prefix cache could serve from the same session: of each later
+                         turn's prompt, the previous turn's prompt + answer (the real rate can
+                         be higher: every request shares the chat template's opening tokens)
+    /metrics           = differences over the level of m3serve:prompt_tokens_total,
+                         m3serve:cached_prompt_tokens_total (else m3serve:cached_tokens_total)
+                         and m3serve:hicache_host_hit_tokens_total; the HiCache hit rate is the
+                         host hits over the server's prompt tokens (n/a where absent)
+
+Output: a table per level and a summary; JSON at --out (default perf/results/bench_agentic.json,
+or $OUT/bench_agentic.json) with the trace's parameters, every level's metrics and per-turn
+records; a PNG next to it (throughput per GPU and per-user speed against sessions) when
+matplotlib is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+from serving.agentic import replay, session_texts
+from serving.agentic_report import (
+    plot_agentic,
+    print_agentic_level,
+    print_agentic_summary,
+    summarize_agentic,
+)
+from serving.client import Target
+from serving.load import closed_loop
+from serving.options import add_target_args, check_target_args, nonnegative, positive
+from serving.prompts import PromptMaker
+from serving.runner import auth_headers, run_against_server, served_model
+from serving.trace import TraceSpec, describe, make_trace
+
+DEFAULTS: dict[str, Any] = {"sessions": [4, 16], "turns": 8, "initial_tokens": 4096}
+DEFAULTS |= {"output_tokens": 256, "warmup_requests": 2}
+SMOKE: dict[str, Any] = {"sessions": [2, 4], "turns": 3, "initial_tokens": 96}
+SMOKE |= {"output_tokens": 8, "warmup_requests": 1}
+WARMUP_TOKENS = 32
+
+
+async def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
+    headers, spec = auth_headers(args), trace_spec(args)
+    timeout = httpx.Timeout(args.request_timeout, connect=30.0)
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout) as http:
+        model = args.model or await served_model(http)
+        maker = PromptMaker(http, model)
+        await maker.setup(random.Random(f"{args.seed}-calibration"))
+        # Every text before the first measurement: tokenize calls load the server too.
+        plans = []
+        for i, n in enumerate(args.sessions):
+            trace = make_trace(spec, n, f"{args.seed}-level{i}")
+            texts = await session_texts(maker, random.Random(f"{args.seed}-text{i}"), trace)
+            plans.append((trace, texts))
+        warm_sizes = [WARMUP_TOKENS] * args.warmup_requests
+        warm = await maker.make_many(random.Random(f"{args.seed}-warmup"), warm_sizes)
+    target = Target("/v1/chat/completions", model, spec.output_tokens, True, args.extra_body)
+    target.continuous_usage = args.continuous_usage
+    if warm:
+        limits = httpx.Limits(max_connections=len(warm))
+        async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits) as http:
+            await closed_loop(http, target, warm, len(warm))
+    levels = []
+    for trace, texts in plans:
+        results, wall, cpu, server = await replay(url, headers, timeout, target, trace, texts)
+        level = summarize_agentic(len(trace), results, wall, cpu, server, args.num_gpus)
+        level["trace"] = describe(trace)
+        print_agentic_level(level)
+        levels.append(level)
+    return {"model": model, "prompt_tokens_source": maker.source, "levels": levels}
+
+
+def trace_spec(args: argparse.Namespace) -> TraceSpec:
+    return TraceSpec(
+        turns=args.turns,
+        initial_tokens=args.initial_tokens,
+        initial_sigma=args.initial_sigma,
+        new_frac=args.new_frac,
+        min_new_tokens=args.min_new_tokens,
+        output_tokens=args.output_tokens,
+        output_sigma=args.output_sigma,
+        think_time=args.think_time,
+    )
+
+
+def levels_list(text: str) -> list[int]:
+    values = [positive(v) for v in text.replace(",", " ").split()]
+    if not values:
+        raise argparse.ArgumentTypeError("give at least one session count")
+    return values
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_target_args(parser)
+    load = parser.add_argument_group("load (defaults in brackets; --smoke changes them)")
+    load.add_argument("--sessions", type=levels_list, help="levels, e.g. 4,16 [4,16]")
+    load.add_argument("--num-gpus", type=positive, default=1, help="throughput divisor [1]")
+    load.add_argument("--warmup-requests", type=nonnegative, help="not counted [2]")
+    load.add_argument("--request-timeout", type=float, default=600.0, help="seconds [600]")
+    trace = parser.add_argument_group("trace (serving/trace.py)")
+    trace.add_argument("--turns", type=positive, help="turns per session [8]")
+    trace.add_argument("--initial-tokens", type=positive, help="system prompt median [4096]")
+    trace.add_argument("--initial-sigma", type=float, default=0.5, help="its lognormal sigma")
+    trace.add_argument("--new-frac", type=float, default=0.02, help="new tokens per turn, share")
+    trace.add_argument("--min-new-tokens", type=positive, default=16)
+    trace.add_argument("--output-tokens", type=positive, help="answer median [256]")
+    trace.add_argument("--output-sigma", type=float, default=0.5)
+    trace.add_argument("--think-time", type=float, default=0.0, help="median pause, s [0]")
+    trace.add_argument("--seed", type=int, default=0)
+    trace.add_argument("--no-continuous-usage", dest="continuous_usage", action="store_false")
+    trace.add_argument("--extra-body", type=_json_object, default={}, help="JSON merged in")
+    parser.add_argument("--smoke", action="store_true", help="tiny fast run (CI): " + str(SMOKE))
+    parser.add_argument("--out", type=Path, default=None, help=f"JSON path [{default_out()}]")
+    args = parser.parse_args(argv)
+    for key, value in (SMOKE if args.smoke else DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    check_target_args(parser, args)
+    args.out = args.out or default_out()
+    return args
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def default_out() -> Path:
+    out = os.environ.get("OUT")
+    return Path(out) / "bench_agentic.json" if out else Path("perf/results/bench_agentic.json")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    report, url, started_here = run_against_server(args, lambda url: run(args, url))
+    spec = trace_spec(args)
+    title = (
+        f"agentic trace, model {report['model']}: {spec.turns} turns/session, system prompt "
+        f"~{spec.initial_tokens}, +{spec.new_frac:.0%}/turn, answers ~{spec.output_tokens}; "
+        f"{platform.machine()}, {os.cpu_count()} cpus, {args.num_gpus} GPU(s) as divisor"
+    )
+    print(f"{title}; server {url}{' (started here)' if started_here else ''}")
+    print_agentic_summary(report["levels"])
+    full = {
+        "benchmark": "bench_agentic",
+        "command": shlex.join(["python", "perf/bench_agentic.py", *sys.argv[1:]]),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "server": {"url": url, "started_here": started_here, "args": args.server_args},
+        "config": {"trace": spec.as_dict(), "seed": args.seed, "num_gpus": args.num_gpus}
+        | {"warmup_requests": args.warmup_requests, "extra_body": args.extra_body},
+        **report,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(full, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    picture = plot_agentic(report["levels"], args.out.with_suffix(".png"), title)
+    if picture is not None:
+        print(f"wrote {picture}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""The decode probe: the pure decode step time at batch N, measured in the same run as the load
+levels, and from it how much of the ideal decode throughput a closed loop of N reaches.
+
+N requests are sent at once (same prompt length, long `ignore_eos` outputs). Once the last of
+them has its first token, all N are decoding and none has finished — until the first one
+finishes. Inside that window every engine step is a pure decode step of batch N (no prefill
+chunk in it), so the median inter-token gap there, per token (serving/client.py), is the step
+time; with the gaps of all N requests pooled, a stray slow step moves the median little.
+
+    pure_decode_step_ms = median(gaps inside the window)
+    ideal_tok_s         = N / pure decode step
+    efficiency          = output tokens/s of the closed-loop level at concurrency N / ideal_tok_s
+
+The efficiency is the share of the pure decode rate that survives prefills, scheduling and
+streaming (issue 11: at least 85% at concurrency 64).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+from serving.client import Prompt, RequestRecord, Target, expand, send
+from serving.stats import itl_definition, stats
+
+
+async def decode_probe(
+    url: str,
+    headers: dict[str, str],
+    timeout: httpx.Timeout,
+    target: Target,
+    prompts: Sequence[Prompt],
+    output_len: int,
+) -> dict[str, Any]:
+    """Send every prompt at once, each for `output_len` tokens, and measure the window."""
+    n = len(prompts)
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+    async with httpx.AsyncClient(
+        base_url=url, headers=headers, timeout=timeout, limits=limits
+    ) as http:
+        sends = (send(http, target, prompt, output_len=output_len) for prompt in prompts)
+        records = await asyncio.gather(*sends)
+    return summarize_probe(list(records), output_len)
+
+
+def window(records: Sequence[RequestRecord]) -> tuple[float, float] | None:
+    """(last first token, first last token) of the requests, or None when they never all ran
+    at once (the first finished before the last started: a batch limit below N?)."""
+    start = max(r.chunk_times[0] for r in records)
+    end = min(r.chunk_times[-1] for r in records)
+    return (start, end) if end > start else None
+
+
+def summarize_probe(records: list[RequestRecord], output_len: int) -> dict[str, Any]:
+    ok = [r for r in records if r.ok]
+    out: dict[str, Any] = {
+        "requests": len(records),
+        "completed": len(ok),
+        "output_len": output_len,
+        "errors": sorted({r.error for r in records if r.error is not None}),
+    }
+    span = window(ok) if len(ok) == len(records) and ok else None
+    if span is None:
+        reason = "a request failed" if len(ok) < len(records) else "the requests never all ran"
+        return out | {"pure_decode_step_ms": None, "ideal_tok_s": None, "note": reason}
+    start, end = span
+    gaps = expand(s for r in ok for s in r.spans if s[0] >= start and s[1] <= end)
+    if not gaps:
+        return out | {"pure_decode_step_ms": None, "ideal_tok_s": None, "note": "no gap inside"}
+    step = statistics.median(gaps)
+    return out | {
+        "window_s": end - start,
+        "window_gaps": len(gaps),
+        "itl_definition": itl_definition(ok),
+        "pure_decode_step_ms": 1e3 * step,
+        "ideal_tok_s": len(records) / step,
+        "step_ms": stats(1e3 * g for g in gaps),
+    }
+
+
+def add_efficiency(probe: dict[str, Any], levels: list[dict[str, Any]]) -> None:
+    """The efficiency of the closed-loop level at the probe's concurrency, into both dicts."""
+    probe["efficiency"] = None
+    ideal = probe.get("ideal_tok_s")
+    for level in levels:
+        if level["mode"] == "concurrency" and level["concurrency"] == probe["requests"]:
+            level["efficiency"] = None
+            if ideal and level["completed"]:
+                level["efficiency"] = level["output_token_throughput"] / ideal
+            probe["efficiency"] = level["efficiency"]
+            probe["measured_output_tok_s"] = level["output_token_throughput"]
+
+
+def print_probe(probe: dict[str, Any]) -> None:
+    n = probe["requests"]
+    print(f"== decode probe: {n} requests at once, {probe['output_len']} output tokens each")
+    if probe["pure_decode_step_ms"] is None:
+        print(f"  no measurement: {probe['note']}; errors {probe['errors']}", flush=True)
+        return
+    print(
+        f"window {probe['window_s']:.3f} s, {probe['window_gaps']} gaps: pure decode step "
+        f"{probe['pure_decode_step_ms']:.2f} ms (p90 {probe['step_ms']['p90']:.2f}) -> ideal "
+        f"{probe['ideal_tok_s']:.1f} output tokens/s at batch {n}"
+    )
+    if probe["efficiency"] is None:
+        print(f"  (no closed-loop level at concurrency {n} to compare with)", flush=True)
+    else:
+        print(
+            f"concurrency {n}: {probe['measured_output_tok_s']:.1f} output tokens/s = "
+            f"{probe['efficiency']:.1%} of ideal",
+            flush=True,
+        )

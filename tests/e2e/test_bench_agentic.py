@@ -1,0 +1,110 @@
+"""perf/bench_agentic.py: the synthetic trace's arithmetic, the figures made from hand-made turns
+and /metrics text, and its `--smoke` run against a real `m3serve serve` on the built-in tiny
+model (in a temporary XDG cache): two levels of multi-turn sessions, the JSON checked."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from serving.agentic import TurnResult, counter_deltas, parse_metrics
+from serving.agentic_report import ideal_session_hit_rate, server_rates
+from serving.client import RequestRecord
+from serving.trace import TraceSpec, describe, make_trace
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "perf" / "bench_agentic.py"
+
+
+def test_each_turn_resends_the_conversation_plus_its_new_tokens() -> None:
+    spec = TraceSpec(turns=5, initial_tokens=1000, new_frac=0.02, output_tokens=100)
+    trace = make_trace(spec, 3, "seed")
+    assert make_trace(spec, 3, "seed") == trace  # seeded
+    assert make_trace(spec, 2, "seed") == trace[:2]  # a session does not depend on the count
+    for session in trace:
+        contexts = session.contexts
+        assert contexts[0] == session.system_tokens + session.turns[0].new_tokens
+        for k in range(1, spec.turns):
+            before, turn = session.turns[k - 1], session.turns[k]
+            assert contexts[k] == contexts[k - 1] + before.output_tokens + turn.new_tokens
+            assert turn.new_tokens >= spec.min_new_tokens
+        assert all(25 <= t.output_tokens <= 400 for t in session.turns)  # clipped to [1/4, 4x]
+        assert all(t.think_s == 0 for t in session.turns)  # --think-time 0: back to back
+    summary = describe(trace)
+    assert summary["turns"] == 15 and summary["max_context"] == max(s.contexts[-1] for s in trace)
+    assert 0.5 < summary["ideal_session_hit_rate"] < 1
+
+
+def turn(session: str, k: int, prompt: int, output: int, cached: int | None) -> TurnResult:
+    record = RequestRecord(start=0.0, prompt_text_tokens=prompt, prompt_tokens=prompt)
+    record.completion_tokens, record.cached_tokens = output, cached
+    return TurnResult(session, k, record)
+
+
+def test_ideal_hit_rate_counts_the_previous_turns_prompt_and_answer() -> None:
+    results = [turn("a", 0, 100, 10, 0), turn("a", 1, 120, 10, 100), turn("b", 0, 50, 5, 0)]
+    assert ideal_session_hit_rate(results) == pytest.approx(110 / 270)
+
+
+def test_metrics_counters_are_summed_and_differenced() -> None:
+    before = parse_metrics(
+        "# HELP x\nm3serve:prompt_tokens_total 100\nm3serve:cached_tokens_total 0\n"
+    )
+    after = parse_metrics(
+        "m3serve:prompt_tokens_total 300\n"
+        'm3serve:cached_tokens_total{a="1"} 50\nm3serve:cached_tokens_total{a="2"} 30\n'
+    )
+    deltas = counter_deltas(before, after)
+    assert deltas == {
+        "prompt_tokens": 200,
+        "cached_prompt_tokens": 80,
+        "hicache_host_hit_tokens": None,  # the server has no such counter: n/a
+    }
+    rates = server_rates(deltas, client_prompt=999)
+    assert rates["prefix_hit_rate"] == pytest.approx(0.4) and rates["hicache_hit_rate"] is None
+
+
+def test_smoke_run_replays_every_level(tmp_path: Path) -> None:
+    out = tmp_path / "bench_agentic.json"
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    env.pop("OUT", None)
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+        check=False,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads(out.read_text())
+    assert report["server"]["started_here"]
+    levels = report["levels"]
+    assert [lv["sessions"] for lv in levels] == [2, 4]
+    turns = report["config"]["trace"]["turns"]
+    for level in levels:
+        n = level["sessions"]
+        assert level["turns"] == level["completed"] == n * turns, level["errors"]
+        assert level["failed"] == 0
+        assert {(r["session"], r["turn"]) for r in level["requests"]} == {
+            (f"s{i}", k) for i in range(n) for k in range(turns)
+        }
+        # Later turns resend the conversation: m3serve serves it from its prefix cache.
+        later = [r for r in level["requests"] if r["turn"] > 0]
+        assert all(r["ok"] and r["prompt_tokens"] > r["prompt_text_tokens"] for r in later)
+        assert 0 < level["prefix_cache_hit_rate"] < 1
+        assert level["server"]["cached_prompt_tokens"] is not None
+        assert level["server"]["hicache_hit_rate"] is None  # no HiCache counters (yet)
+        assert level["itl_definition"].startswith("per token")
+        for key in ("throughput_per_gpu", "output_token_throughput", "per_user_tok_s"):
+            assert level[key] > 0, key
+        for key in ("ttft_ms", "itl_ms"):
+            s = level[key]
+            assert 0 <= s["p50"] <= s["p90"] <= s["max"], (key, s)
+    assert "sessions" in run.stdout and "HiCache" in run.stdout
+    assert out.with_suffix(".png").is_file() or "matplotlib is not installed" in run.stdout
