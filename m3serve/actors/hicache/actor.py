@@ -118,18 +118,23 @@ class HiCacheActor(Actor):
 
     # ------------------------------------------------------------------ backup
 
-    async def _backup(self, keys: Sequence[str], pages: Sequence[int]) -> int:
+    def _backup(self, keys: Sequence[str], pages: Sequence[int]) -> Awaitable[int]:
+        """Claims the keys at once, so that a Prefetch handled next waits for their writes, and
+        writes them in the background."""
         if self.storage is None:
-            return 0
-        writes = [self._write(k, h) for k, h in zip(keys, pages, strict=True)]
-        return sum(await asyncio.gather(*writes))
+            return _nothing()
+        loop = asyncio.get_running_loop()
+        writes: list[Awaitable[bool]] = []
+        for key, h in zip(keys, pages, strict=True):
+            running = self._writing.get(key)
+            if running is None:
+                running = self._writing[key] = loop.create_future()
+                writes.append(self._write(key, h, running))
+            else:  # another ticket is writing the same page now
+                writes.append(asyncio.shield(running))
+        return _count(writes)
 
-    async def _write(self, key: str, h: int) -> bool:
-        running = self._writing.get(key)
-        if running is not None:  # another ticket is writing the same page now
-            return await asyncio.shield(running)
-        written: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._writing[key] = written
+    async def _write(self, key: str, h: int, written: asyncio.Future[bool]) -> bool:
         ok = False
         try:
             ok = await self._in_thread(self._put, key, h)
@@ -185,3 +190,11 @@ class HiCacheActor(Actor):
 
     async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
+
+
+async def _count(writes: list[Awaitable[bool]]) -> int:
+    return sum(await asyncio.gather(*writes))
+
+
+async def _nothing() -> int:
+    return 0

@@ -30,6 +30,7 @@ import os
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from m3serve.runtime.messages import (
     Backup,
@@ -106,6 +107,7 @@ class StorageClient:
         """Have the actor make the host pool; its answer names the segment to attach."""
         self._check_usable()
         self._pool = asyncio.get_running_loop().create_future()
+        self._pool.add_done_callback(_mark_retrieved)  # it may fail after a timeout here
         self._send(HostPoolSpec(page_bytes, num_pages))
         try:
             ready = await asyncio.wait_for(asyncio.shield(self._pool), timeout)
@@ -299,6 +301,6 @@ class StorageClient:
         self._replies.close()
 
 
-def _mark_retrieved(future: asyncio.Future[int]) -> None:
+def _mark_retrieved(future: asyncio.Future[Any]) -> None:
     if not future.cancelled():
         future.exception()
