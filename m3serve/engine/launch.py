@@ -103,6 +103,7 @@ class ActorGraph:
         if engine:
             await asyncio.wait(engine, timeout=timeout)
         elif (proc := self.supervisor.procs.get("engine")) is not None:
+            self.supervisor.stop_watching()  # the exits that follow are the shutdown's
             await asyncio.to_thread(proc.join, timeout)
 
     def forget_metrics_of(self, name: str) -> None:
