@@ -24,10 +24,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from m3serve.actors.hicache.pool import HostPool
-from m3serve.actors.hicache.storage import StorageBackend
+from m3serve.actors.hicache.storage import StorageBackend, is_key
 from m3serve.runtime.actor import Actor, handles
 from m3serve.runtime.messages import Backup, Done, Error, HostPoolReady, HostPoolSpec, Prefetch
-from m3serve.runtime.transport import Inbox, Outbox
+from m3serve.runtime.transport import Inbox, MailboxClosed, Outbox
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,9 @@ class HiCacheActor(Actor):
     async def _start(self, msg: Backup | Prefetch, work: Work) -> None:
         pool = self.pool
         problem = pool.problem(msg.keys, msg.host_pages) if pool else "no host pool yet"
+        bad_keys = [key for key in msg.keys if not is_key(key)]
+        if problem is None and bad_keys:
+            problem = f"not page keys: {bad_keys[:4]}"
         if problem is not None:
             await self.engine.send(Done(msg.ticket, 0, problem))
             return
@@ -114,7 +117,8 @@ class HiCacheActor(Actor):
         except Exception as exc:
             log.exception("ticket %d failed", ticket)
             done = Done(ticket, 0, repr(exc))
-        await self.engine.send(done)
+        with contextlib.suppress(MailboxClosed):  # the engine stopped listening
+            await self.engine.send(done)
 
     # ------------------------------------------------------------------ backup
 
@@ -164,7 +168,7 @@ class HiCacheActor(Actor):
                 await asyncio.shield(running)
         found = await self._in_thread(self._leading_stored, keys)
         leading = zip(keys[:found], pages[:found], strict=True)
-        read = await asyncio.gather(*(self._in_thread(self._get, k, h) for k, h in leading))
+        read = await _all_finished([self._in_thread(self._get, k, h) for k, h in leading])
         # A page that vanished between the check and the read ends the run there.
         return read.index(False) if False in read else found
 
@@ -193,7 +197,16 @@ class HiCacheActor(Actor):
 
 
 async def _count(writes: list[Awaitable[bool]]) -> int:
-    return sum(await asyncio.gather(*writes))
+    return sum(await _all_finished(writes))
+
+
+async def _all_finished(steps: list[Awaitable[bool]]) -> list[bool]:
+    """Each step's outcome, an exception counting as False. Waits for every step, so no I/O
+    thread still uses a page of the ticket when its Done goes out."""
+    results = await asyncio.gather(*steps, return_exceptions=True)
+    for failure in {repr(r) for r in results if isinstance(r, BaseException)}:
+        log.warning("L3 page I/O failed: %s", failure)
+    return [r is True for r in results]
 
 
 async def _nothing() -> int:

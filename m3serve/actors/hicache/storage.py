@@ -38,9 +38,13 @@ class StorageBackend(ABC):
         is none of exactly `len(out)` bytes."""
 
 
+def is_key(key: str) -> bool:
+    """Keys are hex digests (core/hicache/keys.py); anything else, a path say, names no file."""
+    return _KEY_RE.fullmatch(key) is not None
+
+
 def check_key(key: str) -> str:
-    """Keys are hex digests; anything else (a path, say) is refused before it names a file."""
-    if not _KEY_RE.fullmatch(key):
+    if not is_key(key):
         raise ValueError(f"not a page key: {key!r}")
     return key
 

@@ -128,3 +128,13 @@ def test_open_storage_builds_what_the_flags_name(tmp_path: Path) -> None:
     )
     store = open_storage(args)
     assert isinstance(store, FileStorage) and store.root == tmp_path / "l3"
+
+
+def test_the_default_directory_is_under_the_m3serve_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    store = open_storage(
+        HiCacheArgs(enable_hierarchical_cache=True, hicache_storage_backend="file")
+    )
+    assert isinstance(store, FileStorage) and store.root == tmp_path / "m3serve" / "hicache"

@@ -16,6 +16,7 @@ import pytest
 
 from m3serve.actors.hicache import HiCacheActor
 from m3serve.actors.hicache.file_storage import FileStorage
+from m3serve.actors.hicache.storage import StorageBackend
 from m3serve.core.hicache.keys import page_keys, root_key
 from m3serve.core.hicache.storage_client import StorageClient, TicketRefused
 from m3serve.runtime.codec import Codec
@@ -57,7 +58,7 @@ class Wired:
 
 
 @contextlib.asynccontextmanager
-async def started(store: Path | None) -> AsyncIterator[Wired]:
+async def started(storage: StorageBackend | None) -> AsyncIterator[Wired]:
     """An actor serving in this event loop behind ZeroMQ sockets, and the engine's client."""
     run = Path(tempfile.mkdtemp(prefix="m3hc"))  # short: ipc paths are limited to 107 bytes
     session = new_session_id()
@@ -66,7 +67,7 @@ async def started(store: Path | None) -> AsyncIterator[Wired]:
         ZmqOutbox(ipc_address(run, "hc-reply"), Codec(FromHiCache)),
         None,
         session,
-        FileStorage(store) if store else None,
+        storage,
     )
     client = StorageClient(
         ZmqOutbox(ipc_address(run, "hc"), Codec(ToHiCache)),
@@ -84,7 +85,7 @@ async def started(store: Path | None) -> AsyncIterator[Wired]:
 
 @pytest.fixture
 async def wired(tmp_path: Path) -> AsyncIterator[Wired]:
-    async with started(tmp_path / "store") as wired:
+    async with started(FileStorage(tmp_path / "store")) as wired:
         yield wired
 
 
@@ -163,12 +164,12 @@ async def test_a_prefetch_right_after_its_backup_finds_the_pages(wired: Wired) -
 
 async def test_a_replica_prefetches_what_another_one_stored(tmp_path: Path) -> None:
     store = tmp_path / "store"
-    async with started(store) as first:
+    async with started(FileStorage(store)) as first:
         pool = await opened(first)
         original = fill(pool, [0, 1], seed=4)
         assert await wait(first.client.backup(KEYS[:2], [0, 1])) == 2
         pool.close()
-    async with started(store) as replica:
+    async with started(FileStorage(store)) as replica:
         pool = await opened(replica)
         assert await wait(replica.client.prefetch(KEYS, [0, 1, 2, 3])) == 2
         assert np.array_equal(pool.pages[:2], original)
@@ -180,8 +181,44 @@ async def test_an_invalid_ticket_is_refused_without_touching_the_pool(wired: Wir
     try:
         with pytest.raises(TicketRefused, match="out of range"):
             await wait(wired.client.prefetch(KEYS[:1], [NUM_PAGES]))
+        with pytest.raises(TicketRefused, match="not page keys"):
+            await wait(wired.client.backup(["../../etc/passwd"], [0]))
         assert wired.client.alive
     finally:
+        pool.close()
+
+
+class FailingStorage(FileStorage):
+    """A disk that fails for one key."""
+
+    def __init__(self, root: Path, bad: str) -> None:
+        super().__init__(root)
+        self.bad = bad
+
+    def put(self, key: str, page: memoryview) -> bool:
+        if key == self.bad:
+            raise OSError(28, "No space left on device")
+        return super().put(key, page)
+
+    def get(self, key: str, out: memoryview) -> bool:
+        if key == self.bad:
+            raise OSError(5, "Input/output error")
+        return super().get(key, out)
+
+
+async def test_storage_errors_lower_the_count_and_nothing_else(tmp_path: Path) -> None:
+    async with started(FailingStorage(tmp_path / "store", bad=KEYS[1])) as wired:
+        pool = await opened(wired)
+        fill(pool, [0, 1, 2, 3], seed=5)
+        assert await wait(wired.client.backup(KEYS, [0, 1, 2, 3])) == 3
+        # KEYS[1] was never stored: the run ends before it.
+        assert await wait(wired.client.prefetch(KEYS, [4, 5, 6, 7])) == 1
+        # Stored but unreadable: the same.
+        store = wired.actor.storage
+        assert isinstance(store, FailingStorage)
+        assert FileStorage.put(store, KEYS[1], memoryview(bytes(PAGE_BYTES)))
+        assert await wait(wired.client.prefetch(KEYS, [4, 5, 6, 7])) == 1
+        assert wired.client.alive and wired.client.pending == 0
         pool.close()
 
 
