@@ -9,9 +9,10 @@ page_bytes). The actor never interprets a page; it moves whole pages to and from
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 
-from m3serve.runtime.shm import create_segment, unlink_segment
+from m3serve.runtime.shm import SHM_DIR, create_segment, unlink_segment
 
 log = logging.getLogger(__name__)
 
@@ -20,9 +21,17 @@ class HostPool:
     def __init__(self, session: str, page_bytes: int, num_pages: int) -> None:
         if page_bytes < 1 or num_pages < 1:
             raise ValueError(f"a host pool needs pages: {num_pages} x {page_bytes} bytes")
+        size = page_bytes * num_pages
+        free = shm_free_bytes()
+        if size > free:
+            # tmpfs would take the segment and raise SIGBUS at the first page past its space.
+            raise ValueError(
+                f"a host pool of {size / 2**30:.2f} GiB does not fit in {SHM_DIR} "
+                f"({free / 2**30:.2f} GiB free)"
+            )
         self.page_bytes = page_bytes
         self.num_pages = num_pages
-        self._shm = create_segment(session, page_bytes * num_pages)
+        self._shm = create_segment(session, size)
         self.name = self._shm.name
 
     def page(self, h: int) -> memoryview:
@@ -50,3 +59,9 @@ class HostPool:
             # An I/O thread that did not finish still holds a view; the name is removed by the
             # supervisor's session cleanup.
             log.warning("host pool %s still in use at shutdown; left to the cleanup", self.name)
+
+
+def shm_free_bytes() -> int:
+    """Space left for shared memory (the tmpfs behind /dev/shm)."""
+    stat = os.statvfs(SHM_DIR)
+    return stat.f_bavail * stat.f_frsize

@@ -16,9 +16,15 @@ import pytest
 
 from m3serve.actors.hicache import HiCacheActor
 from m3serve.actors.hicache.file_storage import FileStorage
+from m3serve.actors.hicache.pool import shm_free_bytes
 from m3serve.actors.hicache.storage import StorageBackend
 from m3serve.core.hicache.keys import page_keys, root_key
-from m3serve.core.hicache.storage_client import StorageClient, TicketRefused
+from m3serve.core.hicache.storage_client import (
+    DIED,
+    HiCacheUnavailable,
+    StorageClient,
+    TicketRefused,
+)
 from m3serve.runtime.codec import Codec
 from m3serve.runtime.messages import FromHiCache, Shutdown, ToHiCache
 from m3serve.runtime.shm import (
@@ -240,3 +246,12 @@ async def test_shutdown_unlinks_the_pool_and_tells_the_engine(wired: Wired) -> N
             break
         await asyncio.sleep(0.02)
     assert not wired.client.alive
+
+
+async def test_a_pool_that_cannot_be_made_disables_hicache_at_once(wired: Wired) -> None:
+    too_many = shm_free_bytes() // PAGE_BYTES + 1
+    with pytest.raises(HiCacheUnavailable, match=DIED):
+        await wired.client.open(PAGE_BYTES, too_many, timeout=PATIENCE_S)  # not the timeout
+    with pytest.raises(ValueError, match="does not fit"):
+        await asyncio.wait_for(wired.served, PATIENCE_S)  # the actor went down, saying why
+    assert list_session_segments(wired.session) == []
