@@ -4,6 +4,9 @@ Requests and aborts are received by their own task, so they land between steps; 
 runs the core's `overlap_step` (or `step` with --disable-overlap-schedule), sends each
 step's tokens to the tokenizer workers that own the requests and writes the engine's load
 figures to its `EngineMetrics`.
+
+With --enable-hierarchical-cache it also holds the engine's `StorageClient` of the host-cache
+actor (`hicache`), closed when the actor stops; the core's host tier is to use it.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any
 
 from m3serve.actors.engine_metrics import EngineMetrics
 from m3serve.core.engine_core import EngineCore
+from m3serve.core.hicache.storage_client import StorageClient
 from m3serve.core.req import Req
 from m3serve.core.scheduler import Outputs, QueueFull
 from m3serve.runtime.actor import Actor, handles
@@ -40,8 +44,10 @@ class SchedulerActor(Actor):
         control: Outbox | None,
         args: ServerArgs,
         model_path: Path,
+        hicache: StorageClient | None = None,
     ) -> None:
         super().__init__(inbox, control)
+        self.hicache = hicache
         self.tokenizers = tokenizers
         self.args = args
         self.model_path = model_path
@@ -54,6 +60,8 @@ class SchedulerActor(Actor):
         return self.core.info()
 
     async def on_stop(self) -> None:
+        if self.hicache is not None:
+            await self.hicache.close()
         if self.core is not None:
             self.core.close()
             self.core = None

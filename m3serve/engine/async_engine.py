@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from m3serve.engine.chat import chat_request, parsed
 from m3serve.engine.checks import checked_off_the_loop
 from m3serve.engine.errors import EngineDeadError, RequestError
+from m3serve.engine.hicache import HICACHE
 from m3serve.engine.launch import ActorGraph, start_in_process, start_processes
 from m3serve.engine.requests import (
     Prompt,
@@ -408,7 +409,9 @@ class AsyncEngine:
 
     def _deliver_error(self, error: Error) -> None:
         if error.rid is None:
-            if self._restartable(error.actor):
+            if error.actor == HICACHE:
+                log.error("%s; the engine continues with HiCache disabled", error.message)
+            elif self._restartable(error.actor):
                 # Its process exits next; the supervisor's notice of that starts it again.
                 log.error("%s", error.message)
             else:
@@ -430,6 +433,10 @@ class AsyncEngine:
 
     def _on_death(self, name: str, exitcode: int | None) -> None:
         message = f"the {name} process exited unexpectedly (exit code {exitcode})"
+        if name == HICACHE:
+            # The engine notices this itself, fails what waited on it and goes on without it.
+            log.error("%s; the engine continues with HiCache disabled", message)
+            return
         worker = worker_index(name)
         if worker is not None and self._restartable(name):
             self._restart_worker(worker, name, message)

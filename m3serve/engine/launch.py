@@ -1,6 +1,7 @@
-"""Starting the actor graph: the tokenizer workers and the engine process's scheduler actor,
-either as spawned processes talking over ZeroMQ or as tasks in the caller's event loop over
-in-process mailboxes. Both give the caller the same `ActorGraph`.
+"""Starting the actor graph: the tokenizer workers, the engine process's scheduler actor and,
+with --enable-hierarchical-cache, the host-cache actor (engine/hicache.py), either as spawned
+processes talking over ZeroMQ or as tasks in the caller's event loop over in-process mailboxes.
+Both give the caller the same `ActorGraph`.
 
 Children are started with the `spawn` method: each imports what it needs (a tokenizer worker
 never imports torch), connects its mailboxes, serves until Shutdown, and exits on its own if the
@@ -27,14 +28,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from m3serve.engine.hicache import (
+    HICACHE,
+    hicache_actor,
+    hicache_client,
+    hicache_in_process,
+    wants_hicache,
+)
 from m3serve.runtime.actor import Actor
 from m3serve.runtime.codec import Codec
 from m3serve.runtime.config import ServerArgs
 from m3serve.runtime.messages import (
     Error,
+    FromHiCache,
     Ready,
     Shutdown,
     ToApi,
+    ToHiCache,
     ToScheduler,
     ToSupervisor,
     ToTokenizer,
@@ -72,18 +82,29 @@ class ActorGraph:
     actors: list[Actor] = field(default_factory=list)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     closables: list[Inbox | Outbox] = field(default_factory=list)
+    hicache: Outbox | None = None  # the host-cache actor, with --enable-hierarchical-cache
 
     async def shutdown(self) -> None:
         """Ask every actor to stop, wait for them, and release every process and mailbox."""
-        for outbox in [*self.tokenizers, self.scheduler]:
-            # A dead peer's mailbox may refuse; the supervisor handles the rest.
-            with contextlib.suppress(Exception):
-                await outbox.send(Shutdown())
+        await _send_shutdown([*self.tokenizers, self.scheduler])
+        if self.hicache is not None:
+            # Only after the engine: its last Backups still reach storage, and it never sees
+            # the host cache go away first.
+            await self._engine_stopped(timeout=30)
+            await _send_shutdown([self.hicache])
         if self.tasks:
             await asyncio.wait(self.tasks, timeout=30)
         await self.supervisor.shutdown()
         for box in self.closables:
             box.close()
+
+    async def _engine_stopped(self, timeout: float) -> None:
+        engine = [t for t in self.tasks if t.get_name() == "scheduler"]
+        if engine:
+            await asyncio.wait(engine, timeout=timeout)
+        elif (proc := self.supervisor.procs.get("engine")) is not None:
+            self.supervisor.stop_watching()  # the exits that follow are the shutdown's
+            await asyncio.to_thread(proc.join, timeout)
 
     def forget_metrics_of(self, name: str) -> None:
         """Drops the live gauges of a child that died: a dead engine runs and holds nothing.
@@ -94,6 +115,13 @@ class ActorGraph:
         from prometheus_client.multiprocess import mark_process_dead
 
         mark_process_dead(proc.pid, str(metrics_dir(self.supervisor)))
+
+
+async def _send_shutdown(outboxes: list[Outbox]) -> None:
+    for outbox in outboxes:
+        # A dead peer's mailbox may refuse; the supervisor handles the rest.
+        with contextlib.suppress(Exception):
+            await outbox.send(Shutdown())
 
 
 def metrics_dir(supervisor: Supervisor) -> Path:
@@ -108,14 +136,18 @@ class Addresses:
     control: str
     scheduler: str
     tokenizers: tuple[str, ...]
+    hicache: str | None = None  # the host-cache actor's inbox
+    hicache_replies: str | None = None  # the engine's inbox for its replies
 
     @classmethod
-    def under(cls, run_dir: Path, workers: int) -> Addresses:
+    def under(cls, run_dir: Path, workers: int, hicache: bool = False) -> Addresses:
         return cls(
             api=ipc_address(run_dir, "api"),
             control=ipc_address(run_dir, "ctl"),
             scheduler=ipc_address(run_dir, "sched"),
             tokenizers=tuple(ipc_address(run_dir, f"tok{i}") for i in range(workers)),
+            hicache=ipc_address(run_dir, "hc") if hicache else None,
+            hicache_replies=ipc_address(run_dir, "hc-reply") if hicache else None,
         )
 
 
@@ -124,7 +156,7 @@ async def start_processes(args: ServerArgs, model_path: Path, supervisor: Superv
     from prometheus_client.multiprocess import MultiProcessCollector
 
     workers = args.runtime.tokenizer_worker_num
-    addresses = Addresses.under(supervisor.run_dir, workers)
+    addresses = Addresses.under(supervisor.run_dir, workers, hicache=wants_hicache(args))
     outputs = ZmqInbox(addresses.api, Codec(ToApi))
     control = ZmqInbox(addresses.control, Codec(ToSupervisor))
     tokenizers = [ZmqOutbox(a, Codec(ToTokenizer)) for a in addresses.tokenizers]
@@ -135,6 +167,10 @@ async def start_processes(args: ServerArgs, model_path: Path, supervisor: Superv
     metric_files.mkdir()
     metrics = CollectorRegistry()
     MultiProcessCollector(metrics, path=str(metric_files))
+    hicache: ZmqOutbox | None = None
+    if addresses.hicache is not None:
+        supervisor.spawn(HICACHE, hicache_process, addresses, args, session, level)
+        hicache = ZmqOutbox(addresses.hicache, Codec(ToHiCache))
     supervisor.spawn("engine", engine_process, addresses, model_path, args, level, metric_files)
     for i in range(workers):
         supervisor.spawn(
@@ -148,7 +184,8 @@ async def start_processes(args: ServerArgs, model_path: Path, supervisor: Superv
         {},
         supervisor,
         metrics,
-        closables=[outputs, control, *tokenizers, scheduler],
+        closables=[outputs, control, *tokenizers, scheduler, *([hicache] if hicache else [])],
+        hicache=hicache,
     )
     try:
         graph.ready = await supervisor.wait_ready(control, args.runtime.startup_timeout)
@@ -166,10 +203,18 @@ async def start_in_process(
     workers = args.runtime.tokenizer_worker_num
     outputs, control, scheduler = InProcChannel(), InProcChannel(), InProcChannel()
     tokenizers = [InProcChannel() for _ in range(workers)]
+    hicache = None
+    if wants_hicache(args):
+        hicache = await hicache_in_process(args, supervisor.session, control.outbox())
     engine = SchedulerActor(
-        scheduler.inbox(), [t.outbox() for t in tokenizers], control.outbox(), args, model_path
+        scheduler.inbox(),
+        [t.outbox() for t in tokenizers],
+        control.outbox(),
+        args,
+        model_path,
+        hicache=hicache.client if hicache else None,
     )
-    actors: list[Actor] = [engine]
+    actors: list[Actor] = [engine, *([hicache.actor] if hicache else [])]
     for i, channel in enumerate(tokenizers):
         actors.append(
             _tokenizer_actor(
@@ -193,6 +238,7 @@ async def start_in_process(
         engine.metrics.registry,
         actors=actors,
         tasks=[asyncio.create_task(a.serve(), name=a.name) for a in actors],
+        hicache=hicache.to_actor if hicache else None,
     )
     try:
         while len(graph.ready) < len(actors):
@@ -242,16 +288,36 @@ def engine_process(
     from m3serve.actors.scheduler import SchedulerActor
 
     async def main() -> None:
+        hicache = None
+        if addresses.hicache is not None and addresses.hicache_replies is not None:
+            hicache = hicache_client(addresses.hicache, addresses.hicache_replies)
         actor = SchedulerActor(
             ZmqInbox(addresses.scheduler, Codec(ToScheduler)),
             [ZmqOutbox(a, Codec(ToTokenizer)) for a in addresses.tokenizers],
             ZmqOutbox(addresses.control, Codec(ToSupervisor)),
             args,
             model_path,
+            hicache=hicache,
         )
         await actor.serve()
 
     _run("engine", main(), log_level)
+
+
+def hicache_process(addresses: Addresses, args: ServerArgs, session: str, log_level: int) -> None:
+    assert addresses.hicache is not None and addresses.hicache_replies is not None
+
+    async def main() -> None:
+        actor = await hicache_actor(
+            args,
+            session,
+            ZmqInbox(addresses.hicache, Codec(ToHiCache)),
+            ZmqOutbox(addresses.hicache_replies, Codec(FromHiCache)),
+            ZmqOutbox(addresses.control, Codec(ToSupervisor)),
+        )
+        await actor.serve()
+
+    _run(HICACHE, main(), log_level)
 
 
 def tokenizer_process(

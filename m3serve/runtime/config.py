@@ -238,8 +238,35 @@ class HiCacheArgs:
     hicache_write_policy: Literal["write_through", "write_back", "write_through_selective"] = (
         option("write_through", "when device pages are copied to host")
     )
-    hicache_storage_backend: str | None = option(None, "L3 storage backend")
+    hicache_storage_backend: str | None = option(
+        None, "L3 storage backend under the host pool: file (one file per page in a directory)"
+    )
+    hicache_storage_dir: str | None = option(
+        None,
+        "directory of the file storage backend; replicas given the same one share its pages; "
+        "default: <m3serve cache dir>/hicache",
+    )
     hicache_host_memory_fraction: float | None = option(None, "cap on host memory use")
+
+    def __post_init__(self) -> None:
+        _raise(self._storage_problems())
+
+    def _storage_problems(self) -> list[str]:
+        backend = self.hicache_storage_backend
+        if backend is None:
+            if self.hicache_storage_dir is not None:
+                return ["--hicache-storage-dir needs --hicache-storage-backend file"]
+            return []
+        if backend not in STORAGE_BACKENDS:
+            built = ", ".join(STORAGE_BACKENDS)
+            return [f"--hicache-storage-backend {backend}: this build has {built}"]
+        if not self.enable_hierarchical_cache:
+            return ["--hicache-storage-backend needs --enable-hierarchical-cache"]
+        return []
+
+
+# The L3 storage backends this build has (actors/hicache/storage.py maps them to classes).
+STORAGE_BACKENDS = ("file",)
 
 
 # What this build can run the routed experts with (which of them a backend takes: backends/).
@@ -411,6 +438,8 @@ _HONOURED = frozenset(
         "cuda_graph_max_bs_prefill",
         "cuda_graph_backend_prefill",
         "moe_runner_backend",
+        "hicache_storage_backend",
+        "hicache_storage_dir",
     }
 )
 

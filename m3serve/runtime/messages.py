@@ -1,7 +1,7 @@
 """Every message that crosses an actor boundary, as msgspec Structs, grouped by channel.
 
 Channels: API → tokenizer, tokenizer → scheduler, scheduler → tokenizer, tokenizer → API,
-scheduler ↔ engine core (in-process), control (any actor → supervisor). Each
+scheduler ↔ engine core (in-process), engine ↔ host cache, control (any actor → supervisor). Each
 channel has a tagged union type its receiver decodes. Request messages carry their `rid`; an
 `Error` with a rid fails that request, an `Error` without one means the sender is going down.
 """
@@ -275,8 +275,63 @@ class StepResult(msgspec.Struct, tag=True, kw_only=True, array_like=True):
     grammar_ended: list[bool] = msgspec.field(default_factory=list)
 
 
+# ---------------------------------------------------------------- engine <-> host cache
+# Only page ids and keys travel here; page bytes stay in the host-pool segment. A host page named
+# in a Backup or Prefetch belongs to that ticket until its Done arrives (or the host-cache actor
+# is known dead): the engine must not overwrite a page a Backup reads, nor read or reuse a page a
+# Prefetch writes, before then.
+
+
+class HostPoolSpec(msgspec.Struct, tag=True, array_like=True, frozen=True):
+    """engine → host cache, once at start: make the host KV pool, `num_pages` pages of
+    `page_bytes` bytes each, page-major (page h is bytes [h * page_bytes, (h + 1) * page_bytes))."""
+
+    page_bytes: int
+    num_pages: int
+
+
+class HostPoolReady(msgspec.Struct, tag=True, array_like=True, frozen=True):
+    """host cache → engine: the pool's segment (attach it by name) and the owner's pid."""
+
+    segment: str
+    page_bytes: int
+    num_pages: int
+    pid: int
+
+
+class Backup(msgspec.Struct, tag=True, array_like=True):
+    """engine → host cache: write host page `host_pages[i]` to L3 storage under `keys[i]`."""
+
+    ticket: int
+    keys: list[str]
+    host_pages: list[int]
+
+
+class Prefetch(msgspec.Struct, tag=True, array_like=True):
+    """engine → host cache: read the leading run of `keys` that L3 holds into `host_pages`."""
+
+    ticket: int
+    keys: list[str]
+    host_pages: list[int]
+
+
+class Done(msgspec.Struct, tag=True, array_like=True):
+    """host cache → engine: a ticket is finished and its host pages are the engine's again.
+
+    `pages`: for a Backup, how many of its pages L3 now holds; for a Prefetch, how many leading
+    pages were found and are now in their host pages. `error`: the request itself was invalid
+    (a page out of range, mismatched lengths); storage trouble only lowers `pages`.
+    """
+
+    ticket: int
+    pages: int
+    error: str | None = None
+
+
 # Channel unions: what each receiver decodes.
 ToTokenizer = GenerateReq | Abort | TokenizeReq | DetokenizeReq | TokenBatch | Error | Shutdown
 ToScheduler = Tokenized | Abort | Shutdown
 ToApi = TextBatch | TokenizeResult | DetokenizeResult | Error | Ready
 ToSupervisor = Ready | Error
+ToHiCache = HostPoolSpec | Backup | Prefetch | Shutdown
+FromHiCache = HostPoolReady | Done | Error

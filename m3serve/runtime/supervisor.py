@@ -116,12 +116,16 @@ class Supervisor:
         proc.join(timeout=1)
         self._on_death(name, proc.exitcode)
 
-    async def shutdown(self, timeout: float = 10.0) -> None:
-        """Wait for the children to exit on their own, then terminate, then kill."""
+    def stop_watching(self) -> None:
+        """From now on a child's exit is expected (shutdown): no more on_death calls."""
         if self._loop is not None:
             for fd in self._watched.values():
                 self._loop.remove_reader(fd)
-            self._watched.clear()
+        self._watched.clear()
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Wait for the children to exit on their own, then terminate, then kill."""
+        self.stop_watching()
         await asyncio.to_thread(self._stop_all, timeout)
         self.cleanup()
 

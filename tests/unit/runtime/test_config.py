@@ -81,3 +81,28 @@ def test_bad_settings_stop_construction(kwargs: dict, fragment: str) -> None:
 def test_the_graceful_shutdown_timeout_is_a_runtime_setting() -> None:
     assert ServerArgs().runtime.graceful_shutdown_timeout == 30.0
     assert parse("--graceful-shutdown-timeout 5").runtime.graceful_shutdown_timeout == 5.0
+
+
+def test_the_file_storage_backend_and_its_directory_are_accepted() -> None:
+    args = parse(
+        "--enable-hierarchical-cache --hicache-storage-backend file --hicache-storage-dir /tmp/l3"
+    )
+    assert args.hicache.hicache_storage_backend == "file"
+    assert args.hicache.hicache_storage_dir == "/tmp/l3"
+    assert not [problem for problem in args.unsupported() if "storage" in problem]
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (
+            "--enable-hierarchical-cache --hicache-storage-backend mooncake",
+            "--hicache-storage-backend mooncake: this build has file",
+        ),
+        ("--hicache-storage-backend file", "needs --enable-hierarchical-cache"),
+        ("--hicache-storage-dir /tmp/l3", "--hicache-storage-dir needs --hicache-storage-backend"),
+    ],
+)
+def test_bad_storage_settings_stop_the_start(argv: str, fragment: str) -> None:
+    with pytest.raises(ConfigInvalid, match=fragment):
+        parse(argv)
