@@ -40,8 +40,10 @@ class SchedulerActor(Actor):
         control: Outbox | None,
         args: ServerArgs,
         model_path: Path,
+        session: str | None = None,
     ) -> None:
         super().__init__(inbox, control)
+        self.session = session  # the run's shared-memory session (the HiCache host pool)
         self.tokenizers = tokenizers
         self.args = args
         self.model_path = model_path
@@ -50,7 +52,9 @@ class SchedulerActor(Actor):
         self.metrics = EngineMetrics()
 
     async def on_start(self) -> dict[str, Any]:
-        self.core = await asyncio.to_thread(EngineCore, self.args, self.model_path)
+        self.core = await asyncio.to_thread(
+            EngineCore, self.args, self.model_path, self.session
+        )
         return self.core.info()
 
     async def on_stop(self) -> None:

@@ -135,7 +135,9 @@ async def start_processes(args: ServerArgs, model_path: Path, supervisor: Superv
     metric_files.mkdir()
     metrics = CollectorRegistry()
     MultiProcessCollector(metrics, path=str(metric_files))
-    supervisor.spawn("engine", engine_process, addresses, model_path, args, level, metric_files)
+    supervisor.spawn(
+        "engine", engine_process, addresses, model_path, args, level, metric_files, session
+    )
     for i in range(workers):
         supervisor.spawn(
             f"tokenizer{i}", tokenizer_process, addresses, i, model_path, args, session, level
@@ -167,7 +169,12 @@ async def start_in_process(
     outputs, control, scheduler = InProcChannel(), InProcChannel(), InProcChannel()
     tokenizers = [InProcChannel() for _ in range(workers)]
     engine = SchedulerActor(
-        scheduler.inbox(), [t.outbox() for t in tokenizers], control.outbox(), args, model_path
+        scheduler.inbox(),
+        [t.outbox() for t in tokenizers],
+        control.outbox(),
+        args,
+        model_path,
+        supervisor.session,
     )
     actors: list[Actor] = [engine]
     for i, channel in enumerate(tokenizers):
@@ -236,7 +243,12 @@ def _tokenizer_actor(
 
 
 def engine_process(
-    addresses: Addresses, model_path: Path, args: ServerArgs, log_level: int, metric_files: Path
+    addresses: Addresses,
+    model_path: Path,
+    args: ServerArgs,
+    log_level: int,
+    metric_files: Path,
+    session: str,
 ) -> None:
     _write_metrics_to(metric_files)
     from m3serve.actors.scheduler import SchedulerActor
@@ -248,6 +260,7 @@ def engine_process(
             ZmqOutbox(addresses.control, Codec(ToSupervisor)),
             args,
             model_path,
+            session,
         )
         await actor.serve()
 

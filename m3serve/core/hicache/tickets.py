@@ -130,9 +130,11 @@ class CopyTracker:
         for op in [op for op, ticket in self._tickets.items() if ticket.done()]:
             del self._tickets[op]
 
-    def wait_all(self) -> None:
+    def wait_all(self, issued_only: bool = False) -> None:
+        """Wait for every copy (`issued_only`: those issued; at shutdown the rest never run)."""
         for ticket in list(self._tickets.values()):
-            ticket.wait()
+            if ticket.issued or not issued_only:
+                ticket.wait()
         self.reap()
 
     def in_flight(self) -> tuple[set[int], set[int]]:
