@@ -52,9 +52,7 @@ class SchedulerActor(Actor):
         self.metrics = EngineMetrics()
 
     async def on_start(self) -> dict[str, Any]:
-        self.core = await asyncio.to_thread(
-            EngineCore, self.args, self.model_path, self.session
-        )
+        self.core = await asyncio.to_thread(EngineCore, self.args, self.model_path, self.session)
         return self.core.info()
 
     async def on_stop(self) -> None:

@@ -2,8 +2,8 @@
 
 The event loop plans and processes; the forward runs here, so on the CPU backend the overlap of
 host work and "device" work is real, and on a GPU a step's host syncs never block the loop.
-Plans (and other jobs, such as HiCache backups) run strictly in order, so a page freed after step N and reused by step N+2 is never
-written by a step that is still in flight.
+Plans (and other jobs, such as HiCache backups) run strictly in order, so a page freed after
+step N and reused by step N+2 is never written by a step that is still in flight.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Run = Callable[[StepPlan], StepResult]
-Job = tuple[Callable[[], Any], "concurrent.futures.Future[Any]", str]  # what to run, its result, a label
+# What to run, where its result goes, and a label for the log.
+Job = tuple[Callable[[], Any], "concurrent.futures.Future[Any]", str]
 
 
 class Executor:

@@ -56,9 +56,7 @@ class Copier:
             raise ValueError(f"{len(device_tensors)} device tensors for {len(layout.tensors)}")
         self.pool = pool
         # [slots, *shape] -> [pages, page_size, *shape]: one index per page on both tiers.
-        self.device_pages = [
-            t.view(-1, layout.page_size, *t.shape[1:]) for t in device_tensors
-        ]
+        self.device_pages = [t.view(-1, layout.page_size, *t.shape[1:]) for t in device_tensors]
         for spec, view in zip(layout.tensors, self.device_pages, strict=True):
             if tuple(view.shape[2:]) != spec.shape or view.dtype != spec.dtype:
                 raise ValueError(f"device tensor {tuple(view.shape)} {view.dtype} vs {spec}")

@@ -96,12 +96,21 @@ class HostKVPool:
     def create(cls, session: str, layout: PageLayout, num_pages: int) -> HostKVPool:
         """A new, zeroed segment of the session; `close` removes it."""
         shm = create_segment(session, num_pages * layout.page_bytes)
-        return cls(layout, num_pages, shm, owner=True)
+        try:
+            return cls(layout, num_pages, shm, owner=True)
+        except BaseException:
+            unlink_segment(shm)
+            raise
 
     @classmethod
     def attach(cls, name: str, layout: PageLayout, num_pages: int) -> HostKVPool:
         """Another process's segment (`segment_name` there); `close` leaves it in place."""
-        return cls(layout, num_pages, attach_segment(name), owner=False)
+        shm = attach_segment(name)
+        try:
+            return cls(layout, num_pages, shm, owner=False)
+        except BaseException:
+            shm.close()
+            raise
 
     @property
     def page_bytes(self) -> int:

@@ -255,7 +255,8 @@ class HiRadixTree(RadixTree):
         for node in self._hi_nodes():
             assert host.isdisjoint(node.host), f"host pages held twice: {host & set(node.host)}"
             host.update(node.host)
-        assert len(host) == self._host_cached, f"{len(host)} host pages, {self._host_cached} counted"
+        counted = self._host_cached
+        assert len(host) == counted, f"{len(host)} host pages in nodes, {counted} counted"
 
     def _check_child(self, parent: Node, first: tuple[int, ...], child: Node) -> None:
         ps = self.page_size

@@ -195,7 +195,9 @@ class TieredMachine(RuleBasedStateMachine):
         self.live: list[Request] = []
         self.history: list[list[int]] = [[]]
 
-    def holds(self, pages: dict[int, tuple[int, ...]], page: int, tokens: list[int], i: int) -> bool:
+    def holds(
+        self, pages: dict[int, tuple[int, ...]], page: int, tokens: list[int], i: int
+    ) -> bool:
         return pages.get(page) == tuple(tokens[i * PS : (i + 1) * PS])
 
     @rule(data=st.data(), extra=st.lists(st.integers(0, 1), min_size=1, max_size=4))
