@@ -198,13 +198,16 @@ class Scheduler:
                 if chunk and self._grow(req, chunk):
                     chosen.append((req, chunk))
                     budget -= chunk
-        while self.waiting and budget > 0 and len(self.running) < self.args.max_running_requests:
-            req = self.waiting[0]
+        for req in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.args.max_running_requests:
+                break
+            if not req.ready:
+                continue  # its prefix is still being fetched (HiCache L3): the next one goes
             if req.inflight:
                 break  # its last token is still on the way back; recompute after it lands
             if not self._admit(req):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             chunk = self._chunk(req, budget, first=not chosen)
             if not chunk or not self._grow(req, chunk):
                 break  # admitted; the chunk waits for the next step's budget

@@ -94,6 +94,23 @@ class HiPrefixCache(PrefixCache):
             whole = min(len(tokens) // self.tree.page_size, len(pages))
             self._backup(self.tree.path(tokens[: whole * self.tree.page_size]))
 
+    # ------------------------------------------------------------------ the L3 seam
+
+    def reserve_host(self, n: int) -> list[int] | None:
+        """`n` host pages for a fetch from the L3 tier (evicting host-only prefixes), or None.
+        Until `add_host_prefix` hands them to the tree they are the fetcher's."""
+        return self._take_host(n)
+
+    def add_host_prefix(self, tokens: Sequence[int], host: list[int]) -> None:
+        """Fetched pages, written into `host` (from `reserve_host`), become host-only KV of the
+        first `len(host)` pages of `tokens`; pages the tree already had go back to the pool."""
+        cached = self.tree.insert_host(tokens, host)
+        self.host_pool.free(host[:cached])
+
+    def release_host(self, host: list[int]) -> None:
+        """Give back reserved host pages a fetch did not use (it failed or was cancelled)."""
+        self.host_pool.free(host)
+
     @property
     def has_unsent_loads(self) -> bool:
         return self.copies.has_unsent

@@ -108,6 +108,31 @@ class HiRadixTree(RadixTree):
             node = child
         return len(pages) if on_device is None else on_device
 
+    def insert_host(self, tokens: Sequence[int], host: Sequence[int]) -> int:
+        """Cache the first `len(host)` whole pages of `tokens` as host-only KV (fetched from the
+        L3 tier into these host pages). Returns how many leading pages were cached already, on
+        either tier: the caller keeps those host pages; the tree owns the rest."""
+        ps = self.page_size
+        key = _page_key(tokens, len(host) * ps)
+        if len(key) < len(host) * ps:
+            raise ValueError(f"{len(host)} pages need {len(host) * ps} tokens, got {len(key)}")
+        now = self._tick()
+        node, pos = self.root, 0
+        while pos < len(key):
+            child = node.children.get(key[pos : pos + ps])
+            if child is None:
+                leaf = self.node_type(key[pos:], [], node, next(self._ids), now)
+                assert isinstance(leaf, HiNode)
+                leaf.host = list(host[pos // ps :])
+                node.children[key[pos : pos + ps]] = leaf
+                self._host_cached += len(leaf.host)
+                return pos // ps
+            child = self._split_at_divergence(child, key, pos)
+            child.last_access = now
+            pos += len(child.key)
+            node = child
+        return len(host)
+
     def path(self, tokens: Sequence[int]) -> list[HiNode]:
         """The nodes that `tokens` covers completely, root first; changes nothing."""
         ps = self.page_size

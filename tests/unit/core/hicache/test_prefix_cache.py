@@ -173,6 +173,33 @@ def test_a_page_is_never_freed_while_its_copy_is_in_flight() -> None:
     cache.check()
 
 
+def test_pages_fetched_into_host_memory_join_the_tree_and_load_back() -> None:
+    cache, copies = make("write_through", device=8, host=8)
+    prompt = [*seq(1, 2), 9]
+    match, pages = admit(cache, copies, prompt)
+    cache.release(prompt, pages, match)  # [1, 2] cached (and backed up)
+    copies.run()
+    host = cache.reserve_host(3)  # what an L3 fetch of [1, 2, 3] does: pages, bytes, tree
+    assert host is not None
+    for i, page in enumerate(host):
+        copies.host[page] = tuple(seq(i + 1))
+    cache.add_host_prefix(seq(1, 2, 3), host)  # [1, 2] were cached: those two go back
+    cache.check()
+    assert cache.tree.host_cached_pages == 3
+    again = cache.acquire([*seq(1, 2, 3), 5])
+    assert len(again.pages) == 2 and [len(n.host) for n in again.host] == [1]
+    loaded = cache.load_back(again)
+    assert loaded is not None
+    copies.send_loads(cache)
+    copies.run()
+    assert copies.device[loaded.pages[2]] == tuple(seq(3))
+    cache.release([*seq(1, 2, 3), 5], loaded.pages, loaded)
+    unused = cache.reserve_host(1)
+    assert unused is not None
+    cache.release_host(unused)
+    cache.check()
+
+
 # ------------------------------------------------------------------------------ random
 
 

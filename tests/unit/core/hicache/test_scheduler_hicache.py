@@ -144,3 +144,32 @@ def test_multi_turn_sessions_over_a_small_pool_are_correct_and_leak_nothing(
     cache.reset()
     assert cache.pool.num_free == cache.pool.num_pages
     assert cache.host_pool.num_free == cache.host_pool.num_pages
+
+
+class Fetch:
+    """An L3 fetch in progress, as `Req.fetch` sees it."""
+
+    def __init__(self) -> None:
+        self.finished = False
+
+    def done(self) -> bool:
+        return self.finished
+
+    def wait(self) -> None:
+        raise AssertionError("admission never waits on a fetch")
+
+
+def test_a_request_waiting_for_its_prefix_fetch_holds_up_no_other_request() -> None:
+    scheduler = Scheduler(SchedArgs(max_running_requests=4), 32, PAGE, True)
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=2)
+    fetching = Req("fetching", list(range(10, 30)), sampling, STOP, worker=0)
+    fetching.fetch = fetch = Fetch()
+    other = Req("other", list(range(40, 50)), sampling, STOP, worker=0)
+    scheduler.add(fetching)
+    scheduler.add(other)
+    plan = scheduler.schedule()
+    assert plan is not None and [r.rid for r in scheduler.running] == ["other"]
+    assert list(scheduler.waiting) == [fetching]
+    fetch.finished = True
+    scheduler.schedule()
+    assert [r.rid for r in scheduler.running] == ["other", "fetching"]
