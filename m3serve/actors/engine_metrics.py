@@ -1,6 +1,7 @@
 """`EngineMetrics`: the engine process's Prometheus metrics, its load figures (running and
-waiting requests, KV pool and prefix-cache use, retractions), which `SchedulerActor` writes from
-its scheduler after every step.
+waiting requests, KV pool and prefix-cache use, retractions, prompt tokens found cached on the
+device or loaded back from the HiCache host pool, host pool use), which `SchedulerActor` writes
+from its scheduler after every step.
 
 They live in a `CollectorRegistry` of their own. When the actors run as processes, the engine
 process has put prometheus_client in multiprocess mode before importing it (`engine_process` in
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from m3serve.core.hicache.prefix_cache import HiPrefixCache
 from m3serve.core.scheduler import Scheduler
 
 PREFIX = "m3serve:"
@@ -68,34 +70,67 @@ class EngineMetrics:
             "Triton kernels compiled (or loaded from the disk cache) after the engine was ready",
             registry=r,
         )
-        self._last: tuple[int, int, int, int, int, int] | None = None
-        self._retracted = 0
-        self._compiled = 0
+        self.cached_prompt_tokens = Counter(
+            PREFIX + "cached_prompt_tokens",
+            "Prompt tokens found in the device prefix cache at admission",
+            registry=r,
+        )
+        self.host_hit_tokens = Counter(
+            PREFIX + "hicache_host_hit_tokens",
+            "Prompt tokens loaded back from the HiCache host pool instead of computed",
+            registry=r,
+        )
+        self.host_cached_pages = Gauge(
+            PREFIX + "hicache_host_cached_pages",
+            "KV pages held in the HiCache host pool",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.host_usage = Gauge(
+            PREFIX + "hicache_host_usage_ratio",
+            "Fraction of the HiCache host pool in use",
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self._last: tuple[int, ...] | None = None
+        self._totals: dict[Counter, int] = {}
 
     def update(self, scheduler: Scheduler, compiles_after_ready: int = 0) -> None:
         """Writes the scheduler's current figures. Steps that change none of them (most decode
         steps of a steady batch) write nothing."""
         pool = scheduler.pool
+        host = scheduler.cache.host_pool if isinstance(scheduler.cache, HiPrefixCache) else None
+        host_used = host.num_pages - host.num_free if host is not None else 0
         figures = (
             len(scheduler.running),
             len(scheduler.waiting),
             pool.num_pages - pool.num_free,
             scheduler.cache.tree.cached_pages,
+            host_used,
             scheduler.retracted,
             compiles_after_ready,
+            scheduler.cached_prompt_tokens,
+            scheduler.host_hit_tokens,
         )
         if figures == self._last:
             return
         self._last = figures
-        running, waiting, used_pages, cached_pages, retracted, compiled = figures
+        running, waiting, used_pages, cached_pages, host_used = figures[:5]
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_usage.set(used_pages / pool.num_pages if pool.num_pages > 0 else 0.0)
         self.cached_pages.set(cached_pages)
-        # The scheduler keeps a running total; a Counter only moves forward by increments.
-        if retracted > self._retracted:
-            self.retractions.inc(retracted - self._retracted)
-            self._retracted = retracted
-        if compiled > self._compiled:
-            self.compiles.inc(compiled - self._compiled)
-            self._compiled = compiled
+        if host is not None:
+            self.host_cached_pages.set(host_used)
+            self.host_usage.set(host_used / host.num_pages if host.num_pages > 0 else 0.0)
+        self._advance(self.retractions, scheduler.retracted)
+        self._advance(self.compiles, compiles_after_ready)
+        self._advance(self.cached_prompt_tokens, scheduler.cached_prompt_tokens)
+        self._advance(self.host_hit_tokens, scheduler.host_hit_tokens)
+
+    def _advance(self, counter: Counter, total: int) -> None:
+        """The scheduler keeps running totals; a Counter only moves forward by increments."""
+        last = self._totals.get(counter, 0)
+        if total > last:
+            counter.inc(total - last)
+            self._totals[counter] = total

@@ -44,9 +44,11 @@ class SchedulerActor(Actor):
         control: Outbox | None,
         args: ServerArgs,
         model_path: Path,
+        session: str | None = None,
         hicache: StorageClient | None = None,
     ) -> None:
         super().__init__(inbox, control)
+        self.session = session  # the run's shared-memory session (the HiCache host pool)
         self.hicache = hicache
         self.tokenizers = tokenizers
         self.args = args
@@ -56,7 +58,7 @@ class SchedulerActor(Actor):
         self.metrics = EngineMetrics()
 
     async def on_start(self) -> dict[str, Any]:
-        self.core = await asyncio.to_thread(EngineCore, self.args, self.model_path)
+        self.core = await asyncio.to_thread(EngineCore, self.args, self.model_path, self.session)
         return self.core.info()
 
     async def on_stop(self) -> None:

@@ -13,10 +13,14 @@ grammar compiles on the compiler's thread, so a slow compile holds up no other r
 queued once the grammar is ready. Its matcher lives on the executor thread (`core/matchers.py`
 says why that is right with overlap on and off).
 
+HiCache (`--enable-hierarchical-cache`): `host` is the host KV tier beside `kv`, and the
+scheduler's prefix cache is the tiered one over both; backups run on the executor thread behind
+the steps, a step's load-backs inside its forward, layer by layer (`core/hicache/`).
+
 Where later features plug in: a draft proposer (speculative decoding) runs after `run()`'s
-forward on its hidden states, with verification as a step kind of the scheduler; a host KV tier
-(HiCache) sits under the scheduler's prefix cache and beside `kv`; a tensor-parallel rank group
-wraps `run()`, rank 0 scheduling and every rank running the same plan.
+forward on its hidden states, with verification as a step kind of the scheduler; a
+tensor-parallel rank group wraps `run()`, rank 0 scheduling and every rank running the same
+plan.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from m3serve.backends import create_backend
 from m3serve.core.executor import Executor
 from m3serve.core.grammar import Compiled, Grammar, GrammarCompiler, GrammarUnavailable
 from m3serve.core.graphs import DecodeGraphs
+from m3serve.core.hicache.copier import LayerLoad
+from m3serve.core.hicache.tier import HostTier
 from m3serve.core.matchers import GrammarMatchers
 from m3serve.core.memory import kv_cache_dtype, leave_a_core_for_the_scheduler, plan_kv_budget
 from m3serve.core.piecewise import DEFAULT_MAX_TOKENS, PiecewiseGraphs
@@ -50,6 +56,7 @@ from m3serve.model.kv_cache import KVCache
 from m3serve.runtime.config import SchedArgs, ServerArgs
 from m3serve.runtime.messages import SKIPPED_TOKEN, SeqStep, StepPlan, StepResult, TokenLogprob
 from m3serve.runtime.paths import cache_root
+from m3serve.runtime.shm import new_session_id
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +66,10 @@ Launched = tuple[int, "asyncio.Future[StepResult]"]  # a step submitted to the e
 
 
 class EngineCore:
-    def __init__(self, args: ServerArgs, model_path: Path | None) -> None:
+    def __init__(
+        self, args: ServerArgs, model_path: Path | None, session: str | None = None
+    ) -> None:
+        """`session`: the run's shared-memory session (names the HiCache host pool)."""
         # First, so that every compile from here on is counted and cached on disk.
         self.trace = StepTrace(args.runtime.enable_step_trace)
         use_kernel_cache(cache_root() / "triton")
@@ -92,6 +102,17 @@ class EngineCore:
             # One page past the pool is scratch: CUDA-graph padding rows write there.
             self.kv = KVCache.allocate(cfg, self.budget.num_pages + 1, kv_dtype, self.device)
         log.info("KV pool: %d pages x %d tokens", self.budget.num_pages, self.budget.page_size)
+        self.host: HostTier | None = None
+        if args.hicache.enable_hierarchical_cache:
+            with self.startup.phase("host KV pool"):
+                self.host = HostTier.create(
+                    args.hicache,
+                    cfg,
+                    self.kv,
+                    self.budget.num_pages,
+                    session or new_session_id(),
+                    lambda job, what: self.executor.call(job, what),
+                )
         # ------------------------------------------------------------------ slot tables
         # The token each slot sampled last: the next decode input, before the CPU has seen it.
         self.last_tokens = torch.zeros(slots, dtype=torch.int64, device=self.device)
@@ -118,7 +139,11 @@ class EngineCore:
         # ------------------------------------------------------------------ scheduler
         radix = not args.cache.disable_radix_cache
         budget = self._mixed_budget(args, slots)
-        self.scheduler = Scheduler(args.sched, self.budget.num_pages, cfg.page_size, radix, budget)
+        pages = self.budget.num_pages
+        cache = self.host.prefix_cache(pages, cfg.page_size) if self.host is not None else None
+        self.scheduler = Scheduler(
+            args.sched, pages, cfg.page_size, radix, mixed_budget=budget, cache=cache
+        )
         # ------------------------------------------------------------------ executor
         self.executor = Executor(self.run)
         self._in_flight: Launched | None = None
@@ -135,6 +160,7 @@ class EngineCore:
             "device": str(self.device),
             "cuda_graph_bs": self.graphs.sizes if self.graphs else [],
             "piecewise_cuda_graph_tokens": self.piecewise.sizes if self.piecewise else [],
+            "hicache_host_pages": self.host.pool.num_pages if self.host else 0,
         }
 
     @property
@@ -253,9 +279,19 @@ class EngineCore:
         self, plan: StepPlan, layers: Sequence[int] | None = None
     ) -> StepResult:
         self._start_new_requests(plan)
+        load = self.host.start_loads(plan) if self.host is not None else None
+        try:
+            return self._forward(plan, layers, load)
+        finally:
+            if load is not None:
+                load.finish()  # also after a failed forward: nobody may wait on it forever
+
+    def _forward(
+        self, plan: StepPlan, layers: Sequence[int] | None, load: LayerLoad | None
+    ) -> StepResult:
         sampled = [seq.slot for seq in plan.seqs if seq.sample]
         seqs = self._live_seqs(plan.seqs)
-        if not seqs:
+        if not seqs:  # load-backs only, or every row's request ended on the step before
             return self._result(plan.step, sampled, [], [], [], [])
         batch = ForwardBatch.build(seqs, self.budget.page_size, self.device)
         self._fill_slot_tokens(seqs, batch)
@@ -263,7 +299,7 @@ class EngineCore:
         if layers is not None:
             logits = self.model(batch, self.kv, layers)
         else:
-            logits = self._logits(batch, decode_only=len(slots) == len(seqs))
+            logits = self._logits(batch, len(slots) == len(seqs), load)
         if not slots:
             return self._result(plan.step, sampled, [], [], [], [])
         # After the launch, before the draw: on a GPU this host work overlaps the forward.
@@ -315,13 +351,18 @@ class EngineCore:
             grammar_ended=[r is not None and ended[r] for r in rows] if ended else [],
         )
 
-    def _logits(self, batch: ForwardBatch, decode_only: bool) -> torch.Tensor:
+    def _logits(
+        self, batch: ForwardBatch, decode_only: bool, load: LayerLoad | None = None
+    ) -> torch.Tensor:
         if self.graphs is not None and decode_only and self.graphs.fits(batch):
+            if load is not None:
+                load.wait_all()  # a replayed graph has no per-layer hook
             return self.graphs.run(batch)
+        before_layer = load.before_layer if load is not None else None
         if self.piecewise is not None and self.piecewise.fits(batch):
-            hidden = self.piecewise.run(batch)
+            hidden = self.piecewise.run(batch, before_layer)
             return self.model.compute_logits(hidden[batch.logit_rows])
-        return self.model(batch, self.kv)
+        return self.model(batch, self.kv, before_layer=before_layer)
 
     def _start_new_requests(self, plan: StepPlan) -> None:
         grammars = self._step_grammars.pop(plan.step, {})
@@ -441,6 +482,8 @@ class EngineCore:
         """Stop the executor and free the device memory now: an embedding process may start
         another engine next."""
         self.executor.close()
+        if self.host is not None:
+            self.host.close()
         self.trace.close()
         if self.grammar is not None:
             self.grammar.close()

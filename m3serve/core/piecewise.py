@@ -133,8 +133,12 @@ class PiecewiseGraphs:
     # ------------------------------------------------------------------ replay
 
     @torch.inference_mode()
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """Final-normed hidden states [T, hidden] of the batch's tokens."""
+    def run(
+        self, batch: ForwardBatch, before_layer: Callable[[int], None] | None = None
+    ) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden] of the batch's tokens. `before_layer(i)` runs
+        before layer i reads the cache (HiCache load-back); the new tokens' K/V, written in
+        the piece before it, go to pages no load-back writes."""
         tokens = batch.num_tokens
         size = next(s for s in self.sizes if s >= tokens)
         buf = self.buffers
@@ -145,6 +149,8 @@ class PiecewiseGraphs:
         pieces = self.replays[size] if self.capture_graphs else self._pieces(size)
         for i, layer in enumerate(self.model.layers):
             pieces[i]()
+            if before_layer is not None:
+                before_layer(i)
             index_q = buf.index_q[:tokens] if layer.self_attn.sparse else None
             buf.attn[:tokens].copy_(layer.attend(buf.q[:tokens], index_q, batch, self.kv))
         pieces[-1]()

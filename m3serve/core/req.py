@@ -11,6 +11,7 @@ from m3serve.runtime.messages import Finish, SamplingParams
 
 if TYPE_CHECKING:
     from m3serve.core.grammar import Grammar
+    from m3serve.core.hicache.tickets import Completion
 
 
 class Phase(Enum):
@@ -40,6 +41,15 @@ class Req:
     retractions: int = 0
     finish: Finish | None = None
     grammar: Grammar | None = None  # its constraint, compiled (set before it is queued)
+    # HiCache L3: its prefix being fetched into host memory. Admission passes over the request
+    # (and takes the ones behind it) until this is done; the fetch then adds the pages with
+    # HiPrefixCache.add_host_prefix and admission loads them back like any host hit.
+    fetch: Completion | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Nothing it waits for before admission is still under way."""
+        return self.fetch is None or self.fetch.done()
 
     @property
     def tokens(self) -> list[int]:

@@ -82,14 +82,17 @@ class Scheduler:
         page_size: int,
         radix: bool,
         mixed_budget: Callable[[int], int] | None = None,
+        cache: PrefixCache | None = None,
     ) -> None:
         """`mixed_budget(decodes)`: the prompt tokens a step with that many decode rows may
-        carry (core/step_cost.py); None lets every step fill the whole prefill budget."""
+        carry (core/step_cost.py); None lets every step fill the whole prefill budget.
+        `cache`: the prefix cache over `num_pages` device pages, when it is not the plain one
+        (HiCache's tiered cache)."""
         self.args = args
         self.mixed_budget = mixed_budget
         self.page_size = page_size
-        self.pool = PagePool(num_pages)
-        self.cache = PrefixCache(self.pool, page_size, enabled=radix)
+        self.cache = cache or PrefixCache(PagePool(num_pages), page_size, enabled=radix)
+        self.pool = self.cache.pool
         self.slots = SlotPool(args.max_running_requests)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -99,6 +102,10 @@ class Scheduler:
         self.new_token_ratio = args.init_new_token_ratio
         self.pending_errors = Outputs()
         self.retracted = 0  # requests retracted so far (a metric)
+        # Prompt tokens at first admission, and those of them found cached (metrics).
+        self.prompt_tokens = 0
+        self.cached_prompt_tokens = 0  # on the device
+        self.host_hit_tokens = 0  # loaded back from host memory (HiCache)
 
     # ------------------------------------------------------------------ requests in
 
@@ -146,10 +153,12 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         decode = self._plan_decode()
         prefill = self._plan_prefill(len(decode))
-        if not decode and not prefill:
+        # Load-backs of admitted requests always go out with this step, even one with nothing
+        # else to run: a later eviction may wait for them.
+        if not decode and not prefill and not self.cache.has_unsent_loads:
             return None
         self.step += 1
-        plan = StepPlan(step=self.step, seqs=[])
+        plan = StepPlan(step=self.step, seqs=[], loads=self.cache.take_loads())
         rows: list[Req | None] = []
         for req in decode:
             plan.seqs.append(self._decode_seq(req))
@@ -197,13 +206,16 @@ class Scheduler:
                 if chunk and self._grow(req, chunk):
                     chosen.append((req, chunk))
                     budget -= chunk
-        while self.waiting and budget > 0 and len(self.running) < self.args.max_running_requests:
-            req = self.waiting[0]
+        for req in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.args.max_running_requests:
+                break
+            if not req.ready:
+                continue  # its prefix is still being fetched (HiCache L3): the next one goes
             if req.inflight:
                 break  # its last token is still on the way back; recompute after it lands
             if not self._admit(req):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             chunk = self._chunk(req, budget, first=not chosen)
             if not chunk or not self._grow(req, chunk):
                 break  # admitted; the chunk waits for the next step's budget
@@ -230,14 +242,22 @@ class Scheduler:
         reserve = self._reserved_tokens() + int(req.remaining_new * self.new_token_ratio)
         need_pages = -(-(len(tokens) - match.num_tokens + reserve) // self.page_size)
         slot = self.slots.alloc() if need_pages <= self.cache.available_pages else None
-        if slot is None:
+        # HiCache: the match's host-only part gets device pages now, its copy goes with the step.
+        loaded = self.cache.load_back(match) if slot is not None else None
+        if loaded is None:
+            if slot is not None:
+                self.slots.free(slot)
             self.cache.release(tokens[: match.num_tokens], match.pages, match)
             return False
-        req.slot, req.match, req.pages = slot, match, list(match.pages)
-        req.kv_len = match.num_tokens
+        req.slot, req.match, req.pages = slot, loaded, list(loaded.pages)
+        req.kv_len = loaded.num_tokens
         req.phase, req.prefilled = Phase.RUNNING, False
         if not req.admitted_once:
-            req.cached_tokens, req.admitted_once = match.num_tokens, True
+            # Reloaded tokens count as cached: they are not computed again.
+            req.cached_tokens, req.admitted_once = loaded.num_tokens, True
+            self.prompt_tokens += len(req.prompt)
+            self.cached_prompt_tokens += match.num_tokens
+            self.host_hit_tokens += loaded.num_tokens - match.num_tokens
         self.running.append(req)
         return True
 

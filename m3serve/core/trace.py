@@ -87,10 +87,12 @@ class StepRecord:
         compiled = ""
         if self.compiled:
             compiled = f" compiled {len(self.compiled)}: {', '.join(self.compiled)}"
+        loaded = sum(len(copy.device) for copy in self.plan.loads)
+        loads = f" load-back={loaded} pages" if loaded else ""
         return (
             f"step {self.plan.step} {step_kind(self.plan)} batch={len(self.plan.seqs)} "
-            f"tokens={self.tokens} host={host:.2f}ms (plan {self.schedule_ms:.2f} + process "
-            f"{self.process_ms:.2f}) run={self.run_ms:.2f}ms{compiled}"
+            f"tokens={self.tokens}{loads} host={host:.2f}ms (plan {self.schedule_ms:.2f} + "
+            f"process {self.process_ms:.2f}) run={self.run_ms:.2f}ms{compiled}"
         )
 
 

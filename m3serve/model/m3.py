@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -134,20 +134,32 @@ class M3ForCausalLM(nn.Module):
         return self.lm_head.weight.device
 
     def forward(
-        self, batch: ForwardBatch, kv: KVCache, layers: Sequence[int] | None = None
+        self,
+        batch: ForwardBatch,
+        kv: KVCache,
+        layers: Sequence[int] | None = None,
+        before_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Run one step; returns fp32 logits [len(batch.logit_rows), vocab]. `layers` runs only
         those layers (the warm-up compiles each distinct layer shape once)."""
-        return self.compute_logits(self.hidden_states(batch, kv, layers)[batch.logit_rows])
+        hidden = self.hidden_states(batch, kv, layers, before_layer)
+        return self.compute_logits(hidden[batch.logit_rows])
 
     def hidden_states(
-        self, batch: ForwardBatch, kv: KVCache, layers: Sequence[int] | None = None
+        self,
+        batch: ForwardBatch,
+        kv: KVCache,
+        layers: Sequence[int] | None = None,
+        before_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """Final-normed hidden states of every new token [T, hidden]."""
+        """Final-normed hidden states of every new token [T, hidden]. `before_layer(i)` is
+        called as layer i starts (HiCache: wait until that layer's KV pages are loaded)."""
         hidden = self.embed(batch.input_ids)
         residual: torch.Tensor | None = None
         chosen = self.model.layers if layers is None else [self.model.layers[i] for i in layers]
         for layer in chosen:
+            if before_layer is not None:
+                before_layer(layer.index)
             hidden, residual = layer(hidden, residual, batch, kv, self.inv_freq)
         return self.final_norm(hidden, residual)
 

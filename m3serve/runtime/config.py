@@ -232,11 +232,19 @@ class SpecArgs:
 
 @dataclass(frozen=True)
 class HiCacheArgs:
-    enable_hierarchical_cache: bool = option(False, "host-memory KV tier (HiCache)")
-    hicache_ratio: float = option(2.0, "host pool size as a multiple of the device pool")
+    enable_hierarchical_cache: bool = option(
+        False, "keep KV pages evicted from the device in a host-memory pool (HiCache)"
+    )
+    hicache_ratio: float = option(
+        2.0, "host pool size as a multiple of the device pool (at least 2; lowered to fit RAM)"
+    )
     hicache_size: int = option(0, "host pool GB per rank (overrides --hicache-ratio)")
     hicache_write_policy: Literal["write_through", "write_back", "write_through_selective"] = (
-        option("write_through", "when device pages are copied to host")
+        option(
+            "write_through",
+            "when device pages are copied to host: as they are cached (write_through), when "
+            "evicted from the device (write_back), or once a prefix was hit twice (selective)",
+        )
     )
     hicache_storage_backend: str | None = option(
         None, "L3 storage backend under the host pool: file (one file per page in a directory)"
@@ -246,10 +254,22 @@ class HiCacheArgs:
         "directory of the file storage backend; replicas given the same one share its pages; "
         "default: <m3serve cache dir>/hicache",
     )
-    hicache_host_memory_fraction: float | None = option(None, "cap on host memory use")
+    hicache_host_memory_fraction: float = option(
+        0.8, "share of the host's available memory the host pool may take"
+    )
 
     def __post_init__(self) -> None:
-        _raise(self._storage_problems())
+        problems = []
+        if self.hicache_ratio < 2:
+            problems.append(
+                f"--hicache-ratio {self.hicache_ratio}: must be >= 2 (the host pool holds what "
+                "the device pool evicts, so it must be larger than it)"
+            )
+        if self.hicache_size < 0:
+            problems.append("--hicache-size must be >= 0")
+        if not 0.0 < self.hicache_host_memory_fraction <= 1.0:
+            problems.append("--hicache-host-memory-fraction must be in (0, 1]")
+        _raise(problems + self._storage_problems())
 
     def _storage_problems(self) -> list[str]:
         backend = self.hicache_storage_backend
@@ -332,6 +352,14 @@ class ServerArgs:
     spec: SpecArgs = field(default_factory=SpecArgs)
     hicache: HiCacheArgs = field(default_factory=HiCacheArgs)
     kernel: KernelArgs = field(default_factory=KernelArgs)
+
+    def __post_init__(self) -> None:
+        if self.hicache.enable_hierarchical_cache and self.cache.disable_radix_cache:
+            # SGLang's wording, so that a launch command fails the same way on both servers.
+            raise ConfigInvalid(
+                "The arguments enable-hierarchical-cache and disable-radix-cache are mutually "
+                "exclusive and cannot be used at the same time. Please use only one of them."
+            )
 
     def unsupported(self) -> list[str]:
         """Every setting this build cannot honour, as `--flag value (why)`."""
@@ -426,7 +454,7 @@ _TITLES: dict[type, str] = {
 _PLANNED: tuple[tuple[type, str], ...] = (
     (ParallelArgs, "multi-GPU parallelism is not built yet"),
     (SpecArgs, "speculative decoding is not built yet"),
-    (HiCacheArgs, "the hierarchical KV cache is not built yet"),
+    (HiCacheArgs, "the L3 storage tier of the hierarchical cache is not built yet"),
     (KernelArgs, "this kernel option is not built yet"),
 )
 # Planned-section settings that already hold in this build (nothing to refuse).
@@ -438,6 +466,11 @@ _HONOURED = frozenset(
         "cuda_graph_max_bs_prefill",
         "cuda_graph_backend_prefill",
         "moe_runner_backend",
+        "enable_hierarchical_cache",
+        "hicache_ratio",
+        "hicache_size",
+        "hicache_write_policy",
+        "hicache_host_memory_fraction",
         "hicache_storage_backend",
         "hicache_storage_dir",
     }

@@ -249,14 +249,24 @@ class SeqStep(msgspec.Struct, array_like=True):
         return 1 if self.input_ids is None else len(self.input_ids)
 
 
+class PageCopy(msgspec.Struct, array_like=True):
+    """A HiCache load-back that a step runs inside its forward, layer by layer before each layer
+    reads it: host page `host[i]` -> device page `device[i]`. `op` names the copy's ticket."""
+
+    op: int
+    device: list[int]
+    host: list[int]
+
+
 class StepPlan(msgspec.Struct, tag=True, kw_only=True, array_like=True):
     step: int
-    seqs: list[SeqStep]
+    seqs: list[SeqStep]  # may be empty: a step that only loads pages back
     # Slots that start (or resume after retraction) this step: their sampling settings, prompt
     # and the output they already produced.
     sampling: dict[int, SamplingParams] = msgspec.field(default_factory=dict)
     prompt_ids: dict[int, list[int]] = msgspec.field(default_factory=dict)
     output_ids: dict[int, list[int]] = msgspec.field(default_factory=dict)
+    loads: list[PageCopy] = msgspec.field(default_factory=list)
     # The token ids that end each starting slot's request (so the engine core can drop its
     # decode row from a step planned before the CPU saw the stop token).
     stop_ids: dict[int, list[int]] = msgspec.field(default_factory=dict)

@@ -1,3 +1,3 @@
-"""HiCache, the engine's side: the host KV tier under the prefix cache, the keys its pages are
-stored under in L3 (`keys`), and the client of the host-cache actor that owns the host pool and
-the L3 storage (`storage_client`)."""
+"""HiCache, the engine's side: the host KV pool (L2, shared memory), device<->host page copies
+and the tiered prefix cache that decides them; the keys pages are stored under in L3 (`keys`)
+and the client of the host-cache actor that owns the L3 storage (`storage_client`)."""

@@ -28,6 +28,9 @@ class PagePool:
     def num_free(self) -> int:
         return len(self._free)
 
+    def is_free(self, page: int) -> bool:
+        return self._is_free[page]
+
     def alloc(self, n: int) -> list[int] | None:
         """`n` pages, lowest ids first; None (allocating nothing) if fewer than `n` are free."""
         if n < 0:

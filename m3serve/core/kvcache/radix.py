@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from m3serve.core.kvcache.pages import PagePool
+from m3serve.runtime.messages import PageCopy
 
 # Page ownership (mini-sglang's `cache_req` comment, for a page-granular tree).
 #
@@ -64,15 +65,21 @@ class Node:
 
 @dataclass(frozen=True)
 class Match:
-    """The longest cached prefix: its pages, and the deepest node of it (what to lock)."""
+    """The longest cached prefix: its pages, and the deepest node of it (what to lock).
+
+    With a host tier (HiCache), the prefix may go on past `pages` in `host`: nodes whose KV is
+    only in host memory, which admission loads back (`PrefixCache.load_back`)."""
 
     pages: list[int]
     node: Node
     num_tokens: int  # len(pages) * page_size
+    host: tuple[Node, ...] = ()
 
 
 class RadixTree:
     """Token-id prefixes in whole pages → the physical pages holding their KV."""
+
+    node_type: type[Node] = Node
 
     def __init__(self, page_size: int) -> None:
         if page_size < 1:
@@ -80,7 +87,7 @@ class RadixTree:
         self.page_size = page_size
         self._ids = itertools.count()
         self._clock = 0
-        self._root = Node((), [], None, next(self._ids), self._clock)
+        self._root = self.node_type((), [], None, next(self._ids), self._clock)
         self._evictable = 0  # pages in unlocked nodes
         self._protected = 0  # pages in locked nodes
 
@@ -139,7 +146,7 @@ class RadixTree:
                 break
             same = self._common_pages(child.key, key, pos)
             pos += same * ps
-            if same < len(child.pages):
+            if same * ps < len(child.key):
                 break
             node = child
         return pos
@@ -251,7 +258,7 @@ class RadixTree:
         """`node` matches `key[pos:]` in its first page (it was found by it); if it stops matching
         before its end, split it there. Returns the node that matches completely."""
         same = self._common_pages(node.key, key, pos)
-        return node if same == len(node.pages) else self._split(node, same)
+        return node if same * self.page_size == len(node.key) else self._split(node, same)
 
     def _common_pages(self, run: tuple[int, ...], key: tuple[int, ...], pos: int) -> int:
         ps = self.page_size
@@ -267,7 +274,7 @@ class RadixTree:
         ps, cut = self.page_size, num_pages * self.page_size
         parent = node.parent
         assert parent is not None, "the root is never split"
-        head = Node(
+        head = self.node_type(
             node.key[:cut], node.pages[:num_pages], parent, next(self._ids), node.last_access
         )
         head.lock_count = node.lock_count  # every lock on `node` went through what is now `head`
@@ -279,7 +286,7 @@ class RadixTree:
         return head
 
     def _add_leaf(self, parent: Node, key: tuple[int, ...], pages: list[int], now: int) -> None:
-        leaf = Node(key, pages, parent, next(self._ids), now)
+        leaf = self.node_type(key, pages, parent, next(self._ids), now)
         parent.children[key[: self.page_size]] = leaf
         self._evictable += len(pages)
 
@@ -363,15 +370,32 @@ class PrefixCache:
     def alloc(self, n: int) -> list[int] | None:
         """`n` pages for a request, evicting cached prefixes when the pool is short; None
         (allocating nothing) when even eviction cannot free enough."""
+        pages = self._take(n)
+        if pages is not None:
+            self.request_pages += n
+        return pages
+
+    def load_back(self, match: Match) -> Match | None:
+        """The match with its host part (if any) on the device: pages allocated and a copy
+        scheduled; None when the device cannot take it. Without a host tier, `match` itself."""
+        return match
+
+    @property
+    def has_unsent_loads(self) -> bool:
+        """Load-backs that the next step must carry (none without a host tier)."""
+        return False
+
+    def take_loads(self) -> list[PageCopy]:
+        """The load-backs for the step being planned."""
+        return []
+
+    def _take(self, n: int) -> list[int] | None:
         short = n - self.pool.num_free
         if short > 0:
             if short > self.tree.evictable_pages:
                 return None  # evicting would lose cache and still not be enough
             self.pool.free(self.tree.evict(short))
-        pages = self.pool.alloc(n)
-        if pages is not None:
-            self.request_pages += n
-        return pages
+        return self.pool.alloc(n)
 
     def release(self, tokens: Sequence[int], pages: Sequence[int], match: Match) -> None:
         """A request is done with its KV (finished, aborted or retracted).

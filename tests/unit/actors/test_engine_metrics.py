@@ -52,6 +52,8 @@ def fake(retracted: int, running: int = 0) -> SimpleNamespace:
         pool=SimpleNamespace(num_pages=10, num_free=10),
         cache=SimpleNamespace(tree=SimpleNamespace(cached_pages=0)),
         retracted=retracted,
+        cached_prompt_tokens=0,
+        host_hit_tokens=0,
     )
 
 

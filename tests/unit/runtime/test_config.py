@@ -45,8 +45,6 @@ def test_every_unsupported_setting_is_listed_in_one_message() -> None:
         "--ep 8",
         "--speculative-algorithm DSPARK",
         "--speculative-use-block-verification",
-        "--enable-hierarchical-cache",
-        "--hicache-size 192",
         "--moe-runner-backend flashinfer_trtllm_routed",
         "--disable-attn-tp-gather",
     ):
@@ -54,6 +52,21 @@ def test_every_unsupported_setting_is_listed_in_one_message() -> None:
     assert "--cuda-graph-backend-prefill" not in listed  # piecewise graphs are built
     with pytest.raises(ConfigInvalid, match=r"this build cannot honour: .*--tp 4.*DSPARK"):
         parse(COOKBOOK).check_supported()
+
+
+def test_hicache_and_its_settings_are_built() -> None:
+    assert not [p for p in parse(COOKBOOK).unsupported() if "hicache" in p or "hierarchical" in p]
+    args = parse("--enable-hierarchical-cache --hicache-ratio 4 --hicache-write-policy write_back")
+    assert args.unsupported() == [] and args.hicache.hicache_ratio == 4
+
+
+def test_hicache_without_the_radix_cache_fails_with_sglangs_message() -> None:
+    with pytest.raises(ConfigInvalid) as raised:
+        parse("--enable-hierarchical-cache --disable-radix-cache")
+    assert str(raised.value) == (
+        "The arguments enable-hierarchical-cache and disable-radix-cache are mutually exclusive "
+        "and cannot be used at the same time. Please use only one of them."
+    )
 
 
 def test_defaults_are_all_supported() -> None:
@@ -70,6 +83,8 @@ def test_defaults_are_all_supported() -> None:
         ({"port": 0}, "--port"),
         ({"tokenizer_worker_num": 0}, "--tokenizer-worker-num"),
         ({"graceful_shutdown_timeout": -1.0}, "--graceful-shutdown-timeout"),
+        ({"hicache_ratio": 1.0}, "--hicache-ratio 1.0: must be >= 2"),
+        ({"hicache_host_memory_fraction": 0.0}, "--hicache-host-memory-fraction"),
         ({"nonsense": 1}, "unknown server argument"),
     ],
 )

@@ -1,0 +1,104 @@
+"""`HostTier`: what the engine core holds for HiCache — the host KV pool, the copier between it
+and the device KV cache, and the copy tracker it shares with the tiered prefix cache.
+
+The prefix cache (scheduler side) makes tickets; this object runs them on the executor thread:
+a backup as a job queued behind the steps submitted so far (`submit_backup`), a step's load-backs
+inside its forward (`start_loads`, whose `before_layer` the model calls at each layer).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from m3serve.core.hicache.copier import Copier, LayerLoad, make_copier
+from m3serve.core.hicache.host_pool import HostKVPool, PageLayout, model_layout
+from m3serve.core.hicache.prefix_cache import HiPrefixCache
+from m3serve.core.hicache.sizing import plan_host_pages
+from m3serve.core.hicache.tickets import CopyTracker, Ticket
+from m3serve.model.config import TextConfig
+from m3serve.model.kv_cache import KVCache
+from m3serve.runtime.config import HiCacheArgs
+from m3serve.runtime.messages import StepPlan
+
+log = logging.getLogger(__name__)
+
+# Runs a job on the executor thread after everything submitted before it (Executor.call).
+CallOnExecutor = Callable[[Callable[[], Any], str], "concurrent.futures.Future[Any]"]
+
+
+class HostTier:
+    def __init__(
+        self, args: HiCacheArgs, pool: HostKVPool, copier: Copier, call: CallOnExecutor
+    ) -> None:
+        self.args = args
+        self.pool = pool
+        self.copier = copier
+        self._call = call
+        self.copies = CopyTracker(submit=self.submit_backup)
+
+    @classmethod
+    def create(
+        cls,
+        args: HiCacheArgs,
+        cfg: TextConfig,
+        kv: KVCache,
+        device_pages: int,
+        session: str,
+        call: CallOnExecutor,
+    ) -> HostTier:
+        """Size the host pool against free host memory, make its segment, pin it on CUDA."""
+        dtype = kv.layers[0].k.dtype
+        layout = model_layout(cfg, dtype)
+        host_pages = plan_host_pages(args, device_pages, layout.page_bytes)
+        pool = HostKVPool.create(session, layout, host_pages)
+        try:
+            copier = make_copier(pool, device_tensors(kv, layout))
+        except BaseException:
+            pool.close()
+            raise
+        log.info(
+            "HiCache host pool: %d pages x %d bytes (%.2f GiB, %.2fx the device pool), %s",
+            host_pages,
+            layout.page_bytes,
+            pool.nbytes / 2**30,
+            host_pages / max(device_pages, 1),
+            args.hicache_write_policy,
+        )
+        return cls(args, pool, copier, call)
+
+    def prefix_cache(self, num_pages: int, page_size: int) -> HiPrefixCache:
+        """The scheduler's tiered prefix cache over `num_pages` device pages and this pool."""
+        policy = self.args.hicache_write_policy
+        return HiPrefixCache(num_pages, self.pool.num_pages, page_size, policy, self.copies)
+
+    # ------------------------------------------------------------------ copies
+
+    def submit_backup(self, ticket: Ticket) -> None:
+        def backup() -> None:
+            try:
+                ticket.settle(self.copier.backup(ticket))
+            except BaseException:
+                ticket.settle()  # nobody may wait forever on it; the error is logged
+                raise
+
+        self._call(backup, f"HiCache backup {ticket.op}")
+
+    def start_loads(self, plan: StepPlan) -> LayerLoad | None:
+        """The step's load-backs, ready to run layer by layer (executor thread)."""
+        if not plan.loads:
+            return None
+        return self.copier.start_load([self.copies.get(copy.op) for copy in plan.loads])
+
+    def close(self) -> None:
+        """After the executor stopped: every copy is finished, the pool unpinned and removed."""
+        self.copies.wait_all(issued_only=True)
+        self.copier.close()
+        self.pool.close()
+
+
+def device_tensors(kv: KVCache, layout: PageLayout) -> list[Any]:
+    """The device KV tensor of each pool tensor, in the layout's order."""
+    return [getattr(kv.layers[t.layer], t.name) for t in layout.tensors]
