@@ -37,7 +37,9 @@ perf/bench_serving.py, ITL per token where the server sends per-chunk usage):
 Output: a table per level and a summary; JSON at --out (default perf/results/bench_agentic.json,
 or $OUT/bench_agentic.json) with the trace's parameters, every level's metrics and per-turn
 records; a PNG next to it (throughput per GPU and per-user speed against sessions) when
-matplotlib is installed.
+matplotlib is installed. `--trace-out DIR` also writes each level's trace as Weka JSON files
+(DIR/sessionsN/<session>.json), which aiperf replays with `--input-file DIR/sessionsN
+--custom-dataset-type weka_trace` (perf/results/crosscheck_cpu.md).
 """
 
 from __future__ import annotations
