@@ -37,7 +37,9 @@ perf/bench_serving.py, ITL per token where the server sends per-chunk usage):
 Output: a table per level and a summary; JSON at --out (default perf/results/bench_agentic.json,
 or $OUT/bench_agentic.json) with the trace's parameters, every level's metrics and per-turn
 records; a PNG next to it (throughput per GPU and per-user speed against sessions) when
-matplotlib is installed.
+matplotlib is installed. `--trace-out DIR` also writes each level's trace as Weka JSON files
+(DIR/sessionsN/<session>.json), which aiperf replays with `--input-file DIR/sessionsN
+--custom-dataset-type weka_trace` (perf/results/crosscheck_cpu.md).
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ from serving.load import closed_loop
 from serving.options import add_target_args, check_target_args, nonnegative, positive
 from serving.prompts import PromptMaker
 from serving.runner import auth_headers, run_against_server, served_model
-from serving.trace import TraceSpec, describe, make_trace
+from serving.trace import Session, TraceSpec, describe, make_trace, to_weka
 
 DEFAULTS: dict[str, Any] = {"sessions": [4, 16], "turns": 8, "initial_tokens": 4096}
 DEFAULTS |= {"output_tokens": 256, "warmup_requests": 2}
@@ -87,12 +89,20 @@ async def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
         plans = []
         for i, n in enumerate(args.sessions):
             trace = make_trace(spec, n, f"{args.seed}-level{i}")
+            if args.trace_out:
+                write_weka(args.trace_out / f"sessions{n}", trace, model)
             texts = await session_texts(maker, random.Random(f"{args.seed}-text{i}"), trace)
             plans.append((trace, texts))
         warm_sizes = [WARMUP_TOKENS] * args.warmup_requests
         warm = await maker.make_many(random.Random(f"{args.seed}-warmup"), warm_sizes)
-    target = Target("/v1/chat/completions", model, spec.output_tokens, True, args.extra_body)
-    target.continuous_usage = args.continuous_usage
+    target = Target(
+        path="/v1/chat/completions",
+        model=model,
+        output_len=spec.output_tokens,  # each turn sends its own max_tokens
+        ignore_eos=True,  # answers as long as the trace says
+        extra_body=args.extra_body,
+        continuous_usage=args.continuous_usage,
+    )
     if warm:
         limits = httpx.Limits(max_connections=len(warm))
         async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits) as http:
@@ -105,6 +115,13 @@ async def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
         print_agentic_level(level)
         levels.append(level)
     return {"model": model, "prompt_tokens_source": maker.source, "levels": levels}
+
+
+def write_weka(directory: Path, trace: Sequence[Session], model: str) -> None:
+    """One Weka trace file per session (aiperf's weka_trace loader takes the directory)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for session in trace:
+        (directory / f"{session.sid}.json").write_text(json.dumps(to_weka(session, model)))
 
 
 def trace_spec(args: argparse.Namespace) -> TraceSpec:
@@ -149,6 +166,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     trace.add_argument("--seed", type=int, default=0)
     trace.add_argument("--no-continuous-usage", dest="continuous_usage", action="store_false")
     trace.add_argument("--extra-body", type=_json_object, default={}, help="JSON merged in")
+    parser.add_argument(
+        "--trace-out", type=Path, help="also write each level's trace as Weka JSON files here"
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny fast run (CI): " + str(SMOKE))
     parser.add_argument("--out", type=Path, default=None, help=f"JSON path [{default_out()}]")
     args = parser.parse_args(argv)

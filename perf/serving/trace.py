@@ -17,6 +17,9 @@ cache: the ideal hit rate grows towards 1 - new-frac with the turns.
 
 The trace holds token counts only; the replay (serving/agentic.py) turns them into text of those
 sizes and sends real multi-turn chat messages, with the answers the server actually gave.
+`to_weka` writes a session in the Weka trace format (validation.md §2.3) that aiperf's
+`weka_trace` loader replays: 64-token blocks, chained per session, so its prompts have the same
+prefix structure.
 """
 
 from __future__ import annotations
@@ -109,4 +112,34 @@ def describe(trace: list[Session]) -> dict[str, Any]:
         "output_tokens": sum(t.output_tokens for s in trace for t in s.turns),
         "max_context": max(contexts, default=0),
         "ideal_session_hit_rate": reusable / sum(contexts) if contexts else None,
+    }
+
+
+WEKA_BLOCK = 64
+
+
+def to_weka(session: Session, model: str) -> dict[str, Any]:
+    """One session as a Weka trace object: turn k's blocks are turn k-1's full prompt blocks,
+    then fresh ids (a block that held the end of the last prompt now holds answer tokens too:
+    new content). `hash_id_scope` local: ids count per session."""
+    requests: list[dict[str, Any]] = []
+    blocks: list[int] = []
+    fresh = iter(range(1, 1 << 62))
+    clock = 0.0
+    for k, (turn, context) in enumerate(zip(session.turns, session.contexts, strict=True)):
+        if k:
+            blocks = blocks[: session.contexts[k - 1] // WEKA_BLOCK]
+        blocks += [next(fresh) for _ in range(-(-context // WEKA_BLOCK) - len(blocks))]
+        clock += turn.think_s
+        requests.append(
+            {"type": "s", "t": clock, "model": model, "in": context, "out": turn.output_tokens}
+            | {"hash_ids": list(blocks), "stop": "end_turn", "think_time": turn.think_s}
+        )
+    return {
+        "id": session.sid,
+        "models": [model],
+        "block_size": WEKA_BLOCK,
+        "hash_id_scope": "local",
+        "system_tokens": session.system_tokens,
+        "requests": requests,
     }

@@ -14,7 +14,7 @@ import pytest
 from serving.agentic import TurnResult, counter_deltas, parse_metrics
 from serving.agentic_report import ideal_session_hit_rate, server_rates
 from serving.client import RequestRecord
-from serving.trace import TraceSpec, describe, make_trace
+from serving.trace import TraceSpec, describe, make_trace, to_weka
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "perf" / "bench_agentic.py"
@@ -37,6 +37,22 @@ def test_each_turn_resends_the_conversation_plus_its_new_tokens() -> None:
     summary = describe(trace)
     assert summary["turns"] == 15 and summary["max_context"] == max(s.contexts[-1] for s in trace)
     assert 0.5 < summary["ideal_session_hit_rate"] < 1
+
+
+def test_weka_export_chains_each_turns_blocks_on_the_last_prompt() -> None:
+    spec = TraceSpec(turns=4, initial_tokens=300, new_frac=0.1, output_tokens=50)
+    (session,) = make_trace(spec, 1, "weka")
+    weka = to_weka(session, "m")
+    assert (weka["id"], weka["block_size"], weka["hash_id_scope"]) == ("s0", 64, "local")
+    requests = weka["requests"]
+    assert [r["in"] for r in requests] == session.contexts
+    assert [r["out"] for r in requests] == [t.output_tokens for t in session.turns]
+    for k, request in enumerate(requests):
+        assert len(request["hash_ids"]) == -(-request["in"] // 64)
+        if k:  # the previous prompt's full blocks, then new ones only
+            full = requests[k - 1]["in"] // 64
+            assert request["hash_ids"][:full] == requests[k - 1]["hash_ids"][:full]
+            assert not set(request["hash_ids"][full:]) & set(requests[k - 1]["hash_ids"])
 
 
 def turn(session: str, k: int, prompt: int, output: int, cached: int | None) -> TurnResult:
