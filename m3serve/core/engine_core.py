@@ -54,7 +54,14 @@ from m3serve.model.build import load_model, resolve_device
 from m3serve.model.config import load_generation_config
 from m3serve.model.kv_cache import KVCache
 from m3serve.runtime.config import SchedArgs, ServerArgs
-from m3serve.runtime.messages import SKIPPED_TOKEN, SeqStep, StepPlan, StepResult, TokenLogprob
+from m3serve.runtime.messages import (
+    SKIPPED_TOKEN,
+    SamplingParams,
+    SeqStep,
+    StepPlan,
+    StepResult,
+    TokenLogprob,
+)
 from m3serve.runtime.paths import cache_root
 from m3serve.runtime.shm import new_session_id
 
@@ -473,8 +480,16 @@ class EngineCore:
 
     @torch.inference_mode()
     def _time_forward(self, seqs: list[SeqStep]) -> None:
+        """One step as a request sees it: building the batch, the forward, and for a decode the
+        draw of every row's token and its copy to the host."""
         batch = ForwardBatch.build(seqs, self.budget.page_size, self.device)
-        self._logits(batch, decode_only=all(seq.extend == 1 for seq in seqs))
+        decode = all(seq.extend == 1 for seq in seqs)
+        logits = self._logits(batch, decode_only=decode)
+        if decode:
+            slots = list(range(len(seqs)))
+            for slot in slots:  # default sampling; a request's start resets its slot again
+                self.sampler.start(slot, SamplingParams(), [1])
+            self.sampler.sample(logits, slots)[0].tolist()
 
     # ------------------------------------------------------------------ shutdown
 
