@@ -16,7 +16,7 @@ import httpx
 import openai
 import pydantic
 import pytest
-from e2e.test_openai_sdk import API_KEY, Server, start_server
+from helpers.sdk_server import API_KEY, Server, start_server
 from openai.types.responses import Response, ResponseStreamEvent
 
 SMALL = 12

@@ -4,33 +4,17 @@ and a grammar that fails to compile fails only its own request (a 400 to its wor
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from pathlib import Path
 
 import pytest
-from conftest import M31_SPEC
 
 from m3serve.core.engine_core import EngineCore
 from m3serve.core.grammar import Grammar
 from m3serve.core.req import Req
 from m3serve.core.scheduler import Outputs
-from m3serve.model.tiny.checkpoint import TinySpec
-from m3serve.runtime.config import ServerArgs
 from m3serve.runtime.messages import Constraint, SamplingParams
 
 JSON = Constraint("json_object")
-
-
-@pytest.fixture(scope="module")
-def core(tiny_checkpoint: Callable[[TinySpec], Path]) -> Iterator[EngineCore]:
-    path = tiny_checkpoint(M31_SPEC)
-    args = ServerArgs.from_kwargs(
-        model_path=str(path), device="cpu", dtype="float32", max_total_tokens=2048
-    )
-    engine = EngineCore(args, path)
-    yield engine
-    engine.close()
 
 
 def _req(rid: str, constraint: Constraint | None = None) -> Req:

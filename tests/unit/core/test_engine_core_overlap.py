@@ -4,31 +4,15 @@ decode that request again, and its output is the one without overlap."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
-from conftest import M31_SPEC
 
 from m3serve.core.engine_core import EngineCore
 from m3serve.core.req import Req
 from m3serve.model.batch import ForwardBatch
-from m3serve.model.tiny.checkpoint import TinySpec
-from m3serve.runtime.config import ServerArgs
 from m3serve.runtime.messages import SamplingParams
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
-
-
-@pytest.fixture(scope="module")
-def core(tiny_checkpoint: Callable[[TinySpec], Path]) -> Iterator[EngineCore]:
-    path = tiny_checkpoint(M31_SPEC)
-    args = ServerArgs.from_kwargs(
-        model_path=str(path), device="cpu", dtype="float32", max_total_tokens=2048
-    )
-    engine = EngineCore(args, path)
-    yield engine
-    engine.close()
 
 
 def _req(rid: str, stop_ids: frozenset[int], max_new: int = 12) -> Req:
