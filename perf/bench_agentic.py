@@ -272,7 +272,7 @@ def main_variants(args: argparse.Namespace) -> int:
         variants[-1] |= report
     table = rows(variants)
     model = next((v["model"] for v in variants if "model" in v), "?")
-    title = title_of(args, model)
+    title = title_of(args, model) + (f"; all with {args.server_args}" if args.server_args else "")
     print(f"{title}\n{table_text(table)}\n\n{table_markdown(table)}")
     full = header(args) | {"server": {"common_args": args.server_args, "started_here": True}}
     write(args, full | {"model": model, "table": table, "variants": variants})
