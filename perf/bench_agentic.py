@@ -6,6 +6,10 @@ an OpenAI-compatible /v1/chat/completions, by default an `m3serve serve` started
     python perf/bench_agentic.py --sessions 4,16
     python perf/bench_agentic.py --server-args "--model-path /ckpt --enable-hierarchical-cache" \\
         --sessions 32,64 --turns 20 --initial-tokens 20000 --output-tokens 500 --num-gpus 1
+    # server variants in one run: HiCache off / host pool 2x / 4x a small device pool
+    python perf/bench_agentic.py --server-args "--max-total-tokens 8192" --variant off= \
+        --variant ratio2="--enable-hierarchical-cache --hicache-ratio 2" \
+        --variant ratio4="--enable-hierarchical-cache --hicache-ratio 4"
     # what CI runs (tests/e2e/test_bench_agentic.py): tiny model, 2 and 4 sessions of 3 turns
     python perf/bench_agentic.py --smoke --out /tmp/bench_agentic.json
 
@@ -34,6 +38,12 @@ perf/bench_serving.py, ITL per token where the server sends per-chunk usage):
                          and m3serve:hicache_host_hit_tokens_total; the HiCache hit rate is the
                          host hits over the server's prompt tokens (n/a where absent)
 
+Variants (serving/variants.py). Each `--variant NAME="serve flags"` is an m3serve serve with
+the common --server-args plus its flags, started in its turn, given the same seeded trace (the
+same sessions and texts at every level) and stopped. The JSON then has `variants` (each with its
+server args, levels and log tail) and `table`, one row per (variant, sessions); the PNG has one
+line per variant. A variant whose server fails is reported and the others still run (exit 1).
+
 Output: a table per level and a summary; JSON at --out (default perf/results/bench_agentic.json,
 or $OUT/bench_agentic.json) with the trace's parameters, every level's metrics and per-turn
 records; a PNG next to it (throughput per GPU and per-user speed against sessions) when
@@ -45,6 +55,8 @@ matplotlib is installed. `--trace-out DIR` also writes each level's trace as Wek
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import json
 import os
 import platform
@@ -70,6 +82,16 @@ from serving.options import add_target_args, check_target_args, nonnegative, pos
 from serving.prompts import PromptMaker
 from serving.runner import auth_headers, run_against_server, served_model
 from serving.trace import Session, TraceSpec, describe, make_trace, to_weka
+from serving.variants import (
+    check_variants,
+    plot_variants,
+    rows,
+    run_variant,
+    server_args,
+    table_markdown,
+    table_text,
+    variant,
+)
 
 DEFAULTS: dict[str, Any] = {"sessions": [4, 16], "turns": 8, "initial_tokens": 4096}
 DEFAULTS |= {"output_tokens": 256, "warmup_requests": 2}
@@ -167,6 +189,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     trace.add_argument("--no-continuous-usage", dest="continuous_usage", action="store_false")
     trace.add_argument("--extra-body", type=_json_object, default={}, help="JSON merged in")
     parser.add_argument(
+        "--variant",
+        dest="variants",
+        type=variant,
+        action="append",
+        default=[],
+        metavar='NAME="FLAGS"',
+        help="a server variant (repeatable): --server-args plus FLAGS, each run in turn",
+    )
+    parser.add_argument(
         "--trace-out", type=Path, help="also write each level's trace as Weka JSON files here"
     )
     parser.add_argument("--smoke", action="store_true", help="tiny fast run (CI): " + str(SMOKE))
@@ -176,6 +207,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     check_target_args(parser, args)
+    check_variants(parser, args)
+    # Each variant's own namespace: its whole flag string checked (and its --api-key taken).
+    args.variant_args = []
+    for v in args.variants:
+        vargs = copy.copy(args)
+        vargs.server_args, vargs.variants = server_args(args.server_args, v), []
+        check_target_args(parser, vargs)
+        args.variant_args.append(vargs)
     args.out = args.out or default_out()
     return args
 
@@ -192,35 +231,72 @@ def default_out() -> Path:
     return Path(out) / "bench_agentic.json" if out else Path("perf/results/bench_agentic.json")
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(argv)
-    report, url, started_here = run_against_server(args, lambda url: run(args, url))
+def title_of(args: argparse.Namespace, model: str) -> str:
     spec = trace_spec(args)
-    title = (
-        f"agentic trace, model {report['model']}: {spec.turns} turns/session, system prompt "
+    return (
+        f"agentic trace, model {model}: {spec.turns} turns/session, system prompt "
         f"~{spec.initial_tokens}, +{spec.new_frac:.0%}/turn, answers ~{spec.output_tokens}; "
         f"{platform.machine()}, {os.cpu_count()} cpus, {args.num_gpus} GPU(s) as divisor"
     )
-    print(f"{title}; server {url}{' (started here)' if started_here else ''}")
-    print_agentic_summary(report["levels"])
-    full = {
+
+
+def header(args: argparse.Namespace) -> dict[str, Any]:
+    """The JSON's fields that describe the run rather than its results."""
+    return {
         "benchmark": "bench_agentic",
         "command": shlex.join(["python", "perf/bench_agentic.py", *sys.argv[1:]]),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
-        "server": {"url": url, "started_here": started_here, "args": args.server_args},
-        "config": {"trace": spec.as_dict(), "seed": args.seed, "num_gpus": args.num_gpus}
-        | {"warmup_requests": args.warmup_requests, "extra_body": args.extra_body},
-        **report,
+        "config": {"trace": trace_spec(args).as_dict(), "seed": args.seed}
+        | {"num_gpus": args.num_gpus, "warmup_requests": args.warmup_requests}
+        | {"extra_body": args.extra_body},
     }
+
+
+def write(args: argparse.Namespace, full: dict[str, Any]) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(full, indent=2) + "\n")
     print(f"wrote {args.out}")
+
+
+def main_variants(args: argparse.Namespace) -> int:
+    """Every --variant in turn on the same trace; 1 if one of them failed."""
+    variants = []
+    for v, vargs in zip(args.variants, args.variant_args, strict=True):
+        print(f"### variant {v.name}: m3serve serve {vargs.server_args}", flush=True)
+        report = run_variant(vargs.server_args, functools.partial(run, vargs))
+        if "error" in report:
+            print(f"variant {v.name} failed: {report['error']}\n{report.get('server_log_tail')}")
+        variants.append({"name": v.name, "flags": v.flags, "server_args": vargs.server_args})
+        variants[-1] |= report
+    table = rows(variants)
+    model = next((v["model"] for v in variants if "model" in v), "?")
+    title = title_of(args, model) + (f"; all with {args.server_args}" if args.server_args else "")
+    print(f"{title}\n{table_text(table)}\n\n{table_markdown(table)}")
+    full = header(args) | {"server": {"common_args": args.server_args, "started_here": True}}
+    write(args, full | {"model": model, "table": table, "variants": variants})
+    picture = plot_variants(table, args.out.with_suffix(".png"), title)
+    if picture is not None:
+        print(f"wrote {picture}")
+    return 1 if any("error" in v for v in variants) else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.variants:
+        return main_variants(args)
+    report, url, started_here = run_against_server(args, lambda url: run(args, url))
+    title = title_of(args, report["model"])
+    print(f"{title}; server {url}{' (started here)' if started_here else ''}")
+    print_agentic_summary(report["levels"])
+    server = {"url": url, "started_here": started_here, "args": args.server_args}
+    write(args, header(args) | {"server": server, **report})
     picture = plot_agentic(report["levels"], args.out.with_suffix(".png"), title)
     if picture is not None:
         print(f"wrote {picture}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -124,6 +124,7 @@ class RequestRecord:
         return row | {
             "prompt_text_tokens": self.prompt_text_tokens,
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,  # which turns hit the cache, not just how many
             "completion_tokens": self.completion_tokens,
         }
 

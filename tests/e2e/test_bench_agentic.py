@@ -1,20 +1,24 @@
 """perf/bench_agentic.py: the synthetic trace's arithmetic, the figures made from hand-made turns
 and /metrics text, and its `--smoke` run against a real `m3serve serve` on the built-in tiny
-model (in a temporary XDG cache): two levels of multi-turn sessions, the JSON checked."""
+model (in a temporary XDG cache): two levels of multi-turn sessions, the JSON checked; and two
+server variants of one session in one run, the comparison table's shape checked."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from serving.agentic import TurnResult, counter_deltas, parse_metrics
 from serving.agentic_report import ideal_session_hit_rate, server_rates
 from serving.client import RequestRecord
 from serving.trace import TraceSpec, describe, make_trace, to_weka
+from serving.variants import COLUMNS, Variant, variant
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "perf" / "bench_agentic.py"
@@ -84,12 +88,13 @@ def test_metrics_counters_are_summed_and_differenced() -> None:
     assert rates["prefix_hit_rate"] == pytest.approx(0.4) and rates["hicache_hit_rate"] is None
 
 
-def test_smoke_run_replays_every_level(tmp_path: Path) -> None:
+def bench(tmp_path: Path, *flags: str) -> tuple[dict[str, Any], str]:
+    """perf/bench_agentic.py --smoke with `flags`: its JSON and its stdout."""
     out = tmp_path / "bench_agentic.json"
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     env.pop("OUT", None)
     run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--out", str(out)],
+        [sys.executable, str(SCRIPT), "--smoke", *flags, "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -98,7 +103,22 @@ def test_smoke_run_replays_every_level(tmp_path: Path) -> None:
         check=False,
     )
     assert run.returncode == 0, run.stdout + run.stderr
-    report = json.loads(out.read_text())
+    assert out.with_suffix(".png").is_file() or "matplotlib is not installed" in run.stdout
+    return json.loads(out.read_text()), run.stdout
+
+
+def test_variant_flag_is_a_name_and_serve_flags() -> None:
+    assert variant('r2=--enable-hierarchical-cache --hicache-ratio "2"') == Variant(
+        "r2", '--enable-hierarchical-cache --hicache-ratio "2"'
+    )
+    assert variant("off=") == Variant("off", "")  # the common --server-args alone
+    for bad in ("no-equals", "=--flag", "two words=--flag", 'r=--x "unclosed'):
+        with pytest.raises(argparse.ArgumentTypeError):
+            variant(bad)
+
+
+def test_smoke_run_replays_every_level(tmp_path: Path) -> None:
+    report, stdout = bench(tmp_path)
     assert report["server"]["started_here"]
     levels = report["levels"]
     assert [lv["sessions"] for lv in levels] == [2, 4]
@@ -115,12 +135,45 @@ def test_smoke_run_replays_every_level(tmp_path: Path) -> None:
         assert all(r["ok"] and r["prompt_tokens"] > r["prompt_text_tokens"] for r in later)
         assert 0 < level["prefix_cache_hit_rate"] < 1
         assert level["server"]["cached_prompt_tokens"] is not None
-        assert level["server"]["hicache_hit_rate"] is None  # no HiCache counters (yet)
+        assert level["server"]["hicache_hit_rate"] == 0  # HiCache off: its counter stays at 0
         assert level["itl_definition"].startswith("per token")
         for key in ("throughput_per_gpu", "output_token_throughput", "per_user_tok_s"):
             assert level[key] > 0, key
         for key in ("ttft_ms", "itl_ms"):
             s = level[key]
             assert 0 <= s["p50"] <= s["p90"] <= s["max"], (key, s)
-    assert "sessions" in run.stdout and "HiCache" in run.stdout
-    assert out.with_suffix(".png").is_file() or "matplotlib is not installed" in run.stdout
+    assert "sessions" in stdout and "HiCache" in stdout
+
+
+def test_variants_replay_the_same_trace_on_their_own_servers(tmp_path: Path) -> None:
+    report, stdout = bench(
+        tmp_path,
+        "--sessions=1",
+        "--server-args=--max-running-requests 4",
+        "--variant=plain=",
+        "--variant=hi=--enable-hierarchical-cache --hicache-ratio 2",
+    )
+    variants = report["variants"]
+    assert [v["name"] for v in variants] == ["plain", "hi"]
+    assert [v["server_args"] for v in variants] == [
+        "--max-running-requests 4",
+        "--max-running-requests 4 --enable-hierarchical-cache --hicache-ratio 2",
+    ]
+    turns = report["config"]["trace"]["turns"]
+    sizes = []
+    for v in variants:
+        assert "error" not in v, v
+        (level,) = v["levels"]
+        assert level["sessions"] == 1 and level["completed"] == turns, level["errors"]
+        sizes.append([r["prompt_text_tokens"] for r in level["requests"]])
+    assert sizes[0] == sizes[1]  # the same seeded trace on both servers
+    table = report["table"]
+    assert [(r["variant"], r["sessions"]) for r in table] == [("plain", 1), ("hi", 1)]
+    for row in table:
+        assert set(row) == {key for key, _, _ in COLUMNS} | {"duration_s"}
+        assert row["failed"] == 0 and row["throughput_per_gpu"] > 0
+        assert 0 < row["cached_rate"] < 1  # later turns resend the conversation
+    # With the host tier on, its counter is there (a pool this large needs no host hits).
+    assert table[1]["host_hit_rate"] is not None
+    header = next(line for line in stdout.splitlines() if line.startswith("| variant"))
+    assert header.count("|") == len(COLUMNS) + 1
