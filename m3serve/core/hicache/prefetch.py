@@ -8,7 +8,7 @@ the leading pages L3 had into the tree as host-only KV (`add_host_prefix`) and g
 back; admission then loads them back like any host hit. A request waits at most `deadline`
 (`fetch_timeout_s`): past it, it is admitted and computes what it misses, while the late fetch
 still lands in the tree when it ends. Requests whose prompts share the first missing page share
-one fetch.
+one fetch. A fetch the actor never answers keeps its host pages until the actor is known dead.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from m3serve.core.hicache.keys import PageKey, page_keys
 from m3serve.core.hicache.prefix_cache import HiPrefixCache
 from m3serve.core.hicache.storage_client import HiCacheUnavailable, StorageClient
+from m3serve.core.kvcache.hiradix import HiNode
 from m3serve.core.req import Phase, Req
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ class Prefetcher:
         ps = self.cache.tree.page_size
         tokens = req.prompt[:-1]  # what admission matches: the last token is always computed
         end = len(tokens) // ps
-        start = self.cache.cached_length(req.prompt) // ps
+        start = self._cached_pages(tokens)
         if end - start < MIN_FETCH_PAGES:
             return
         # The chain hashes the whole prefix: a page's key names everything before it.
@@ -128,6 +129,12 @@ class Prefetcher:
         """The host pool is gone: the fetches' pages with it."""
         self.pending.clear()
         self._by_first_key.clear()
+
+    def _cached_pages(self, tokens: list[int]) -> int:
+        """Leading pages of `tokens` on either tier. The match marks them used, so that the
+        host pages reserved next evict other prefixes first, not the one the fetch extends."""
+        match = self.cache.tree.match(tokens)
+        return len(match.pages) + sum(n.num_pages for n in match.host if isinstance(n, HiNode))
 
     @staticmethod
     def _hold(req: Req, fetch: Fetch) -> None:

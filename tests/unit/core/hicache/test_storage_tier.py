@@ -230,3 +230,33 @@ async def test_the_actors_death_fails_the_waiting_request_and_drops_the_host_tie
     s.finish(later)
     s.scheduler.idle_check()
     assert s.tier.poll() == [] and not s.tier.has_work
+
+
+async def test_a_fetch_makes_room_from_other_prefixes_than_the_one_it_extends(
+    actor: Actor,
+) -> None:
+    s = Setup(actor, host=4)
+    older, newer = tokens(9, base=100), tokens(9, base=500)
+    for prompt in (older, newer):
+        await cache_prompt(s, prompt)
+    s.cache._evict_device(4)  # both only on host now, the full host pool
+    extends = request("c", [*older[:8], *tokens(9, base=900)])  # two more pages to fetch
+    s.scheduler.add(extends)
+    assert isinstance(await actor.recv(), Prefetch)
+    assert s.cache.tree.cached_length(older[:8]) == 8  # the prefix it extends stays
+    assert s.cache.tree.cached_length(newer[:8]) == 0  # though the other one was newer
+    s.cache.check()
+
+
+async def cache_prompt(s: Setup, prompt: list[int]) -> None:
+    """Run a prompt through (its fetch finds nothing) and let its L3 write finish."""
+    req = request(f"r{prompt[0]}", prompt)
+    s.scheduler.add(req)
+    fetch = await s.actor.recv()
+    assert isinstance(fetch, Prefetch)
+    await s.actor.done(fetch, 0)
+    s.finish(req)
+    s.scheduler.schedule()
+    backup = await s.actor.recv()
+    assert isinstance(backup, Backup)
+    await s.actor.done(backup, len(backup.keys))
