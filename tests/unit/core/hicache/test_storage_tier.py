@@ -260,3 +260,13 @@ async def cache_prompt(s: Setup, prompt: list[int]) -> None:
     backup = await s.actor.recv()
     assert isinstance(backup, Backup)
     await s.actor.done(backup, len(backup.keys))
+
+
+async def test_without_l3_the_tier_only_watches_the_actor(actor: Actor) -> None:
+    cache = HiPrefixCache(16, 16, PAGE)
+    disabled: list[bool] = []
+    tier = StorageTier(actor.client, cache, None, lambda: disabled.append(True))
+    assert cache.storage is None and tier.fetches is None and tier.poll() == []
+    await actor.outbox.send(Error(None, "the host-cache actor stopped", actor="hicache"))
+    await asyncio.sleep(0.01)
+    assert tier.poll() == [] and disabled == [True] and not cache.host_enabled
