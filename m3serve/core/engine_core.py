@@ -41,9 +41,8 @@ from m3serve.core.executor import Executor
 from m3serve.core.grammar import Compiled, Grammar, GrammarCompiler, GrammarUnavailable
 from m3serve.core.graphs import DecodeGraphs
 from m3serve.core.hicache.copier import LayerLoad
-from m3serve.core.hicache.keys import PageKey, checkpoint_identity, root_key
 from m3serve.core.hicache.prefix_cache import HiPrefixCache
-from m3serve.core.hicache.storage_tier import ActorLink, StorageTier
+from m3serve.core.hicache.storage_tier import ActorLink, StorageTier, page_key_root
 from m3serve.core.hicache.tier import HostTier
 from m3serve.core.matchers import GrammarMatchers
 from m3serve.core.memory import kv_cache_dtype, leave_a_core_for_the_scheduler, plan_kv_budget
@@ -500,17 +499,9 @@ class EngineCore:
         """The L3 tier (with a storage backend) and the watch on the host-cache actor."""
         if hicache is None or cache is None or self.host is None:
             return None
-        root = self._page_key_root() if args.hicache.hicache_storage_backend else None
+        l3 = args.hicache.hicache_storage_backend is not None
+        root = page_key_root(self.loaded.path, self.host.pool.layout) if l3 else None
         return StorageTier(hicache.client, cache, root, on_disabled=self.host.disable)
-
-    def _page_key_root(self) -> PageKey:
-        """The root of the L3 page keys: this checkpoint, page size, KV dtype and page layout
-        (so another model, dtype or layout never reads these pages)."""
-        assert self.host is not None
-        layout = self.host.pool.layout
-        dtype = str(layout.tensors[0].dtype).removeprefix("torch.")
-        identity = checkpoint_identity(self.loaded.path)
-        return root_key(identity, layout.page_size, dtype, layout.describe())
 
     # ------------------------------------------------------------------ shutdown
 

@@ -22,9 +22,10 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from m3serve.core.hicache.host_pool import HostKVPool, PageLayout
-from m3serve.core.hicache.keys import PageKey
+from m3serve.core.hicache.keys import PageKey, checkpoint_identity, root_key
 from m3serve.core.hicache.prefetch import Prefetcher
 from m3serve.core.hicache.prefix_cache import HiPrefixCache
 from m3serve.core.hicache.storage_client import HiCacheUnavailable, StorageClient
@@ -37,6 +38,13 @@ DIED_WHILE_FETCHING = (
     "the host-cache process died while this request's prefix was being fetched from HiCache "
     "storage; HiCache is disabled (sending the request again computes it)"
 )
+
+
+def page_key_root(model_dir: Path, layout: PageLayout) -> PageKey:
+    """The root of the L3 page keys: the checkpoint, page size, KV dtype and page layout, so
+    that another model, dtype or layout never reads these pages."""
+    dtype = str(layout.tensors[0].dtype).removeprefix("torch.")
+    return root_key(checkpoint_identity(model_dir), layout.page_size, dtype, layout.describe())
 
 
 @dataclass(frozen=True)
