@@ -1,6 +1,7 @@
 """`EngineMetrics`: the engine process's Prometheus metrics, its load figures (running and
 waiting requests, KV pool and prefix-cache use, retractions, prompt tokens found cached on the
-device or loaded back from the HiCache host pool, host pool use), which `SchedulerActor` writes
+device or loaded back from the HiCache host pool, tokens fetched from its L3 storage, host pool
+use), which `SchedulerActor` writes
 from its scheduler after every step.
 
 They live in a `CollectorRegistry` of their own. When the actors run as processes, the engine
@@ -80,6 +81,11 @@ class EngineMetrics:
             "Prompt tokens loaded back from the HiCache host pool instead of computed",
             registry=r,
         )
+        self.storage_hit_tokens = Counter(
+            PREFIX + "hicache_storage_hit_tokens",
+            "Prompt tokens fetched from the HiCache L3 storage into the host pool",
+            registry=r,
+        )
         self.host_cached_pages = Gauge(
             PREFIX + "hicache_host_cached_pages",
             "KV pages held in the HiCache host pool",
@@ -111,6 +117,7 @@ class EngineMetrics:
             compiles_after_ready,
             scheduler.cached_prompt_tokens,
             scheduler.host_hit_tokens,
+            scheduler.storage.hit_tokens if scheduler.storage is not None else 0,
         )
         if figures == self._last:
             return
@@ -127,6 +134,7 @@ class EngineMetrics:
         self._advance(self.compiles, compiles_after_ready)
         self._advance(self.cached_prompt_tokens, scheduler.cached_prompt_tokens)
         self._advance(self.host_hit_tokens, scheduler.host_hit_tokens)
+        self._advance(self.storage_hit_tokens, figures[-1])
 
     def _advance(self, counter: Counter, total: int) -> None:
         """The scheduler keeps running totals; a Counter only moves forward by increments."""

@@ -6,7 +6,9 @@ step's tokens to the tokenizer workers that own the requests and writes the engi
 figures to its `EngineMetrics`.
 
 With --enable-hierarchical-cache it also holds the engine's `StorageClient` of the host-cache
-actor (`hicache`), closed when the actor stops; the core's host tier is to use it.
+actor (`hicache`): the core gets it with this actor's event loop (`ActorLink`), asks it for the
+host pool as it starts, and runs the L3 tier through it. At stop the last L3 writes are sent
+before the client closes.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 from m3serve.actors.engine_metrics import EngineMetrics
 from m3serve.core.engine_core import EngineCore
 from m3serve.core.hicache.storage_client import StorageClient
+from m3serve.core.hicache.storage_tier import ActorLink
 from m3serve.core.req import Req
 from m3serve.core.scheduler import Outputs, QueueFull
 from m3serve.runtime.actor import Actor, handles
@@ -44,11 +47,9 @@ class SchedulerActor(Actor):
         control: Outbox | None,
         args: ServerArgs,
         model_path: Path,
-        session: str | None = None,
         hicache: StorageClient | None = None,
     ) -> None:
         super().__init__(inbox, control)
-        self.session = session  # the run's shared-memory session (the HiCache host pool)
         self.hicache = hicache
         self.tokenizers = tokenizers
         self.args = args
@@ -58,10 +59,16 @@ class SchedulerActor(Actor):
         self.metrics = EngineMetrics()
 
     async def on_start(self) -> dict[str, Any]:
-        self.core = await asyncio.to_thread(EngineCore, self.args, self.model_path, self.session)
+        link = None
+        if self.hicache is not None:
+            loop = asyncio.get_running_loop()
+            link = ActorLink(self.hicache, loop, self.args.runtime.startup_timeout)
+        self.core = await asyncio.to_thread(EngineCore, self.args, self.model_path, link)
         return self.core.info()
 
     async def on_stop(self) -> None:
+        if self.core is not None:
+            await self.core.flush_storage()
         if self.hicache is not None:
             await self.hicache.close()
         if self.core is not None:

@@ -13,9 +13,11 @@ grammar compiles on the compiler's thread, so a slow compile holds up no other r
 queued once the grammar is ready. Its matcher lives on the executor thread (`core/matchers.py`
 says why that is right with overlap on and off).
 
-HiCache (`--enable-hierarchical-cache`): `host` is the host KV tier beside `kv`, and the
+HiCache (`--enable-hierarchical-cache`): `host` is the host KV tier beside `kv`, over the host
+pool that the host-cache actor owns and opens for us (`hicache`, an `ActorLink`), and the
 scheduler's prefix cache is the tiered one over both; backups run on the executor thread behind
-the steps, a step's load-backs inside its forward, layer by layer (`core/hicache/`).
+the steps, a step's load-backs inside its forward, layer by layer (`core/hicache/`). `storage`
+runs the L3 tier (with `--hicache-storage-backend`) and notices the actor's death.
 
 Where later features plug in: a draft proposer (speculative decoding) runs after `run()`'s
 forward on its hidden states, with verification as a step kind of the scheduler; a
@@ -39,6 +41,8 @@ from m3serve.core.executor import Executor
 from m3serve.core.grammar import Compiled, Grammar, GrammarCompiler, GrammarUnavailable
 from m3serve.core.graphs import DecodeGraphs
 from m3serve.core.hicache.copier import LayerLoad
+from m3serve.core.hicache.prefix_cache import HiPrefixCache
+from m3serve.core.hicache.storage_tier import ActorLink, StorageTier, page_key_root
 from m3serve.core.hicache.tier import HostTier
 from m3serve.core.matchers import GrammarMatchers
 from m3serve.core.memory import kv_cache_dtype, leave_a_core_for_the_scheduler, plan_kv_budget
@@ -63,20 +67,21 @@ from m3serve.runtime.messages import (
     TokenLogprob,
 )
 from m3serve.runtime.paths import cache_root
-from m3serve.runtime.shm import new_session_id
 
 log = logging.getLogger(__name__)
 
 DEFAULT_GRAPH_MAX_BS = 128
 
 Launched = tuple[int, "asyncio.Future[StepResult]"]  # a step submitted to the executor
+# At shutdown, how long the last L3 writes may take to be handed to the host-cache actor.
+FLUSH_S = 10.0
 
 
 class EngineCore:
     def __init__(
-        self, args: ServerArgs, model_path: Path | None, session: str | None = None
+        self, args: ServerArgs, model_path: Path | None, hicache: ActorLink | None = None
     ) -> None:
-        """`session`: the run's shared-memory session (names the HiCache host pool)."""
+        """`hicache`: the host-cache actor, which HiCache needs (it owns the host pool)."""
         # First, so that every compile from here on is counted and cached on disk.
         self.trace = StepTrace(args.runtime.enable_step_trace)
         use_kernel_cache(cache_root() / "triton")
@@ -111,13 +116,18 @@ class EngineCore:
         log.info("KV pool: %d pages x %d tokens", self.budget.num_pages, self.budget.page_size)
         self.host: HostTier | None = None
         if args.hicache.enable_hierarchical_cache:
+            if hicache is None:
+                raise ValueError(
+                    "--enable-hierarchical-cache needs the host-cache actor, which owns the "
+                    "host pool: start the engine through the actor graph (engine/launch.py)"
+                )
             with self.startup.phase("host KV pool"):
                 self.host = HostTier.create(
                     args.hicache,
                     cfg,
                     self.kv,
                     self.budget.num_pages,
-                    session or new_session_id(),
+                    hicache.open_pool,
                     lambda job, what: self.executor.call(job, what),
                 )
         # ------------------------------------------------------------------ slot tables
@@ -148,8 +158,15 @@ class EngineCore:
         budget = self._mixed_budget(args, slots)
         pages = self.budget.num_pages
         cache = self.host.prefix_cache(pages, cfg.page_size) if self.host is not None else None
+        self.storage = self._storage_tier(args, hicache, cache)
         self.scheduler = Scheduler(
-            args.sched, pages, cfg.page_size, radix, mixed_budget=budget, cache=cache
+            args.sched,
+            pages,
+            cfg.page_size,
+            radix,
+            mixed_budget=budget,
+            cache=cache,
+            storage=self.storage,
         )
         # ------------------------------------------------------------------ executor
         self.executor = Executor(self.run)
@@ -491,7 +508,31 @@ class EngineCore:
                 self.sampler.start(slot, SamplingParams(), [1])
             self.sampler.sample(logits, slots)[0].tolist()
 
+    def _storage_tier(
+        self, args: ServerArgs, hicache: ActorLink | None, cache: HiPrefixCache | None
+    ) -> StorageTier | None:
+        """The L3 tier (with a storage backend) and the watch on the host-cache actor."""
+        if hicache is None or cache is None or self.host is None:
+            return None
+        l3 = args.hicache.hicache_storage_backend is not None
+        root = page_key_root(self.loaded.path, self.host.pool.layout) if l3 else None
+        return StorageTier(hicache.client, cache, root, on_disabled=self.host.disable)
+
     # ------------------------------------------------------------------ shutdown
+
+    async def flush_storage(self, timeout_s: float = FLUSH_S) -> None:
+        """Before shutdown, while the host-cache actor still runs: the backups queued so far
+        run, and the L3 writes behind them are sent (the client's close waits for them)."""
+        storage = self.storage
+        if storage is None or not storage.has_work:
+            return
+        await asyncio.wrap_future(self.executor.call(lambda: None, "HiCache flush"))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        storage.poll()
+        while storage.has_work and loop.time() < deadline:
+            await asyncio.sleep(0.005)  # a CUDA copy's event is not done yet
+            storage.poll()
 
     def close(self) -> None:
         """Stop the executor and free the device memory now: an embedding process may start

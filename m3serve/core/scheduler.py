@@ -11,6 +11,11 @@ be recomputed.
 
 `schedule` may run before the previous step's result is processed (overlap): a plan never
 depends on tokens the CPU has not seen — decode inputs come from the engine core's slot table.
+
+HiCache's storage tier (`storage`, core/hicache/storage_tier.py), when the host-cache actor
+runs: a queued request may start an L3 fetch of its prefix (admission passes over it until that
+is settled), and each `schedule` first lets the tier run a round, failing the requests it says
+can no longer be served (their fetch died with the actor).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from m3serve.core.kvcache.pages import PagePool
 from m3serve.core.kvcache.radix import PrefixCache
@@ -35,6 +41,9 @@ from m3serve.runtime.messages import (
     TokenBatch,
     TokenLogprob,
 )
+
+if TYPE_CHECKING:
+    from m3serve.core.hicache.storage_tier import StorageTier
 
 log = logging.getLogger(__name__)
 
@@ -83,15 +92,17 @@ class Scheduler:
         radix: bool,
         mixed_budget: Callable[[int], int] | None = None,
         cache: PrefixCache | None = None,
+        storage: StorageTier | None = None,
     ) -> None:
         """`mixed_budget(decodes)`: the prompt tokens a step with that many decode rows may
         carry (core/step_cost.py); None lets every step fill the whole prefill budget.
         `cache`: the prefix cache over `num_pages` device pages, when it is not the plain one
-        (HiCache's tiered cache)."""
+        (HiCache's tiered cache); `storage`: HiCache's L3 tier over it."""
         self.args = args
         self.mixed_budget = mixed_budget
         self.page_size = page_size
         self.cache = cache or PrefixCache(PagePool(num_pages), page_size, enabled=radix)
+        self.storage = storage
         self.pool = self.cache.pool
         self.slots = SlotPool(args.max_running_requests)
         self.waiting: deque[Req] = deque()
@@ -115,6 +126,8 @@ class Scheduler:
         self.check(req, fit_to_pool)
         self.by_rid[req.rid] = req
         self.waiting.append(req)
+        if self.storage is not None:
+            self.storage.fetch_prefix(req)
 
     def check(self, req: Req, fit_to_pool: bool = False) -> None:
         """Refuse a request the queue or the KV pool cannot take (what `add` checks first)."""
@@ -146,11 +159,16 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Requests to run, or L3 writes still to send (the engine polls while there are)."""
+        storage = self.storage is not None and self.storage.has_work
+        return bool(self.waiting or self.running) or storage
 
     # ------------------------------------------------------------------ planning
 
     def schedule(self) -> StepPlan | None:
+        if self.storage is not None:
+            for req, message in self.storage.poll():
+                self._fail(req, message, 500)
         decode = self._plan_decode()
         prefill = self._plan_prefill(len(decode))
         # Load-backs of admitted requests always go out with this step, even one with nothing
@@ -371,6 +389,15 @@ class Scheduler:
                 req.finish = Finish("error", message)
                 self._finish(req)
         return out
+
+    def _fail(self, req: Req, message: str, code: int) -> None:
+        """Fail a request that has no step in flight (its error goes out with the next
+        outputs)."""
+        if req.phase is Phase.DONE:
+            return
+        self.pending_errors.fail(req, message, code)
+        req.finish = Finish("error", message)
+        self._finish(req)
 
     def _finish_reason(self, req: Req, token: int) -> Finish | None:
         if token in req.stop_ids:

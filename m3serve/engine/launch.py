@@ -171,9 +171,7 @@ async def start_processes(args: ServerArgs, model_path: Path, supervisor: Superv
     if addresses.hicache is not None:
         supervisor.spawn(HICACHE, hicache_process, addresses, args, session, level)
         hicache = ZmqOutbox(addresses.hicache, Codec(ToHiCache))
-    supervisor.spawn(
-        "engine", engine_process, addresses, model_path, args, level, metric_files, session
-    )
+    supervisor.spawn("engine", engine_process, addresses, model_path, args, level, metric_files)
     for i in range(workers):
         supervisor.spawn(
             f"tokenizer{i}", tokenizer_process, addresses, i, model_path, args, session, level
@@ -214,7 +212,6 @@ async def start_in_process(
         control.outbox(),
         args,
         model_path,
-        supervisor.session,
         hicache=hicache.client if hicache else None,
     )
     actors: list[Actor] = [engine, *([hicache.actor] if hicache else [])]
@@ -290,7 +287,6 @@ def engine_process(
     args: ServerArgs,
     log_level: int,
     metric_files: Path,
-    session: str,
 ) -> None:
     _write_metrics_to(metric_files)
     from m3serve.actors.scheduler import SchedulerActor
@@ -305,7 +301,6 @@ def engine_process(
             ZmqOutbox(addresses.control, Codec(ToSupervisor)),
             args,
             model_path,
-            session,
             hicache=hicache,
         )
         await actor.serve()

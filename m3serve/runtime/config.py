@@ -454,7 +454,6 @@ _TITLES: dict[type, str] = {
 _PLANNED: tuple[tuple[type, str], ...] = (
     (ParallelArgs, "multi-GPU parallelism is not built yet"),
     (SpecArgs, "speculative decoding is not built yet"),
-    (HiCacheArgs, "the L3 storage tier of the hierarchical cache is not built yet"),
     (KernelArgs, "this kernel option is not built yet"),
 )
 # Planned-section settings that already hold in this build (nothing to refuse).
@@ -466,13 +465,6 @@ _HONOURED = frozenset(
         "cuda_graph_max_bs_prefill",
         "cuda_graph_backend_prefill",
         "moe_runner_backend",
-        "enable_hierarchical_cache",
-        "hicache_ratio",
-        "hicache_size",
-        "hicache_write_policy",
-        "hicache_host_memory_fraction",
-        "hicache_storage_backend",
-        "hicache_storage_dir",
     }
 )
 

@@ -1,39 +1,32 @@
 """The host-cache actor inside a running engine: in-process with --single-process (the engine's
-client reaches it and a page round-trips), and as its own process, whose death by SIGKILL leaves
-the engine serving with HiCache disabled and shutdown leaving no process or segment behind.
-
---enable-hierarchical-cache is still refused as "not built" until the engine's host tier lands;
-these tests lift just that refusal to start the actor graph as it will run."""
+host pool is the actor's segment), and as its own process, whose death by SIGKILL while a
+request waits on an L3 prefetch fails that request with a clear error and leaves the engine
+serving with HiCache disabled, and shutdown leaving no process or segment behind."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
-from collections.abc import Iterator
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.hf_oracle import random_prompt
+from helpers.metrics_text import samples
+from prometheus_client import generate_latest
 
 from m3serve import AsyncEngine
 from m3serve.actors.hicache import HiCacheActor
 from m3serve.actors.scheduler import SchedulerActor
-from m3serve.runtime.config import ServerArgs
+from m3serve.core.hicache.storage_tier import DIED_WHILE_FETCHING
+from m3serve.engine.errors import RequestError
+from m3serve.model.tiny.checkpoint import TinySpec
 from m3serve.runtime.shm import attach_segment, list_session_segments
 
-PAGE_BYTES = 4096
-
-
-@pytest.fixture(autouse=True)
-def hicache_allowed(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    unsupported = ServerArgs.unsupported
-
-    def without_hicache(self: ServerArgs) -> list[str]:
-        return [p for p in unsupported(self) if not p.startswith("--enable-hierarchical-cache")]
-
-    monkeypatch.setattr(ServerArgs, "unsupported", without_hicache)
-    yield
+PATIENCE_S = 30.0  # safety nets: nothing here should take more than a fraction of it
+VOCAB = TinySpec().vocab_size - 64
 
 
 def hicache_flags(tmp_path: Path) -> dict[str, object]:
@@ -45,7 +38,7 @@ def hicache_flags(tmp_path: Path) -> dict[str, object]:
     }
 
 
-async def test_in_process_the_engines_client_reaches_the_actor(
+async def test_in_process_the_engines_host_pool_is_the_actors(
     model_path: Path, tmp_path: Path
 ) -> None:
     engine = await AsyncEngine.create(
@@ -56,18 +49,18 @@ async def test_in_process_the_engines_client_reaches_the_actor(
         graph = engine._graph
         assert graph is not None
         (scheduler,) = [a for a in graph.actors if isinstance(a, SchedulerActor)]
-        assert any(isinstance(a, HiCacheActor) for a in graph.actors)
-        client = scheduler.hicache
-        assert client is not None and client.alive
-        ready = await client.open(PAGE_BYTES, 2, timeout=10)
-        shm = attach_segment(ready.segment)
-        pages = np.frombuffer(shm.buf, np.uint8).reshape(2, PAGE_BYTES)
-        pages[0] = 7
-        key = "0f" * 32
-        assert await asyncio.wait_for(client.backup([key], [0]), 10) == 1
-        assert await asyncio.wait_for(client.prefetch([key], [1]), 10) == 1
-        assert (pages[1] == 7).all()
-        del pages
+        (actor,) = [a for a in graph.actors if isinstance(a, HiCacheActor)]
+        assert scheduler.core is not None and scheduler.core.host is not None
+        assert actor.pool is not None and scheduler.hicache is not None
+        host = scheduler.core.host.pool
+        assert host.segment_name == actor.pool.name  # one pool, made by the actor
+        assert (host.num_pages, host.page_bytes) == (actor.pool.num_pages, actor.pool.page_bytes)
+        shm = attach_segment(actor.pool.name)
+        seen = np.frombuffer(shm.buf, np.uint8, count=host.page_bytes)
+        host.raw[0, :8] = 7  # the engine's write is in the actor's segment
+        assert (seen[:8] == 7).all()
+        host.raw[0, :8] = 0
+        del seen
         shm.close()
         assert (await engine.generate("hello", max_new_tokens=2))["text"] is not None
     finally:
@@ -75,7 +68,7 @@ async def test_in_process_the_engines_client_reaches_the_actor(
     assert list_session_segments(session) == []
 
 
-async def test_killing_the_host_cache_process_leaves_the_engine_serving(
+async def test_killing_the_host_cache_process_during_a_prefetch_fails_only_that_request(
     model_path: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     engine = await AsyncEngine.create(str(model_path), **hicache_flags(tmp_path))
@@ -83,19 +76,42 @@ async def test_killing_the_host_cache_process_leaves_the_engine_serving(
     pids = dict(engine.processes)
     try:
         assert set(pids) == {"hicache", "engine", "tokenizer0"}
+        # Stopped, the actor answers no prefetch: a new prompt of whole pages waits on its own.
+        os.kill(pids["hicache"], signal.SIGSTOP)
+        waiting = asyncio.create_task(
+            engine.generate(input_ids=random_prompt(800, 30, VOCAB), max_new_tokens=4)
+        )
+        await until_waiting(engine, 1)
         os.kill(pids["hicache"], signal.SIGKILL)
-        for _ in range(200):
-            if "continues with HiCache disabled" in caplog.text:
-                break
-            await asyncio.sleep(0.02)
+        with pytest.raises(RequestError, match="died while this request's prefix") as failed:
+            await asyncio.wait_for(waiting, PATIENCE_S)
+        assert str(failed.value) == DIED_WHILE_FETCHING and failed.value.code == 500
         assert "the hicache process exited unexpectedly" in caplog.text
         assert engine.healthy and engine.dead is None
-        result = await engine.generate("hello", max_new_tokens=2, ignore_eos=True)
-        assert len(result["output_ids"]) == 2
+        # Later requests run, without HiCache, a repeated prefix from the device cache.
+        prompt = random_prompt(801, 30, VOCAB)
+        for _ in range(2):
+            result = await asyncio.wait_for(
+                engine.generate(input_ids=prompt, max_new_tokens=2, ignore_eos=True), PATIENCE_S
+            )
+            assert len(result["output_ids"]) == 2
+        assert result["meta_info"]["cached_tokens"] == 28
     finally:
         await engine.shutdown()
     assert not [pid for pid in pids.values() if _alive(pid)]
     assert list_session_segments(session) == []
+
+
+async def until_waiting(engine: AsyncEngine, count: int) -> None:
+    """Until the engine's metrics show `count` requests waiting to be admitted."""
+    deadline = time.monotonic() + PATIENCE_S
+    while time.monotonic() < deadline:
+        registry = engine.metrics
+        assert registry is not None
+        if samples(generate_latest(registry).decode()).get("m3serve:num_waiting_reqs") == count:
+            return
+        await asyncio.sleep(0.02)
+    pytest.fail(f"never {count} requests waiting")
 
 
 def _alive(pid: int) -> bool:

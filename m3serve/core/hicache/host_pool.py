@@ -59,6 +59,15 @@ class PageLayout:
             at = _aligned(at + tensor.page_nbytes(page_size))
         return cls(tuple(tensors), page_size, tuple(offsets), max(at, ALIGN))
 
+    def describe(self) -> str:
+        """Where every byte of a page comes from, as text: part of the L3 keys' root, so that
+        stores written under another layout are never read as this one."""
+        parts = [
+            f"{t.name}{t.layer}:{'x'.join(map(str, t.shape))}:{t.dtype}@{offset}"
+            for t, offset in zip(self.tensors, self.offsets, strict=True)
+        ]
+        return f"{self.page_size}/{self.page_bytes}/" + ",".join(parts)
+
 
 def model_layout(cfg: TextConfig, dtype: torch.dtype) -> PageLayout:
     """The target model's KV pools in a host page: per layer K, V and (sparse layers) index-K."""

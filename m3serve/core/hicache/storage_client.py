@@ -87,6 +87,7 @@ class StorageClient:
         self._watched: int | None = None  # a pidfd the event loop watches
         self._poll: asyncio.TimerHandle | None = None
         self.dead: str | None = None  # why the client stopped (None while usable)
+        self.why: str | None = None  # what made it stop, as the error line says
 
     @property
     def alive(self) -> bool:
@@ -270,7 +271,7 @@ class StorageClient:
     def _die(self, why: str) -> None:
         if self.dead is not None:
             return
-        self.dead = DIED
+        self.dead, self.why = DIED, why
         log.error("%s (%s); the engine continues with HiCache disabled", DIED, why)
         self._stop(HiCacheUnavailable(DIED))
         if self._on_death is not None:

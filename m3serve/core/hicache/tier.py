@@ -1,9 +1,13 @@
 """`HostTier`: what the engine core holds for HiCache — the host KV pool, the copier between it
 and the device KV cache, and the copy tracker it shares with the tiered prefix cache.
 
+The host pool is the host-cache actor's (actors/hicache/): `create` sizes it and has `open_pool`
+(storage_tier.py's `ActorLink`) ask the actor for it and attach the segment.
+
 The prefix cache (scheduler side) makes tickets; this object runs them on the executor thread:
 a backup as a job queued behind the steps submitted so far (`submit_backup`), a step's load-backs
-inside its forward (`start_loads`, whose `before_layer` the model calls at each layer).
+inside its forward (`start_loads`, whose `before_layer` the model calls at each layer). Once the
+actor died (`disable`), queued backups no longer copy: their tickets just settle.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ log = logging.getLogger(__name__)
 
 # Runs a job on the executor thread after everything submitted before it (Executor.call).
 CallOnExecutor = Callable[[Callable[[], Any], str], "concurrent.futures.Future[Any]"]
+# The host pool of this layout and page count, attached (ActorLink.open_pool).
+OpenPool = Callable[[PageLayout, int], HostKVPool]
 
 
 class HostTier:
@@ -38,6 +44,7 @@ class HostTier:
         self.copier = copier
         self._call = call
         self.copies = CopyTracker(submit=self.submit_backup)
+        self.enabled = True  # False once the pool's owner died: no new copies to the segment
 
     @classmethod
     def create(
@@ -46,14 +53,14 @@ class HostTier:
         cfg: TextConfig,
         kv: KVCache,
         device_pages: int,
-        session: str,
+        open_pool: OpenPool,
         call: CallOnExecutor,
     ) -> HostTier:
-        """Size the host pool against free host memory, make its segment, pin it on CUDA."""
+        """Size the host pool against free host memory, have it opened, pin it on CUDA."""
         dtype = kv.layers[0].k.dtype
         layout = model_layout(cfg, dtype)
         host_pages = plan_host_pages(args, device_pages, layout.page_bytes)
-        pool = HostKVPool.create(session, layout, host_pages)
+        pool = open_pool(layout, host_pages)
         try:
             copier = make_copier(pool, device_tensors(kv, layout))
         except BaseException:
@@ -78,6 +85,9 @@ class HostTier:
 
     def submit_backup(self, ticket: Ticket) -> None:
         def backup() -> None:
+            if not self.enabled:
+                ticket.settle()  # the host tier is gone: nothing reads this copy any more
+                return
             try:
                 ticket.settle(self.copier.backup(ticket))
             except BaseException:
@@ -91,6 +101,10 @@ class HostTier:
         if not plan.loads:
             return None
         return self.copier.start_load([self.copies.get(copy.op) for copy in plan.loads])
+
+    def disable(self) -> None:
+        """The host pool's owner died (scheduler thread): backups not run yet are skipped."""
+        self.enabled = False
 
     def close(self) -> None:
         """After the executor stopped: every copy is finished, the pool unpinned and removed."""

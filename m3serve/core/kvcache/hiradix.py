@@ -108,25 +108,32 @@ class HiRadixTree(RadixTree):
             node = child
         return len(pages) if on_device is None else on_device
 
-    def insert_host(self, tokens: Sequence[int], host: Sequence[int]) -> int:
-        """Cache the first `len(host)` whole pages of `tokens` as host-only KV (fetched from the
-        L3 tier into these host pages). Returns how many leading pages were cached already, on
-        either tier: the caller keeps those host pages; the tree owns the rest."""
+    def insert_host(self, tokens: Sequence[int], host: Sequence[int], start: int = 0) -> int:
+        """Cache pages [start, start + len(host)) of `tokens` as host-only KV, fetched from the
+        L3 tier into these host pages (`host[i]` holds page `start + i`). They join only after
+        a cached prefix of `start` pages (on either tier): the tree holds prefixes, never a run
+        with a gap before it. Returns how many leading entries of `host` the caller keeps
+        (pages cached meanwhile; all of them when the prefix before `start` is gone); the tree
+        owns the rest."""
         ps = self.page_size
-        key = _page_key(tokens, len(host) * ps)
-        if len(key) < len(host) * ps:
-            raise ValueError(f"{len(host)} pages need {len(host) * ps} tokens, got {len(key)}")
+        end = start + len(host)
+        key = _page_key(tokens, end * ps)
+        if len(key) < end * ps:
+            raise ValueError(f"pages up to {end} need {end * ps} tokens, got {len(key)}")
         now = self._tick()
         node, pos = self.root, 0
         while pos < len(key):
             child = node.children.get(key[pos : pos + ps])
             if child is None:
+                at = pos // ps
+                if at < start:
+                    return len(host)  # the prefix before the fetched pages was evicted
                 leaf = self.node_type(key[pos:], [], node, next(self._ids), now)
                 assert isinstance(leaf, HiNode)
-                leaf.host = list(host[pos // ps :])
+                leaf.host = list(host[at - start :])
                 node.children[key[pos : pos + ps]] = leaf
                 self._host_cached += len(leaf.host)
-                return pos // ps
+                return at - start
             child = self._split_at_divergence(child, key, pos)
             child.last_access = now
             pos += len(child.key)
@@ -198,15 +205,20 @@ class HiRadixTree(RadixTree):
         picked), until they hold `num_pages` device pages or none is left. Changes nothing."""
         return self._victims(num_pages, self._is_device_leaf, lambda n: len(n.pages))
 
-    def host_victims(self, num_pages: int) -> list[HiNode]:
-        """Unlocked host-only leaves, LRU first, until they hold `num_pages` host pages."""
-        return self._victims(num_pages, self._is_host_leaf, lambda n: len(n.host))
+    def host_victims(
+        self, num_pages: int, skip: Callable[[HiNode], bool] | None = None
+    ) -> list[HiNode]:
+        """Unlocked host-only leaves, LRU first, until they hold `num_pages` host pages; `skip`
+        names nodes that may not go now (an L3 write still reads their pages), which keeps
+        their ancestors too."""
+        return self._victims(num_pages, self._is_host_leaf, lambda n: len(n.host), skip)
 
     def _victims(
         self,
         num_pages: int,
         is_leaf: Callable[[HiNode, set[int]], bool],
         size: Callable[[HiNode], int],
+        skip: Callable[[HiNode], bool] | None = None,
     ) -> list[HiNode]:
         picked: list[HiNode] = []
         if num_pages <= 0:
@@ -214,7 +226,9 @@ class HiRadixTree(RadixTree):
         chosen: set[int] = set()
 
         def candidate(node: HiNode) -> bool:
-            return node is not self.root and node.lock_count == 0 and is_leaf(node, chosen)
+            if node is self.root or node.lock_count or not is_leaf(node, chosen):
+                return False
+            return skip is None or not skip(node)
 
         heap = [(n.last_access, n.node_id, n) for n in self._hi_nodes() if candidate(n)]
         heapq.heapify(heap)
@@ -244,6 +258,23 @@ class HiRadixTree(RadixTree):
 
     def reset(self) -> list[int]:
         raise TypeError("a tiered tree holds host pages too: use reset_tiers")
+
+    def drop_host_tier(self) -> list[int]:
+        """Forget the host tier (its pool is gone): host-only nodes leave the tree, device nodes
+        keep only their device pages. Returns every host page the tree held. Host-only nodes are
+        never locked between scheduler calls (admission loads them back or lets go at once)."""
+        host: list[int] = []
+        for node in list(self._hi_nodes()):
+            if node.parent is None:
+                continue  # removed just now with a host-only ancestor
+            if node.pages:
+                host.extend(node.host)
+                self._host_cached -= len(node.host)
+                node.host = []
+            else:  # prefix-closed residency: its whole subtree is host-only
+                host.extend(page for gone in self.remove(node) for page in gone.host)
+        assert self._host_cached == 0, f"{self._host_cached} host pages left after the drop"
+        return host
 
     def reset_tiers(self) -> tuple[list[int], list[int]]:
         """Empty the tree; returns every device page and every host page it held."""

@@ -45,7 +45,8 @@ def test_figures_of_a_real_scheduler() -> None:
     assert value(metrics.registry, "num_cached_pages") == 0
 
 
-def fake(retracted: int, running: int = 0) -> SimpleNamespace:
+def fake(retracted: int, running: int = 0, fetched: int | None = None) -> SimpleNamespace:
+    """A scheduler's figures; `fetched`: tokens its L3 tier fetched (None: no L3 tier)."""
     return SimpleNamespace(
         running=[object()] * running,
         waiting=[],
@@ -54,7 +55,17 @@ def fake(retracted: int, running: int = 0) -> SimpleNamespace:
         retracted=retracted,
         cached_prompt_tokens=0,
         host_hit_tokens=0,
+        storage=None if fetched is None else SimpleNamespace(hit_tokens=fetched),
     )
+
+
+def test_tokens_fetched_from_l3_count_up() -> None:
+    metrics = EngineMetrics()
+    metrics.update(fake(0))  # type: ignore[arg-type]
+    assert value(metrics.registry, "hicache_storage_hit_tokens_total") == 0
+    for total in (0, 40, 40, 52):
+        metrics.update(fake(0, fetched=total))  # type: ignore[arg-type]
+        assert value(metrics.registry, "hicache_storage_hit_tokens_total") == total
 
 
 def test_retractions_count_up_by_the_schedulers_increments() -> None:

@@ -53,6 +53,11 @@ ENGINE_FAMILIES = {
     "m3serve:num_cached_pages": "gauge",
     "m3serve:num_retractions_total": "counter",
     "m3serve:kernel_compiles_after_ready_total": "counter",
+    "m3serve:cached_prompt_tokens_total": "counter",
+    "m3serve:hicache_host_hit_tokens_total": "counter",
+    "m3serve:hicache_storage_hit_tokens_total": "counter",
+    "m3serve:hicache_host_cached_pages": "gauge",
+    "m3serve:hicache_host_usage_ratio": "gauge",
 }
 
 
@@ -115,6 +120,9 @@ def fake_scheduler(
         pool=SimpleNamespace(num_pages=pages, num_free=free),
         cache=SimpleNamespace(tree=SimpleNamespace(cached_pages=cached)),
         retracted=retracted,
+        cached_prompt_tokens=0,
+        host_hit_tokens=0,
+        storage=None,
     )
 
 

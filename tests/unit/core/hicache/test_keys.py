@@ -6,10 +6,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from m3serve.core.hicache.host_pool import PageLayout, PoolTensor
 from m3serve.core.hicache.keys import checkpoint_identity, next_key, page_keys, root_key
+from m3serve.core.hicache.storage_tier import page_key_root
 
 PAGE = 4
 ROOT = root_key("model-a", PAGE, "bfloat16")
@@ -88,3 +91,17 @@ def test_checkpoint_identity_tells_weights_apart(tmp_path: Path) -> None:
     assert checkpoint_identity(tmp_path) == first
     (tmp_path / "model.safetensors").write_bytes(b"x" * 11)
     assert checkpoint_identity(tmp_path) != first
+
+
+def test_the_engines_root_names_the_checkpoint_and_the_page_layout(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+
+    def layout(dtype: torch.dtype, heads: int = 2) -> PageLayout:
+        return PageLayout.of([PoolTensor("k", 0, (heads, 8), dtype)], PAGE)
+
+    root = page_key_root(tmp_path, layout(torch.float32))
+    assert root == page_key_root(tmp_path, layout(torch.float32))  # a replica's, on one store
+    assert root != page_key_root(tmp_path, layout(torch.bfloat16))
+    assert root != page_key_root(tmp_path, layout(torch.float32, heads=1))  # another TP share
+    (tmp_path / "config.json").write_text('{"changed": 1}')
+    assert root != page_key_root(tmp_path, layout(torch.float32))

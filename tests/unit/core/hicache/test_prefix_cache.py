@@ -200,6 +200,43 @@ def test_pages_fetched_into_host_memory_join_the_tree_and_load_back() -> None:
     cache.check()
 
 
+def test_fetched_pages_join_after_the_cached_prefix_and_never_after_a_gap() -> None:
+    cache, copies = make("write_back", device=8, host=8)
+    prompt = [*seq(1, 2), 9]
+    match, pages = admit(cache, copies, prompt)
+    cache.release(prompt, pages, match)  # [1, 2] on the device, no host copy
+    host = cache.reserve_host(2)
+    assert host is not None
+    assert cache.add_host_prefix(seq(1, 2, 3, 4), host, start=2) == 2  # pages 3 and 4
+    again = cache.acquire([*seq(1, 2, 3, 4), 5])
+    assert len(again.pages) == 2 and [n.host for n in again.host] == [host]
+    cache.release(seq(1, 2), again.pages, again)
+    gap = cache.reserve_host(1)
+    assert gap is not None
+    assert cache.add_host_prefix(seq(7, 8), gap, start=1) == 0  # [7] is cached nowhere
+    assert cache.host_pool.is_free(gap[0]) and cache.reserved_host == 0
+    cache.check()
+
+
+def test_without_its_host_pool_the_cache_drops_the_host_tier_and_serves_on() -> None:
+    cache, copies = make("write_through", device=6)
+    prompt = [*seq(1, 2, 3), 9]
+    match, pages = admit(cache, copies, prompt)
+    cache.release(prompt, pages, match)
+    copies.run()
+    fill_device(cache, copies, 4)  # [1, 2, 3] partly host-only now, [4, 54] on both tiers
+    assert cache.tree.host_cached_pages == 5
+    assert cache.disable_host() == 5
+    cache.check()
+    assert cache.tree.host_cached_pages == 0 and cache.reserve_host(1) is None
+    left = cache.acquire([*seq(1, 2, 3), 5])
+    assert left.host == ()  # host-only nodes are gone
+    cache.release(seq(1, 2, 3)[: left.num_tokens], left.pages, left)
+    fill_device(cache, copies, 6)  # no backup is made any more
+    assert not copies.queue
+    cache.check()
+
+
 # ------------------------------------------------------------------------------ random
 
 
