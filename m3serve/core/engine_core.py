@@ -1,12 +1,12 @@
 """EngineCore: everything the engine process holds, and its step.
 
-One object owns the model on its backend, the KV pools, the per-slot device tables, the
-sampler, the grammar compiler and matchers, the CUDA graphs, the scheduler and the executor
-thread. `step()` reads
-schedule → run → process; `overlap_step()` is the same three phases with step N+1 launched
-before step N is processed, so the host work of one step hides behind the device work of the
-other. `run()` is the only place the model is called; it executes on the executor thread,
-everything else on the event loop that owns the core.
+One object owns the model on its backend, the KV pools, the grammar compiler, the CUDA graphs,
+the scheduler, the executor thread and the `StepRunner` that runs a plan on that thread (batch,
+forward, sampling, per-slot state: core/step_runner.py). `step()` reads schedule → run →
+process; `overlap_step()` is the same three phases with step N+1 launched before step N is
+processed, so the host work of one step hides behind the device work of the other. `run()` is
+the only place the model is called; it executes on the executor thread, everything else on the
+event loop that owns the core.
 
 A constrained request (`SamplingParams.constraint`) waits outside the scheduler while its
 grammar compiles on the compiler's thread, so a slow compile holds up no other request; it is
@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,6 @@ from m3serve.backends import create_backend
 from m3serve.core.executor import Executor
 from m3serve.core.grammar import Compiled, Grammar, GrammarCompiler, GrammarUnavailable
 from m3serve.core.graphs import DecodeGraphs
-from m3serve.core.hicache.copier import LayerLoad
 from m3serve.core.hicache.prefix_cache import HiPrefixCache
 from m3serve.core.hicache.storage_tier import ActorLink, StorageTier, page_key_root
 from m3serve.core.hicache.tier import HostTier
@@ -51,20 +50,16 @@ from m3serve.core.req import Req
 from m3serve.core.sampler import Sampler
 from m3serve.core.scheduler import Outputs, QueueFull, Scheduler
 from m3serve.core.step_cost import measure_step_cost
+from m3serve.core.step_runner import StepRunner
 from m3serve.core.trace import StartupPhases, StepTrace
 from m3serve.core.warmup import WarmupLimits, distinct_layers, use_kernel_cache, warmup_plans
-from m3serve.model.batch import ForwardBatch
 from m3serve.model.build import load_model, resolve_device
 from m3serve.model.config import load_generation_config
 from m3serve.model.kv_cache import KVCache
 from m3serve.runtime.config import SchedArgs, ServerArgs
 from m3serve.runtime.messages import (
-    SKIPPED_TOKEN,
-    SamplingParams,
-    SeqStep,
     StepPlan,
     StepResult,
-    TokenLogprob,
 )
 from m3serve.runtime.paths import cache_root
 
@@ -130,29 +125,29 @@ class EngineCore:
                     hicache.open_pool,
                     lambda job, what: self.executor.call(job, what),
                 )
-        # ------------------------------------------------------------------ slot tables
-        # The token each slot sampled last: the next decode input, before the CPU has seen it.
-        self.last_tokens = torch.zeros(slots, dtype=torch.int64, device=self.device)
-        # ------------------------------------------------------------------ sampler
-        self.sampler = Sampler(slots, cfg.vocab_size, self.device)
         # ------------------------------------------------------------------ grammars
         self.grammar = self._grammar_compiler(cfg.vocab_size)
-        self.matchers = GrammarMatchers(cfg.vocab_size)
         self._compiling: list[tuple[Req, bool, Compiled]] = []
         # Compiled grammars of the slots a step starts, from planning to that step's run.
         self._step_grammars: dict[int, dict[int, Grammar]] = {}
-        # Executor-thread state: each slot's stop ids, and the slots whose last sampled token
-        # ended their request (their rows in an already planned step are dropped).
-        self._stops: dict[int, frozenset[int]] = {}
-        self._ended: set[int] = set()
+        # ------------------------------------------------------------------ the step runner
+        self.runner = StepRunner(
+            self.model,
+            self.kv,
+            self.budget.page_size,
+            Sampler(slots, cfg.vocab_size, self.device),
+            GrammarMatchers(cfg.vocab_size),
+            self._step_grammars,
+            self.host,
+        )
         # ------------------------------------------------------------------ warm-up
         if self.device.type == "cuda" and not args.kernel.skip_warmup:
             with self.startup.phase("warm-up"):
                 self._warm_up(args, context, slots)
         # ------------------------------------------------------------------ CUDA graphs
         with self.startup.phase("CUDA graphs"):
-            self.graphs = self._capture_graphs(args, context, slots)
-            self.piecewise = self._capture_piecewise(args, slots)
+            self.graphs = self.runner.graphs = self._capture_graphs(args, context, slots)
+            self.piecewise = self.runner.piecewise = self._capture_piecewise(args, slots)
         # ------------------------------------------------------------------ scheduler
         radix = not args.cache.disable_radix_cache
         budget = self._mixed_budget(args, slots)
@@ -294,122 +289,9 @@ class EngineCore:
     def run(self, plan: StepPlan) -> StepResult:
         """One forward over the plan's tokens, and a sampled token for each seq that asks."""
         started, compiles = time.perf_counter(), self.trace.compiles.count
-        result = self._forward_and_sample(plan)
+        result = self.runner.run(plan)
         self.trace.ran(plan.step, time.perf_counter() - started, compiles)
         return result
-
-    @torch.inference_mode()
-    def _forward_and_sample(
-        self, plan: StepPlan, layers: Sequence[int] | None = None
-    ) -> StepResult:
-        self._start_new_requests(plan)
-        load = self.host.start_loads(plan) if self.host is not None else None
-        try:
-            return self._forward(plan, layers, load)
-        finally:
-            if load is not None:
-                load.finish()  # also after a failed forward: nobody may wait on it forever
-
-    def _forward(
-        self, plan: StepPlan, layers: Sequence[int] | None, load: LayerLoad | None
-    ) -> StepResult:
-        sampled = [seq.slot for seq in plan.seqs if seq.sample]
-        seqs = self._live_seqs(plan.seqs)
-        if not seqs:  # load-backs only, or every row's request ended on the step before
-            return self._result(plan.step, sampled, [], [], [], [])
-        batch = ForwardBatch.build(seqs, self.budget.page_size, self.device)
-        self._fill_slot_tokens(seqs, batch)
-        slots = [seq.slot for seq in seqs if seq.sample]
-        if layers is not None:
-            logits = self.model(batch, self.kv, layers)
-        else:
-            logits = self._logits(batch, len(slots) == len(seqs), load)
-        if not slots:
-            return self._result(plan.step, sampled, [], [], [], [])
-        # After the launch, before the draw: on a GPU this host work overlaps the forward.
-        allowed = self.matchers.fill(slots)
-        tokens, logprobs = self.sampler.sample(logits, slots, allowed)
-        self.last_tokens[torch.tensor(slots, device=self.device)] = tokens
-        ids = tokens.tolist()
-        ended = self.matchers.accept(slots, ids)
-        self._note_ended(slots, ids, ended)
-        return self._result(plan.step, sampled, slots, ids, logprobs, ended)
-
-    def _live_seqs(self, seqs: Sequence[SeqStep]) -> list[SeqStep]:
-        """The plan's seqs less the decode rows of requests that ended on the step before: with
-        overlap, the plan was made before the CPU saw their stop token, but this thread has."""
-        if not self._ended:
-            return list(seqs)
-        return [s for s in seqs if s.input_ids is not None or s.slot not in self._ended]
-
-    def _note_ended(self, slots: list[int], ids: list[int], grammar_ended: list[bool]) -> None:
-        """Which slots sampled the token that ends their request (what the scheduler will
-        conclude when it processes this step)."""
-        for row, (slot, token) in enumerate(zip(slots, ids, strict=True)):
-            if token in self._stops.get(slot, ()) or (grammar_ended and grammar_ended[row]):
-                self._ended.add(slot)
-            else:
-                self._ended.discard(slot)
-
-    @staticmethod
-    def _result(
-        step: int,
-        sampled: list[int],
-        slots: list[int],
-        ids: list[int],
-        logprobs: list[TokenLogprob | None],
-        ended: list[bool],
-    ) -> StepResult:
-        """The result over every row the plan samples; dropped rows get SKIPPED_TOKEN."""
-        if len(slots) == len(sampled):
-            return StepResult(
-                step=step, slots=slots, tokens=ids, logprobs=logprobs, grammar_ended=ended
-            )
-        by_slot = {slot: row for row, slot in enumerate(slots)}
-        rows = [by_slot.get(slot) for slot in sampled]
-        return StepResult(
-            step=step,
-            slots=sampled,
-            tokens=[SKIPPED_TOKEN if r is None else ids[r] for r in rows],
-            logprobs=[None if r is None else logprobs[r] for r in rows] if logprobs else [],
-            grammar_ended=[r is not None and ended[r] for r in rows] if ended else [],
-        )
-
-    def _logits(
-        self, batch: ForwardBatch, decode_only: bool, load: LayerLoad | None = None
-    ) -> torch.Tensor:
-        if self.graphs is not None and decode_only and self.graphs.fits(batch):
-            if load is not None:
-                load.wait_all()  # a replayed graph has no per-layer hook
-            return self.graphs.run(batch)
-        before_layer = load.before_layer if load is not None else None
-        if self.piecewise is not None and self.piecewise.fits(batch):
-            hidden = self.piecewise.run(batch, before_layer)
-            return self.model.compute_logits(hidden[batch.logit_rows])
-        return self.model(batch, self.kv, before_layer=before_layer)
-
-    def _start_new_requests(self, plan: StepPlan) -> None:
-        grammars = self._step_grammars.pop(plan.step, {})
-        for seq in plan.seqs:
-            if seq.new_request:
-                slot = seq.slot
-                output = plan.output_ids.get(slot, ())
-                self.sampler.start(slot, plan.sampling[slot], plan.prompt_ids[slot], output)
-                self._stops[slot] = frozenset(plan.stop_ids.get(slot, ()))
-                self._ended.discard(slot)
-                self.matchers.start(slot, grammars.get(slot), output)
-
-    def _fill_slot_tokens(self, seqs: Sequence[SeqStep], batch: ForwardBatch) -> None:
-        """Decode inputs the CPU has not seen yet come from the device-side token table."""
-        rows, slots, row = [], [], 0
-        for seq in seqs:
-            if seq.input_ids is None:
-                rows.append(row)
-                slots.append(seq.slot)
-            row += seq.extend
-        if rows:
-            index = torch.tensor(slots, device=self.device)
-            batch.input_ids[torch.tensor(rows, device=self.device)] = self.last_tokens[index]
 
     def _warm_up(self, args: ServerArgs, context: int, slots: int) -> None:
         """Run every step shape class once (core/warmup.py), so no request waits for a compile:
@@ -425,7 +307,7 @@ class EngineCore:
         layers = distinct_layers(cfg.layer_types, cfg.mlp_layer_types)
         before, steps = self.trace.compiles.count, 0
         for plan in warmup_plans(limits):
-            self._forward_and_sample(plan, layers)
+            self.runner.run(plan, layers)
             steps += 1
         torch.cuda.synchronize(self.device)
         compiled = self.trace.compiles.count - before
@@ -485,7 +367,7 @@ class EngineCore:
         sizes = self.graphs.sizes if self.graphs else [1, 8, 32, 64, 128]
         with self.startup.phase("step cost"):
             cost = measure_step_cost(
-                self._time_forward,
+                self.runner.time_step,
                 lambda: torch.cuda.synchronize(self.device),
                 [s for s in sizes if s <= slots],
                 page,
@@ -494,19 +376,6 @@ class EngineCore:
             )
         log.info("%s", cost.describe(stretch, page))
         return lambda decodes: cost.mixed_budget(decodes, stretch, page)
-
-    @torch.inference_mode()
-    def _time_forward(self, seqs: list[SeqStep]) -> None:
-        """One step as a request sees it: building the batch, the forward, and for a decode the
-        draw of every row's token and its copy to the host."""
-        batch = ForwardBatch.build(seqs, self.budget.page_size, self.device)
-        decode = all(seq.extend == 1 for seq in seqs)
-        logits = self._logits(batch, decode_only=decode)
-        if decode:
-            slots = list(range(len(seqs)))
-            for slot in slots:  # default sampling; a request's start resets its slot again
-                self.sampler.start(slot, SamplingParams(), [1])
-            self.sampler.sample(logits, slots)[0].tolist()
 
     def _storage_tier(
         self, args: ServerArgs, hicache: ActorLink | None, cache: HiPrefixCache | None
@@ -543,14 +412,6 @@ class EngineCore:
         self.trace.close()
         if self.grammar is not None:
             self.grammar.close()
-        del (
-            self.graphs,
-            self.piecewise,
-            self.kv,
-            self.model,
-            self.loaded,
-            self.sampler,
-            self.last_tokens,
-        )
+        del self.runner, self.graphs, self.piecewise, self.kv, self.model, self.loaded
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

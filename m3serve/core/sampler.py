@@ -82,6 +82,10 @@ class Sampler:
 
     # ------------------------------------------------------------------------ slot lifecycle
 
+    @property
+    def num_slots(self) -> int:
+        return len(self._params)
+
     def start(
         self,
         slot: int,

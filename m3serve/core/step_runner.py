@@ -1,0 +1,196 @@
+"""StepRunner: what the executor thread does with one StepPlan.
+
+It builds the forward batch, picks how the forward runs (a decode CUDA graph, piecewise graphs
+around eager attention, or eagerly), runs a step's HiCache load-backs layer by layer inside it,
+draws each sampled row's token and keeps the per-slot state that lives on this thread: the
+sampler's, the grammar matchers', the device table of each slot's last token (the next decode
+input, before the CPU has seen it) and which slots just sampled the token that ends their
+request. Everything here runs on the executor thread; the engine core plans on its event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from m3serve.core.graphs import DecodeGraphs
+from m3serve.core.hicache.copier import LayerLoad
+from m3serve.core.hicache.tier import HostTier
+from m3serve.core.matchers import GrammarMatchers
+from m3serve.core.piecewise import PiecewiseGraphs
+from m3serve.core.sampler import Sampler
+from m3serve.model.batch import ForwardBatch
+from m3serve.model.kv_cache import KVCache
+from m3serve.model.m3 import M3ForCausalLM
+from m3serve.runtime.messages import (
+    SKIPPED_TOKEN,
+    SamplingParams,
+    SeqStep,
+    StepPlan,
+    StepResult,
+    TokenLogprob,
+)
+
+if TYPE_CHECKING:
+    from m3serve.core.grammar import Grammar
+
+
+class StepRunner:
+    def __init__(
+        self,
+        model: M3ForCausalLM,
+        kv: KVCache,
+        page_size: int,
+        sampler: Sampler,
+        matchers: GrammarMatchers,
+        step_grammars: dict[int, dict[int, Grammar]],
+        host: HostTier | None,
+    ) -> None:
+        """`step_grammars`: the engine core's hand-over of compiled grammars, by step, to the
+        run that starts their slots. The CUDA graphs are set once captured (after warm-up)."""
+        self.model = model
+        self.kv = kv
+        self.page_size = page_size
+        self.device = model.device
+        self.sampler = sampler
+        self.matchers = matchers
+        self.step_grammars = step_grammars
+        self.host = host
+        self.graphs: DecodeGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None
+        self.last_tokens = torch.zeros(sampler.num_slots, dtype=torch.int64, device=self.device)
+        # Each slot's stop ids, and the slots whose last sampled token ended their request
+        # (their rows in a step planned before the CPU saw it are dropped).
+        self._stops: dict[int, frozenset[int]] = {}
+        self._ended: set[int] = set()
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan, layers: Sequence[int] | None = None) -> StepResult:
+        """One forward over the plan's tokens (only `layers`, for the warm-up), and a sampled
+        token for each seq that asks."""
+        self._start_new_requests(plan)
+        load = self.host.start_loads(plan) if self.host is not None else None
+        try:
+            return self._forward(plan, layers, load)
+        finally:
+            if load is not None:
+                load.finish()  # also after a failed forward: nobody may wait on it forever
+
+    @torch.inference_mode()
+    def time_step(self, seqs: list[SeqStep]) -> None:
+        """One step as a request sees it, for measuring (core/step_cost.py): building the
+        batch, the forward, and for a decode the draw of every row's token and its copy to the
+        host. Uses slots 0..len(seqs)-1 with default sampling; a request's start resets them."""
+        batch = ForwardBatch.build(seqs, self.page_size, self.device)
+        decode = all(seq.extend == 1 for seq in seqs)
+        logits = self.logits(batch, decode_only=decode)
+        if decode:
+            slots = list(range(len(seqs)))
+            for slot in slots:
+                self.sampler.start(slot, SamplingParams(), [1])
+            self.sampler.sample(logits, slots)[0].tolist()
+
+    def logits(
+        self, batch: ForwardBatch, decode_only: bool, load: LayerLoad | None = None
+    ) -> torch.Tensor:
+        if self.graphs is not None and decode_only and self.graphs.fits(batch):
+            if load is not None:
+                load.wait_all()  # a replayed graph has no per-layer hook
+            return self.graphs.run(batch)
+        before_layer = load.before_layer if load is not None else None
+        if self.piecewise is not None and self.piecewise.fits(batch):
+            hidden = self.piecewise.run(batch, before_layer)
+            return self.model.compute_logits(hidden[batch.logit_rows])
+        return self.model(batch, self.kv, before_layer=before_layer)
+
+    # ------------------------------------------------------------------ one step
+
+    def _forward(
+        self, plan: StepPlan, layers: Sequence[int] | None, load: LayerLoad | None
+    ) -> StepResult:
+        sampled = [seq.slot for seq in plan.seqs if seq.sample]
+        seqs = self._live_seqs(plan.seqs)
+        if not seqs:  # load-backs only, or every row's request ended on the step before
+            return _result(plan.step, sampled, [], [], [], [])
+        batch = ForwardBatch.build(seqs, self.page_size, self.device)
+        self._fill_slot_tokens(seqs, batch)
+        slots = [seq.slot for seq in seqs if seq.sample]
+        if layers is not None:
+            logits = self.model(batch, self.kv, layers)
+        else:
+            logits = self.logits(batch, len(slots) == len(seqs), load)
+        if not slots:
+            return _result(plan.step, sampled, [], [], [], [])
+        # After the launch, before the draw: on a GPU this host work overlaps the forward.
+        allowed = self.matchers.fill(slots)
+        tokens, logprobs = self.sampler.sample(logits, slots, allowed)
+        self.last_tokens[torch.tensor(slots, device=self.device)] = tokens
+        ids = tokens.tolist()
+        ended = self.matchers.accept(slots, ids)
+        self._note_ended(slots, ids, ended)
+        return _result(plan.step, sampled, slots, ids, logprobs, ended)
+
+    def _start_new_requests(self, plan: StepPlan) -> None:
+        grammars = self.step_grammars.pop(plan.step, {})
+        for seq in plan.seqs:
+            if seq.new_request:
+                slot = seq.slot
+                output = plan.output_ids.get(slot, ())
+                self.sampler.start(slot, plan.sampling[slot], plan.prompt_ids[slot], output)
+                self._stops[slot] = frozenset(plan.stop_ids.get(slot, ()))
+                self._ended.discard(slot)
+                self.matchers.start(slot, grammars.get(slot), output)
+
+    def _live_seqs(self, seqs: Sequence[SeqStep]) -> list[SeqStep]:
+        """The plan's seqs less the decode rows of requests that ended on the step before: with
+        overlap, the plan was made before the CPU saw their stop token, but this thread has."""
+        if not self._ended:
+            return list(seqs)
+        return [s for s in seqs if s.input_ids is not None or s.slot not in self._ended]
+
+    def _note_ended(self, slots: list[int], ids: list[int], grammar_ended: list[bool]) -> None:
+        """Which slots sampled the token that ends their request (what the scheduler will
+        conclude when it processes this step)."""
+        for row, (slot, token) in enumerate(zip(slots, ids, strict=True)):
+            if token in self._stops.get(slot, ()) or (grammar_ended and grammar_ended[row]):
+                self._ended.add(slot)
+            else:
+                self._ended.discard(slot)
+
+    def _fill_slot_tokens(self, seqs: Sequence[SeqStep], batch: ForwardBatch) -> None:
+        """Decode inputs the CPU has not seen yet come from the device-side token table."""
+        rows, slots, row = [], [], 0
+        for seq in seqs:
+            if seq.input_ids is None:
+                rows.append(row)
+                slots.append(seq.slot)
+            row += seq.extend
+        if rows:
+            index = torch.tensor(slots, device=self.device)
+            batch.input_ids[torch.tensor(rows, device=self.device)] = self.last_tokens[index]
+
+
+def _result(
+    step: int,
+    sampled: list[int],
+    slots: list[int],
+    ids: list[int],
+    logprobs: list[TokenLogprob | None],
+    ended: list[bool],
+) -> StepResult:
+    """The result over every row the plan samples; dropped rows get SKIPPED_TOKEN."""
+    if len(slots) == len(sampled):
+        return StepResult(
+            step=step, slots=slots, tokens=ids, logprobs=logprobs, grammar_ended=ended
+        )
+    by_slot = {slot: row for row, slot in enumerate(slots)}
+    rows = [by_slot.get(slot) for slot in sampled]
+    return StepResult(
+        step=step,
+        slots=sampled,
+        tokens=[SKIPPED_TOKEN if r is None else ids[r] for r in rows],
+        logprobs=[None if r is None else logprobs[r] for r in rows] if logprobs else [],
+        grammar_ended=[r is not None and ended[r] for r in rows] if ended else [],
+    )
