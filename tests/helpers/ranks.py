@@ -30,7 +30,22 @@ def run_on_ranks(world: int, job: RankJob, *args: Any, timeout_s: float = 120.0)
     with tempfile.TemporaryDirectory() as out:
         port = free_port()
         mp.spawn(_rank_main, (world, port, job, args, out, timeout_s), nprocs=world, join=True)
-        return [torch.load(Path(out) / f"{rank}.pt") for rank in range(world)]
+        # weights_only=False: the files are our own ranks' results (tensors and structs).
+        return [torch.load(Path(out) / f"{rank}.pt", weights_only=False) for rank in range(world)]
+
+
+def start_ranks(world: int, job: RankJob, *args: Any, timeout_s: float = 30.0) -> list[Any]:
+    """The rank processes running `job(RankGroup, *args)`, started and not waited for (a test
+    that kills or loses a rank watches them itself); results are dropped."""
+    context = mp.get_context("spawn")
+    port = free_port()
+    procs = [
+        context.Process(target=_rank_main, args=(r, world, port, job, args, None, timeout_s))
+        for r in range(world)
+    ]
+    for proc in procs:
+        proc.start()
+    return procs
 
 
 def _rank_main(
@@ -39,7 +54,7 @@ def _rank_main(
     port: int,
     job: RankJob,
     args: tuple[Any, ...],
-    out: str,
+    out: str | None,
     timeout_s: float,
 ) -> None:
     # One intra-op thread per rank: the ranks already share the few cores.
@@ -55,6 +70,7 @@ def _rank_main(
     )
     try:
         result = job(RankGroup(rank, world), *args)
-        torch.save(result, Path(out) / f"{rank}.pt")
+        if out is not None:
+            torch.save(result, Path(out) / f"{rank}.pt")
     finally:
         dist.destroy_process_group()
