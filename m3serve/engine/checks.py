@@ -8,8 +8,14 @@ import multiprocessing as mp
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from m3serve.runtime.config import ConfigInvalid, ServerArgs
+
+if TYPE_CHECKING:
+    import torch
+
+    from m3serve.model.config import ModelConfig
 
 
 async def checked_off_the_loop(args: ServerArgs) -> Path:
@@ -46,7 +52,23 @@ def checked_model_path(args: ServerArgs) -> Path:
             f"{config.text.page_size} tokens"
         )
     device = resolve_device(args.backend.device)
+    check_parallel(args, config, device)
     backend = check_backend(args.backend.backend, device, args.kernel.moe_runner_backend)
     if args.cache.kv_cache_dtype == "fp8_e4m3" and backend != "hopper":
         raise ConfigInvalid("--kv-cache-dtype fp8_e4m3 needs the hopper backend")
     return model_path
+
+
+def check_parallel(args: ServerArgs, config: ModelConfig, device: torch.device) -> None:
+    """--tp / --ep against the model's head, expert and width counts and the GPUs there are:
+    every problem in one message."""
+    import torch
+
+    from m3serve.model.parallel import parallel_problems
+
+    tp, ep = args.parallel.tp_size, args.parallel.ep_size
+    problems = parallel_problems(config.text, tp, ep, quantized=config.quant is not None)
+    if device.type == "cuda" and tp > torch.cuda.device_count():
+        problems.append(f"--tp {tp} needs {tp} GPUs; {torch.cuda.device_count()} are visible")
+    if problems:
+        raise ConfigInvalid(f"--tp {tp} --ep {ep} cannot run this model: " + "; ".join(problems))

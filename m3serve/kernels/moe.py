@@ -33,12 +33,14 @@ def moe_experts(
 ) -> torch.Tensor:
     """sum_k weights[t, k] * Expert_{ids[t, k]}(x[t]).
 
-    w13: [E, 2I, H] with the gate rows first, w2: [E, H, I].
+    w13: [E, 2I, H] with the gate rows first, w2: [E, H, I]. Ids >= E are skipped (experts held
+    elsewhere, `local_expert_ids`).
     """
     out = torch.zeros_like(x)
     flat_ids = ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    # Skipped ids sort last, past the counts of the experts held here.
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()[: w13.shape[0]]
     token_of = order // ids.shape[1]
     slot_of = order % ids.shape[1]
     start = 0
@@ -52,3 +54,10 @@ def moe_experts(
         y = (hidden @ w2[expert].t()) * weights[tokens, slots, None]
         out.index_add_(0, tokens, y.to(out.dtype))
     return out
+
+
+def local_expert_ids(ids: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    """Global expert ids -> ids into the `count` experts held from `first` on; the ids of
+    experts not held become `count` (which `moe_experts` skips)."""
+    local = ids - first
+    return torch.where((local >= 0) & (local < count), local, count)

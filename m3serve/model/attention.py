@@ -2,7 +2,11 @@
 layers) the lightning indexer that picks which KV blocks each query attends to.
 
 The q, k, v (and indexer q, k) projections are one fused weight, `qkv_proj`, rows in that
-order, so the layer reads its input once and the backend runs them as one launch."""
+order, so the layer reads its input once and the backend runs them as one launch.
+
+Under tensor parallelism (`model/parallel.py`) each rank holds the rows of its heads in
+`qkv_proj` (column-parallel) and the matching columns of `o_proj` (row-parallel), whose partial
+outputs are summed over the ranks."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from m3serve.model.backend import Backend
 from m3serve.model.batch import ForwardBatch
 from m3serve.model.config import TextConfig
 from m3serve.model.kv_cache import LayerKV
+from m3serve.model.parallel import SINGLE, Parallel
 from m3serve.model.params import Linear, Norm
 from m3serve.model.weights import WeightFormats
 
@@ -26,17 +31,24 @@ class Attention(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         formats: WeightFormats,
+        parallel: Parallel = SINGLE,
     ) -> None:
         super().__init__()
         self.cfg = cfg
         self.backend = backend
+        self.ranks = parallel.ranks
         self.sparse = cfg.is_sparse(layer)
+        # This rank's head counts (all of them on one rank).
+        self.heads = parallel.q_heads(cfg).size
+        self.kv_heads = parallel.kv_heads(cfg).size
+        self.index_heads = parallel.index_heads(cfg).size
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.splits = qkv_rows(cfg, self.sparse)
+        self.splits = qkv_rows(cfg, self.sparse, parallel)
         base = f"model.layers.{layer}.self_attn."
         fused = [base + name for name in QKV_PROJECTIONS[: len(self.splits)]]
         self.qkv_proj = Linear(h, sum(self.splits), dtype, device, formats.of(fused))
-        self.o_proj = Linear(cfg.q_size, h, dtype, device, formats.of([base + "o_proj"]))
+        o_fmt = formats.of([base + "o_proj"])
+        self.o_proj = Linear(self.heads * cfg.head_dim, h, dtype, device, o_fmt)
         self.q_norm = Norm(cfg.head_dim, eps, dtype, device)
         self.k_norm = Norm(cfg.head_dim, eps, dtype, device)
         if self.sparse:
@@ -58,15 +70,15 @@ class Attention(nn.Module):
         cfg, backend = self.cfg, self.backend
         n = x.shape[0]
         parts = backend.linear(x, self.qkv_proj.data).split(self.splits, dim=-1)
-        q = self._norm_rope(parts[0], self.q_norm, cfg.num_heads, batch, inv_freq)
+        q = self._norm_rope(parts[0], self.q_norm, self.heads, batch, inv_freq)
         # Keys are normalized, rotated and written to the cache in one backend op.
-        k = parts[1].view(n, cfg.num_kv_heads, cfg.head_dim)
-        v = parts[2].view(n, cfg.num_kv_heads, cfg.head_dim)
+        k = parts[1].view(n, self.kv_heads, cfg.head_dim)
+        v = parts[2].view(n, self.kv_heads, cfg.head_dim)
         if not self.sparse:
             eps = self.k_norm.eps
             backend.store_kv(kv, batch, k, v, self.k_norm.weight, None, None, eps, inv_freq)
             return q, None
-        index_q = self._norm_rope(parts[3], self.index_q_norm, cfg.index_n_heads, batch, inv_freq)
+        index_q = self._norm_rope(parts[3], self.index_q_norm, self.index_heads, batch, inv_freq)
         backend.store_kv(
             kv,
             batch,
@@ -97,10 +109,11 @@ class Attention(nn.Module):
                 cfg.index_init_blocks,
             )
         out = backend.attention(q, kv, batch, cfg.head_dim**-0.5, block_ids)
-        return out.reshape(q.shape[0], cfg.q_size)
+        return out.reshape(q.shape[0], self.heads * cfg.head_dim)
 
     def output(self, attn: torch.Tensor) -> torch.Tensor:
-        return self.backend.linear(attn, self.o_proj.data)
+        # Row-parallel: each rank's product covers its heads only; the sum is the output.
+        return self.ranks.all_reduce(self.backend.linear(attn, self.o_proj.data))
 
     def _norm_rope(
         self,
@@ -119,9 +132,11 @@ class Attention(nn.Module):
 QKV_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "index_q_proj", "index_k_proj")
 
 
-def qkv_rows(cfg: TextConfig, sparse: bool) -> list[int]:
-    """The row count of each projection fused into `qkv_proj`, in `QKV_PROJECTIONS` order."""
-    rows = [cfg.q_size, cfg.kv_size, cfg.kv_size]
+def qkv_rows(cfg: TextConfig, sparse: bool, parallel: Parallel = SINGLE) -> list[int]:
+    """The row count of each projection fused into `qkv_proj` on this rank, in
+    `QKV_PROJECTIONS` order (the single index-K head is on every rank)."""
+    kv = parallel.kv_heads(cfg).size * cfg.head_dim
+    rows = [parallel.q_heads(cfg).size * cfg.head_dim, kv, kv]
     if sparse:
-        rows += [cfg.index_n_heads * cfg.index_head_dim, cfg.index_head_dim]
+        rows += [parallel.index_heads(cfg).size * cfg.index_head_dim, cfg.index_head_dim]
     return rows

@@ -101,8 +101,11 @@ class Backend(Protocol):
         alpha: float,
         limit: float,
         scale: float,
+        first_expert: int = 0,
     ) -> torch.Tensor:
-        """The routed experts' weighted sum times the routed scaling factor `scale`."""
+        """The routed experts' weighted sum times the routed scaling factor `scale`. Routing
+        picks among all of `router_weight`'s experts; `experts` holds those from `first_expert`
+        on (expert parallelism), and picks outside them add nothing (other ranks hold them)."""
         ...
 
     def concurrently(self, first: Callable[[], A], second: Callable[[], B]) -> tuple[A, B]:

@@ -14,6 +14,7 @@ from m3serve.model.backend import Backend
 from m3serve.model.config import ModelConfig, load_model_config
 from m3serve.model.loader import load_weights
 from m3serve.model.m3 import M3ForCausalLM
+from m3serve.model.parallel import SINGLE, Parallel
 from m3serve.model.weights import WeightFormats
 
 log = logging.getLogger(__name__)
@@ -53,9 +54,10 @@ def load_model(
     backend: Backend,
     dtype: str = "auto",
     progress: bool | logging.Logger = True,
+    parallel: Parallel = SINGLE,
 ) -> LoadedModel:
     """The model at `model_path` (None: the built-in tiny checkpoint) on `backend`'s device;
-    `progress` as `load_weights` takes it."""
+    `progress` as `load_weights` takes it; `parallel`: this rank's share of a TP group."""
     if model_path is None:
         from m3serve.model.tiny.default import default_model_path
 
@@ -66,8 +68,8 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, config, device)
     started = time.monotonic()
     formats = WeightFormats(config.quant, backend.weight_formats)
-    model = M3ForCausalLM(config.text, backend, torch_dtype, device, formats)
-    load_weights(model, path, config, progress=progress)
+    model = M3ForCausalLM(config.text, backend, torch_dtype, device, formats, parallel)
+    load_weights(model, path, config, progress=progress, parallel=parallel)
     model.eval()
     log.info(
         "loaded %s (%s, %s, backend %s) in %.1fs",

@@ -1,4 +1,8 @@
-"""Feed-forward blocks: the dense SwiGLU-OAI MLP and the routed MoE with one shared expert."""
+"""Feed-forward blocks: the dense SwiGLU-OAI MLP and the routed MoE with one shared expert.
+
+Under tensor parallelism (`model/parallel.py`) the MLPs hold their slice of the intermediate
+width (gate/up rows, down_proj columns) and the MoE its experts' slices; each block sums its
+ranks' partial outputs once, the MoE its routed and shared parts together."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from torch import nn
 from m3serve.kernels.quant import NVFP4_GROUP
 from m3serve.model.backend import Backend
 from m3serve.model.config import TextConfig
+from m3serve.model.parallel import SINGLE, Parallel
 from m3serve.model.params import Linear, weight
 from m3serve.model.weights import (
     DenseExperts,
@@ -19,7 +24,9 @@ from m3serve.model.weights import (
 
 
 class DenseMLP(nn.Module):
-    """`base` is the checkpoint module the MLP comes from (`model.layers.0.mlp`)."""
+    """`base` is the checkpoint module the MLP comes from (`model.layers.0.mlp`). `width` is
+    the full intermediate width; this rank holds `parallel.width(width)` of it. `reduce`: sum
+    the ranks' partial outputs here (False: the caller sums them)."""
 
     def __init__(
         self,
@@ -30,11 +37,15 @@ class DenseMLP(nn.Module):
         device: torch.device | str,
         formats: WeightFormats,
         base: str,
+        parallel: Parallel = SINGLE,
+        reduce: bool = True,
     ) -> None:
         super().__init__()
         self.cfg = cfg
         self.backend = backend
+        self.ranks = parallel.ranks if reduce else SINGLE.ranks
         h = cfg.hidden_size
+        width = parallel.width(width).size
         # gate_proj and up_proj of the checkpoint, fused: gate rows first.
         gate_up = formats.of([f"{base}.gate_proj", f"{base}.up_proj"])
         self.gate_up_proj = Linear(h, 2 * width, dtype, device, gate_up)
@@ -44,19 +55,26 @@ class DenseMLP(nn.Module):
         backend = self.backend
         gate_up = backend.linear(x, self.gate_up_proj.data)
         hidden = backend.swiglu(gate_up, self.cfg.swiglu_alpha, self.cfg.swiglu_limit)
-        return backend.linear(hidden, self.down_proj.data)
+        return self.ranks.all_reduce(backend.linear(hidden, self.down_proj.data))
 
 
 class Experts(nn.Module):
     """All routed experts of a layer, stacked. Dense: w13 [E, 2I, H] (w1 rows, then w3) and
     w2 [E, H, I]. NVFP4: the packed codes under the same names, plus `*_scale` (e4m3 per 16
-    inputs) and `*_global` (float32; w13's per half) as `Nvfp4Experts` describes."""
+    inputs) and `*_global` (float32; w13's per half) as `Nvfp4Experts` describes. E and I are
+    this rank's: its experts and their intermediate slice."""
 
     def __init__(
-        self, cfg: TextConfig, dtype: torch.dtype, device: torch.device | str, fmt: WeightFormat
+        self,
+        cfg: TextConfig,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        fmt: WeightFormat,
+        parallel: Parallel = SINGLE,
     ) -> None:
         super().__init__()
-        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+        e, h = parallel.experts(cfg).size, cfg.hidden_size
+        i = parallel.expert_width(cfg).size
         self.fmt = fmt
         if fmt != "NVFP4":
             self.w13 = weight(e, 2 * i, h, dtype=dtype, device=device)
@@ -99,19 +117,25 @@ class MoE(nn.Module):
         device: torch.device | str,
         formats: WeightFormats,
         base: str,
+        parallel: Parallel = SINGLE,
     ) -> None:
         super().__init__()
         self.cfg = cfg
         self.backend = backend
+        self.ranks = parallel.ranks
+        # The router is replicated: every rank routes every token over all experts.
+        self.first_expert = parallel.experts(cfg).start
         self.gate = Router(cfg, device)
         self.e_score_correction_bias = weight(cfg.num_experts, dtype=torch.float32, device=device)
         experts = [
             f"{base}.experts.{e}.{w}" for e in range(cfg.num_experts) for w in ("w1", "w2", "w3")
         ]
-        self.experts = Experts(cfg, dtype, device, formats.of(experts))
+        self.experts = Experts(cfg, dtype, device, formats.of(experts), parallel)
         shared = f"{base}.shared_experts"
         width = cfg.shared_intermediate_size
-        self.shared_experts = DenseMLP(cfg, width, backend, dtype, device, formats, shared)
+        self.shared_experts = DenseMLP(
+            cfg, width, backend, dtype, device, formats, shared, parallel, reduce=False
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
@@ -126,7 +150,9 @@ class MoE(nn.Module):
                 cfg.swiglu_alpha,
                 cfg.swiglu_limit,
                 cfg.routed_scaling_factor,
+                first_expert=self.first_expert,
             ),
             lambda: self.shared_experts(x),
         )
-        return routed + shared
+        # One collective for both partial sums (routed: this rank's experts or slices of them).
+        return self.ranks.all_reduce(routed + shared)

@@ -37,7 +37,8 @@ def stream_tokens(
         generator = torch.Generator(device=model.device).manual_seed(sampling.seed)
     page_size = model.cfg.page_size
     total = len(prompt_ids) + max_new_tokens
-    kv = KVCache.allocate(model.cfg, -(-total // page_size), model.dtype, model.device)
+    num_pages = -(-total // page_size)
+    kv = KVCache.allocate(model.cfg, num_pages, model.dtype, model.device, model.kv_heads)
     pages = list(range(kv.num_pages))
     tokens = list(prompt_ids)
     chunk = prefill_chunk or len(tokens)

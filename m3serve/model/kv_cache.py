@@ -33,9 +33,11 @@ class KVCache:
         num_pages: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        kv_heads: int | None = None,
     ) -> KVCache:
+        """`kv_heads`: the KV heads this rank caches (tensor parallelism); default all."""
         slots = num_pages * cfg.page_size
-        kv_shape = (slots, cfg.num_kv_heads, cfg.head_dim)
+        kv_shape = (slots, kv_heads or cfg.num_kv_heads, cfg.head_dim)
         layers = [
             LayerKV(
                 k=torch.zeros(kv_shape, dtype=dtype, device=device),

@@ -5,6 +5,8 @@ config's inventory; every problem is reported in one `CheckpointError` naming th
 Quantized modules (ModelOpt MXFP8 / NVFP4) are copied as stored into a model that holds them
 quantized (`model/weights.py`), and dequantized exactly into the model's dtype otherwise.
 Tensors are read one at a time, shard by shard: the host never holds more than one of them.
+Under tensor/expert parallelism each rank reads only its slices (`Part`s of the inventory), of
+the codes and scales alike for quantized weights.
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ from m3serve.model.inventory import (
     IGNORED_PREFIXES,
     PREFIX,
     VISION_PREFIXES,
+    Part,
     TensorSpec,
     text_inventory,
 )
+from m3serve.model.parallel import SINGLE, Parallel
 from m3serve.model.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -120,9 +124,15 @@ class CheckpointFiles:
             raise CheckpointError(f"tensor {name} is not in shard {shard.name}: {exc}") from exc
         return tuple(view.get_shape()), view.get_dtype()
 
-    def tensor(self, name: str) -> torch.Tensor:
+    def tensor(self, name: str, part: Part | None = None) -> torch.Tensor:
+        """The stored tensor, or only its `part` (read as a slice: the rest is never read)."""
         try:
-            return self.handle(self.location[name]).get_tensor(name)
+            handle = self.handle(self.location[name])
+            if part is None:
+                return handle.get_tensor(name)
+            rows = slice(part.shard.start, part.shard.stop)
+            view = handle.get_slice(name)
+            return view[rows] if part.dim == 0 else view[:, rows]
         except Exception as exc:
             raise CheckpointError(
                 f"cannot read tensor {name} from {self.location[name].name}: {exc}"
@@ -145,8 +155,11 @@ def checkpoint_prefix(names: set[str]) -> str:
     return PREFIX if any(n.startswith(PREFIX) for n in names) else ""
 
 
-def plan_load(files: CheckpointFiles, cfg: ModelConfig) -> list[tuple[TensorSpec, str | None]]:
-    """Validate the checkpoint against the inventory; returns each weight with its format."""
+def plan_load(
+    files: CheckpointFiles, cfg: ModelConfig, parallel: Parallel = SINGLE
+) -> list[tuple[TensorSpec, str | None]]:
+    """Validate the whole checkpoint against the inventory; returns each weight this rank
+    reads (`parallel`) with its format."""
     names = set(files.location)
     prefix = checkpoint_prefix(names)
     plan: list[tuple[TensorSpec, str | None]] = []
@@ -172,6 +185,8 @@ def plan_load(files: CheckpointFiles, cfg: ModelConfig) -> list[tuple[TensorSpec
         log.info(
             "skipping %d vision-tower/projector/MTP tensors (text-only model for now)", len(skipped)
         )
+    if parallel.enabled:
+        plan = [(s, _quant_algo(cfg, s)) for s in text_inventory(cfg.text, prefix, parallel)]
     return plan
 
 
@@ -204,20 +219,37 @@ def _mismatch(name: str, want: Expected, shape: tuple[int, ...], dtype: str) -> 
 def read_logical(files: CheckpointFiles, spec: TensorSpec, algo: str | None) -> torch.Tensor:
     """The dequantized value of one logical weight (float32 for quantized formats)."""
     base = spec.module
+    if algo is None:
+        return files.tensor(spec.name, spec.part)
+    codes, scales = _quantized_parts(spec, algo)
     try:
-        if algo is None:
-            return files.tensor(spec.name)
         if algo == "MXFP8":
             return quant.dequant_mxfp8(
-                files.tensor(f"{base}.weight"), files.tensor(f"{base}.weight_scale_inv")
+                files.tensor(f"{base}.weight", codes),
+                files.tensor(f"{base}.weight_scale_inv", scales),
             )
         return quant.dequant_nvfp4(
-            files.tensor(f"{base}.weight"),
-            files.tensor(f"{base}.weight_scale"),
+            files.tensor(f"{base}.weight", codes),
+            files.tensor(f"{base}.weight_scale", scales),
             files.tensor(f"{base}.weight_scale_2"),
         )
     except ValueError as exc:
         raise CheckpointError(f"{base}: cannot dequantize {algo}: {exc}") from exc
+
+
+# Logical inputs per stored column: of the codes, of the scales.
+_PACKING = {"MXFP8": (1, quant.MXFP8_BLOCK), "NVFP4": (2, quant.NVFP4_GROUP)}
+
+
+def _quantized_parts(spec: TensorSpec, algo: str) -> tuple[Part | None, Part | None]:
+    """The parts of a quantized weight's codes and scales that hold this rank's slice."""
+    if spec.part is None:
+        return None, None
+    per_code, per_scale = _PACKING[algo]
+    try:
+        return spec.part.packed(per_code), spec.part.packed(per_scale)
+    except ValueError as exc:
+        raise CheckpointError(f"{spec.module} ({algo}) cannot be split here: {exc}") from exc
 
 
 def load_weights(
@@ -225,11 +257,13 @@ def load_weights(
     model_dir: str | Path,
     cfg: ModelConfig,
     progress: bool | logging.Logger = True,
+    parallel: Parallel = SINGLE,
 ) -> None:
-    """Fill every parameter of `model` from the checkpoint in `model_dir`. `progress`: True for
-    a progress bar on stderr, a logger for progress lines in its log, False for none."""
+    """Fill every parameter of `model` (this rank's slices, with `parallel`) from the
+    checkpoint in `model_dir`. `progress`: True for a progress bar on stderr, a logger for
+    progress lines in its log, False for none."""
     files = CheckpointFiles(Path(model_dir))
-    plan = plan_load(files, cfg)
+    plan = plan_load(files, cfg, parallel)
     params = dict(model.named_parameters())
     into_log = progress if isinstance(progress, logging.Logger) else None
     bar = Progress("Loading weights", len(plan), enabled=progress is not False, log=into_log)
@@ -265,15 +299,15 @@ def _copy_stored(
     parameter itself, scales into `<param>_scale`, NVFP4's global scale into `<param>_global`
     (w13: one per half, so at [expert, half])."""
     base = spec.module
+    codes, scales = _quantized_parts(spec, algo)
+    scale_name = "weight_scale_inv" if algo == "MXFP8" else "weight_scale"
+    params[spec.param][spec.index].copy_(files.tensor(f"{base}.weight", codes))
+    params[spec.param + "_scale"][spec.index].copy_(files.tensor(f"{base}.{scale_name}", scales))
     if algo == "MXFP8":
-        params[spec.param][spec.index].copy_(files.tensor(f"{base}.weight"))
-        scales = files.tensor(f"{base}.weight_scale_inv")
-        params[spec.param + "_scale"][spec.index].copy_(scales)
         return
-    params[spec.param][spec.index].copy_(files.tensor(f"{base}.weight"))
-    params[spec.param + "_scale"][spec.index].copy_(files.tensor(f"{base}.weight_scale"))
     expert, *rows = spec.index
-    half = (rows[0].start // spec.shape[0],) if rows else ()
+    # w13's halves (w1 rows, then w3 rows) are as tall as this rank's slice of each.
+    half = (rows[0].start // (rows[0].stop - rows[0].start),) if rows else ()
     params[spec.param + "_global"][(expert, *half)].copy_(files.tensor(f"{base}.weight_scale_2"))
 
 

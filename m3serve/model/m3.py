@@ -1,4 +1,5 @@
-"""The MiniMax-M3.1 text backbone with its LM head, over paged KV."""
+"""The MiniMax-M3.1 text backbone with its LM head, over paged KV; on one rank or spread over
+a tensor-parallel group (`model/parallel.py`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from m3serve.model.batch import ForwardBatch
 from m3serve.model.config import TextConfig
 from m3serve.model.ffn import DenseMLP, MoE
 from m3serve.model.kv_cache import KVCache
+from m3serve.model.parallel import SINGLE, Parallel, vocab_parallel_embed
 from m3serve.model.params import Norm, Table
 from m3serve.model.weights import WeightFormats
 
@@ -27,22 +29,23 @@ class DecoderLayer(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         formats: WeightFormats,
+        parallel: Parallel = SINGLE,
     ) -> None:
         super().__init__()
         self.backend = backend
         self.index = index
         self.input_layernorm = Norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = Norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(cfg, index, backend, dtype, device, formats)
+        self.self_attn = Attention(cfg, index, backend, dtype, device, formats, parallel)
         self.is_moe = cfg.is_moe(index)
         # Attribute names follow the checkpoint: `block_sparse_moe` on MoE layers, `mlp` otherwise.
         base = f"model.layers.{index}"
         if self.is_moe:
             moe = base + ".block_sparse_moe"
-            self.block_sparse_moe = MoE(cfg, backend, dtype, device, formats, moe)
+            self.block_sparse_moe = MoE(cfg, backend, dtype, device, formats, moe, parallel)
         else:
-            width = cfg.dense_intermediate_size
-            self.mlp = DenseMLP(cfg, width, backend, dtype, device, formats, base + ".mlp")
+            width, mlp = cfg.dense_intermediate_size, base + ".mlp"
+            self.mlp = DenseMLP(cfg, width, backend, dtype, device, formats, mlp, parallel)
 
     def forward(
         self,
@@ -96,11 +99,14 @@ class Backbone(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         formats: WeightFormats,
+        parallel: Parallel = SINGLE,
     ) -> None:
         super().__init__()
-        self.embed_tokens = Table(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        vocab = parallel.vocab(cfg).size
+        self.embed_tokens = Table(vocab, cfg.hidden_size, dtype, device)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, backend, dtype, device, formats) for i in range(cfg.num_layers)
+            DecoderLayer(cfg, i, backend, dtype, device, formats, parallel)
+            for i in range(cfg.num_layers)
         )
         self.norm = Norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
@@ -109,7 +115,8 @@ class M3ForCausalLM(nn.Module):
     """Parameter names mirror the checkpoint's `language_model.*` names (minus that prefix),
     except where the loader fuses tensors: q/k/v + indexer projections, gate/up projections and
     the stacked experts. `formats` says which weights stay in the checkpoint's quantized format
-    (default: every weight dense)."""
+    (default: every weight dense); `parallel` which slice of each weight this rank holds
+    (default: all of them, on one rank)."""
 
     def __init__(
         self,
@@ -118,13 +125,18 @@ class M3ForCausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         formats: WeightFormats | None = None,
+        parallel: Parallel = SINGLE,
     ) -> None:
         super().__init__()
         self.cfg = cfg
         self.backend = backend
         self.dtype = dtype
-        self.model = Backbone(cfg, backend, dtype, device, formats or WeightFormats())
-        self.lm_head = Table(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        self.parallel = parallel
+        self.vocab = parallel.vocab(cfg)
+        # The KV heads this rank caches (the KV cache is allocated with this many).
+        self.kv_heads = parallel.kv_heads(cfg).size
+        self.model = Backbone(cfg, backend, dtype, device, formats or WeightFormats(), parallel)
+        self.lm_head = Table(self.vocab.size, cfg.hidden_size, dtype, device)
         self.register_buffer(
             "inv_freq", rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, device), persistent=False
         )
@@ -168,11 +180,16 @@ class M3ForCausalLM(nn.Module):
         return list(self.model.layers)  # type: ignore[arg-type]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens.weight[input_ids]
+        table = self.model.embed_tokens.weight
+        if not self.parallel.enabled:
+            return table[input_ids]
+        return vocab_parallel_embed(table, input_ids, self.vocab, self.parallel.ranks)
 
     def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         norm = self.model.norm
         return self.backend.add_rms_norm(hidden, residual, norm.weight, norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.backend.linear(hidden, self.lm_head.weight).float()
+        """fp32 logits over the full vocabulary (each rank's rows gathered from all ranks)."""
+        logits = self.backend.linear(hidden, self.lm_head.weight).float()
+        return self.parallel.ranks.all_gather(logits, dim=-1)

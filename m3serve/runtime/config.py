@@ -210,10 +210,24 @@ class ApiArgs:
 
 @dataclass(frozen=True)
 class ParallelArgs:
-    tp_size: int = option(1, "tensor-parallel size", flag="--tp")
-    ep_size: int = option(1, "expert-parallel size", flag="--ep")
+    tp_size: int = option(
+        1, "tensor-parallel size: ranks (GPUs) one model is split over", flag="--tp"
+    )
+    ep_size: int = option(
+        1,
+        "expert-parallel size: the routed experts are split into this many groups of "
+        "--tp / --ep ranks, each group splitting its experts' width (1: every rank holds a slice "
+        "of every expert; --tp: whole experts)",
+        flag="--ep",
+    )
     attn_dp_size: int = option(1, "attention data-parallel size")
     enable_dp_lm_head: bool = option(False, "data-parallel LM head (with attention DP)")
+
+    def __post_init__(self) -> None:
+        # How --ep fits --tp and the model (heads, experts) and the devices is checked at start
+        # (`engine/checks.py`), so that SGLang launch commands (--tp 4 --ep 8) still parse.
+        if self.tp_size < 1 or self.ep_size < 1 or self.attn_dp_size < 1:
+            raise ConfigInvalid("--tp, --ep and --attn-dp-size must be >= 1")
 
 
 @dataclass(frozen=True)

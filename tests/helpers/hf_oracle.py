@@ -38,7 +38,7 @@ def full_logits(model: M3ForCausalLM, ids: list[int], shuffle_pages: bool = True
     """Logits at every position of one prompt, through the paged forward in a single step."""
     page_size = model.cfg.page_size
     num_pages = -(-len(ids) // page_size) + 3
-    kv = KVCache.allocate(model.cfg, num_pages, model.dtype, model.device)
+    kv = KVCache.allocate(model.cfg, num_pages, model.dtype, model.device, model.kv_heads)
     pages = list(range(num_pages))
     if shuffle_pages:
         pages = torch.randperm(num_pages, generator=torch.Generator().manual_seed(7)).tolist()

@@ -205,7 +205,10 @@ class HopperBackend(ReferenceBackend):
         alpha: float,
         limit: float,
         scale: float,
+        first_expert: int = 0,
     ) -> torch.Tensor:
+        if experts.w13.shape[0] != router_weight.shape[0]:
+            raise NotImplementedError("expert parallelism on the hopper backend is not built yet")
         # The routed scaling factor rides on the mixing weights (2.0: exact).
         weights, ids = self._router.route(x, router_weight, bias, top_k, scale)
         if isinstance(experts, Nvfp4Experts):

@@ -15,7 +15,7 @@ import torch
 from m3serve.kernels.activation import swiglu_oai
 from m3serve.kernels.attention import paged_attention
 from m3serve.kernels.indexer import paged_index_topk
-from m3serve.kernels.moe import moe_experts, route_topk
+from m3serve.kernels.moe import local_expert_ids, moe_experts, route_topk
 from m3serve.kernels.norm import add_gemma_rms_norm, gemma_rms_norm
 from m3serve.kernels.quant import NVFP4_GROUP, dequant_mxfp8, unpack_e2m1
 from m3serve.kernels.rope import apply_rope, rope_cos_sin
@@ -144,8 +144,12 @@ class ReferenceBackend:
         alpha: float,
         limit: float,
         scale: float,
+        first_expert: int = 0,
     ) -> torch.Tensor:
         weights, ids = route_topk(x, router_weight, bias, top_k)
+        held = experts.w13.shape[0]
+        if held != router_weight.shape[0]:
+            ids = local_expert_ids(ids, first_expert, held)
         dense = dequant_experts(experts, x.dtype) if isinstance(experts, Nvfp4Experts) else experts
         return moe_experts(x, weights, ids, dense.w13, dense.w2, alpha, limit) * scale
 

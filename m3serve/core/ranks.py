@@ -1,0 +1,78 @@
+"""Rank 0 to the follower ranks of a tensor-parallel engine: each `StepPlan`, as msgpack bytes,
+over two broadcasts of the rank group (NCCL on GPUs, gloo on the CPU) — an int64 length, then a
+uint8 tensor of that many bytes. No pickle, and nothing but the plan crosses.
+
+A length of -1 tells the followers to stop. A rank that dies breaks the broadcast on every other
+rank (gloo: the peer's socket closes; NCCL: the communicator's timeout), so `follow` raises
+instead of waiting forever; the supervisor then fails the requests and ends the rest.
+
+Not wired into the engine yet: `EngineCore` still runs one rank (see README, "Deploy on a 4-GPU
+node").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from m3serve.model.parallel import RankGroup
+from m3serve.runtime.messages import StepPlan
+
+STOP = -1
+LEADER = 0
+
+
+class RankLost(RuntimeError):
+    """A broadcast between the ranks failed: another rank died or its link broke."""
+
+
+class PlanChannel:
+    """One end of the plan broadcast; `device` is where the collective's tensors live."""
+
+    def __init__(self, ranks: RankGroup, device: torch.device | str = "cpu") -> None:
+        self.ranks = ranks
+        self.device = torch.device(device)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(StepPlan)
+        self._length = torch.zeros(1, dtype=torch.int64, device=self.device)
+
+    def send(self, plan: StepPlan | None) -> None:
+        """Rank 0: `plan` to every follower (None: stop them)."""
+        if self.ranks.rank != LEADER:
+            raise RuntimeError("only rank 0 sends step plans")
+        body = b"" if plan is None else self._encoder.encode(plan)
+        self._length.fill_(STOP if plan is None else len(body))
+        self._broadcast(self._length)
+        if plan is not None:
+            payload = torch.frombuffer(bytearray(body), dtype=torch.uint8)
+            self._broadcast(payload.to(self.device))
+
+    def receive(self) -> StepPlan | None:
+        """A follower: the next plan rank 0 sent, or None when it said stop."""
+        self._broadcast(self._length)
+        length = int(self._length.item())
+        if length == STOP:
+            return None
+        payload = torch.empty(length, dtype=torch.uint8, device=self.device)
+        self._broadcast(payload)
+        return self._decoder.decode(payload.cpu().numpy().tobytes())
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        try:
+            dist.broadcast(tensor, src=LEADER, group=self.ranks.group)
+        except RuntimeError as exc:  # DistBackendError and gloo's connection errors
+            rank = self.ranks.rank
+            raise RankLost(f"rank {rank}: the step-plan broadcast failed: {exc}") from exc
+
+
+def follow(channel: PlanChannel, run: Callable[[StepPlan], object]) -> int:
+    """A follower's loop: run each plan rank 0 sends, in order, until it says stop; returns the
+    number of plans run. Raises `RankLost` when another rank dies."""
+    steps = 0
+    while (plan := channel.receive()) is not None:
+        run(plan)
+        steps += 1
+    return steps

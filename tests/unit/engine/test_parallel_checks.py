@@ -1,0 +1,59 @@
+"""--tp / --ep at start: sizes below 1 fail when the flags are parsed; what this model, these
+devices or --tp cannot run fails in the start-up checks with one message naming every problem;
+and until the engine runs ranks, any --tp or --ep above 1 is refused as not built."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from m3serve.engine.checks import check_parallel
+from m3serve.model.config import ModelConfig, TextConfig
+from m3serve.runtime.config import ConfigInvalid, ParallelArgs, ServerArgs
+
+REAL = ModelConfig(TextConfig())
+CPU = torch.device("cpu")
+
+
+def test_sizes_below_one_fail_when_parsed() -> None:
+    with pytest.raises(ConfigInvalid, match="must be >= 1"):
+        ParallelArgs(tp_size=0)
+
+
+@pytest.mark.parametrize(("tp", "ep"), [(4, 8), (4, 3)])
+def test_ep_must_divide_tp(tp: int, ep: int) -> None:
+    args = ServerArgs.from_kwargs(tp_size=tp, ep_size=ep)  # parses: SGLang commands do this
+    with pytest.raises(ConfigInvalid, match=f"--ep {ep} must divide --tp {tp}"):
+        check_parallel(args, REAL, CPU)
+
+
+def test_model_dependent_problems_come_in_one_message() -> None:
+    args = ServerArgs.from_kwargs(tp_size=6, ep_size=3)
+    with pytest.raises(ConfigInvalid) as info:
+        check_parallel(args, REAL, CPU)
+    message = str(info.value)
+    assert message.startswith("--tp 6 --ep 3 cannot run this model: ")
+    assert "attention heads 64 do not split over --tp 6" in message
+    assert "KV heads 4 can be neither split over nor replicated on --tp 6" in message
+    assert "--ep 3 does not divide the 128 routed experts" in message
+
+
+@pytest.mark.parametrize(("tp", "ep"), [(1, 1), (2, 1), (4, 4), (8, 2), (8, 8)])
+def test_the_real_model_runs_at_tp_2_4_8(tp: int, ep: int) -> None:
+    check_parallel(ServerArgs.from_kwargs(tp_size=tp, ep_size=ep), REAL, CPU)
+
+
+def test_more_ranks_than_gpus_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ConfigInvalid, match="--tp 4 needs 4 GPUs; 2 are visible"):
+        check_parallel(ServerArgs.from_kwargs(tp_size=4), REAL, torch.device("cuda"))
+
+
+def test_tp_and_ep_stay_refused_until_the_engine_runs_ranks() -> None:
+    args = ServerArgs.from_kwargs(tp_size=4, ep_size=4)
+    problems = args.unsupported()
+    assert any(p.startswith("--tp 4") for p in problems)
+    assert any(p.startswith("--ep 4") for p in problems)
+    assert dataclasses.replace(args, parallel=ParallelArgs()).unsupported() == []
