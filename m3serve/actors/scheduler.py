@@ -9,6 +9,9 @@ With --enable-hierarchical-cache it also holds the engine's `StorageClient` of t
 actor (`hicache`): the core gets it with this actor's event loop (`ActorLink`), asks it for the
 host pool as it starts, and runs the L3 tier through it. At stop the last L3 writes are sent
 before the client closes.
+
+With --tp N this is rank 0's process: `rank` says where the core joins its rank group, and the
+follower ranks (engine/ranks.py) run the plans this actor's core makes.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from m3serve.core.req import Req
 from m3serve.core.scheduler import Outputs, QueueFull
 from m3serve.runtime.actor import Actor, handles
 from m3serve.runtime.config import ServerArgs
-from m3serve.runtime.messages import Abort, Error, Shutdown, Tokenized
+from m3serve.runtime.messages import Abort, Error, RankAddress, Shutdown, Tokenized
 from m3serve.runtime.shm import unpack_token_ids
 from m3serve.runtime.transport import Inbox, Outbox
 
@@ -48,9 +51,11 @@ class SchedulerActor(Actor):
         args: ServerArgs,
         model_path: Path,
         hicache: StorageClient | None = None,
+        rank: RankAddress | None = None,
     ) -> None:
         super().__init__(inbox, control)
         self.hicache = hicache
+        self.rank = rank
         self.tokenizers = tokenizers
         self.args = args
         self.model_path = model_path
@@ -63,7 +68,7 @@ class SchedulerActor(Actor):
         if self.hicache is not None:
             loop = asyncio.get_running_loop()
             link = ActorLink(self.hicache, loop, self.args.runtime.startup_timeout)
-        self.core = await asyncio.to_thread(EngineCore, self.args, self.model_path, link)
+        self.core = await asyncio.to_thread(EngineCore, self.args, self.model_path, link, self.rank)
         return self.core.info()
 
     async def on_stop(self) -> None:

@@ -19,10 +19,16 @@ scheduler's prefix cache is the tiered one over both; backups run on the executo
 the steps, a step's load-backs inside its forward, layer by layer (`core/hicache/`). `storage`
 runs the L3 tier (with `--hicache-storage-backend`) and notices the actor's death.
 
+Tensor parallelism (`rank`, one engine process per rank): each rank builds its model shard, its
+KV pool of its own KV heads and a StepRunner; the ranks agree on the smallest page count any
+rank planned. Rank 0 schedules, and `run()` broadcasts each plan before running it; followers
+(engine/ranks.py) build the same core, run no scheduler and `follow()` rank 0's plans through
+the same StepRunner, which hands rank 0's sampled tokens to every rank (core/ranks.py). Ranks
+run in lockstep, so with more than one a failed step is fatal to the engine (raised, not failed
+request by request), and so is a lost rank.
+
 Where later features plug in: a draft proposer (speculative decoding) runs after `run()`'s
-forward on its hidden states, with verification as a step kind of the scheduler; a
-tensor-parallel rank group wraps `run()`, rank 0 scheduling and every rank running the same
-plan.
+forward on its hidden states, with verification as a step kind of the scheduler.
 """
 
 from __future__ import annotations
@@ -44,8 +50,15 @@ from m3serve.core.hicache.prefix_cache import HiPrefixCache
 from m3serve.core.hicache.storage_tier import ActorLink, StorageTier, page_key_root
 from m3serve.core.hicache.tier import HostTier
 from m3serve.core.matchers import GrammarMatchers
-from m3serve.core.memory import kv_cache_dtype, leave_a_core_for_the_scheduler, plan_kv_budget
+from m3serve.core.memory import (
+    KVBudget,
+    kv_cache_dtype,
+    leave_a_core_for_the_scheduler,
+    plan_kv_budget,
+)
 from m3serve.core.piecewise import DEFAULT_MAX_TOKENS, PiecewiseGraphs
+from m3serve.core.rank_join import agree_on_pages, join_ranks, leave_ranks, rank_device
+from m3serve.core.ranks import LEADER, PlanChannel, TokenShare, follow
 from m3serve.core.req import Req
 from m3serve.core.sampler import Sampler
 from m3serve.core.scheduler import Outputs, QueueFull, Scheduler
@@ -56,11 +69,9 @@ from m3serve.core.warmup import WarmupLimits, distinct_layers, use_kernel_cache,
 from m3serve.model.build import load_model, resolve_device
 from m3serve.model.config import load_generation_config
 from m3serve.model.kv_cache import KVCache
+from m3serve.model.parallel import Parallel, RankGroup
 from m3serve.runtime.config import SchedArgs, ServerArgs
-from m3serve.runtime.messages import (
-    StepPlan,
-    StepResult,
-)
+from m3serve.runtime.messages import RankAddress, StepPlan, StepResult
 from m3serve.runtime.paths import cache_root
 
 log = logging.getLogger(__name__)
@@ -74,9 +85,14 @@ FLUSH_S = 10.0
 
 class EngineCore:
     def __init__(
-        self, args: ServerArgs, model_path: Path | None, hicache: ActorLink | None = None
+        self,
+        args: ServerArgs,
+        model_path: Path | None,
+        hicache: ActorLink | None = None,
+        rank: RankAddress | None = None,
     ) -> None:
-        """`hicache`: the host-cache actor, which HiCache needs (it owns the host pool)."""
+        """`hicache`: the host-cache actor, which HiCache needs (it owns the host pool);
+        `rank`: this process's place in a tensor-parallel group (None: one rank)."""
         # First, so that every compile from here on is counted and cached on disk.
         self.trace = StepTrace(args.runtime.enable_step_trace)
         use_kernel_cache(cache_root() / "triton")
@@ -84,30 +100,32 @@ class EngineCore:
         # ------------------------------------------------------------------ model
         with self.startup.phase("load weights"):
             self.device = resolve_device(args.backend.device)
+            self.ranks = RankGroup()
+            if rank is not None:
+                self.device = rank_device(self.device, rank)
+                self.ranks = join_ranks(rank, self.device)
+            parallel = Parallel(self.ranks, args.parallel.ep_size)
             self.backend = create_backend(
                 args.backend.backend, self.device, args.kernel.moe_runner_backend
             )
             # Progress goes to the server's log: the engine process has no terminal.
-            self.loaded = load_model(model_path, self.backend, args.model.dtype, progress=log)
+            self.loaded = load_model(
+                model_path, self.backend, args.model.dtype, progress=log, parallel=parallel
+            )
             self.model = self.loaded.model
         cfg = self.model.cfg
         if self.device.type == "cpu":
-            leave_a_core_for_the_scheduler()
+            leave_a_core_for_the_scheduler(self.ranks.size)
         # ------------------------------------------------------------------ KV pools
         slots = args.sched.max_running_requests
         context = args.runtime.context_length or cfg.max_position_embeddings
         with self.startup.phase("KV pool"):
             kv_dtype = kv_cache_dtype(args.cache.kv_cache_dtype, self.model.dtype)
-            self.budget = plan_kv_budget(
-                cfg,
-                self.device,
-                args.cache.max_total_tokens,
-                args.cache.mem_fraction_static,
-                kv_dtype,
-                max_useful_tokens=context * slots,
-            )
+            self.budget = self._plan_kv(args, kv_dtype, context * slots)
             # One page past the pool is scratch: CUDA-graph padding rows write there.
-            self.kv = KVCache.allocate(cfg, self.budget.num_pages + 1, kv_dtype, self.device)
+            self.kv = KVCache.allocate(
+                cfg, self.budget.num_pages + 1, kv_dtype, self.device, self.model.kv_heads
+            )
         log.info("KV pool: %d pages x %d tokens", self.budget.num_pages, self.budget.page_size)
         self.host: HostTier | None = None
         if args.hicache.enable_hierarchical_cache:
@@ -126,7 +144,9 @@ class EngineCore:
                     lambda job, what: self.executor.call(job, what),
                 )
         # ------------------------------------------------------------------ grammars
-        self.grammar = self._grammar_compiler(cfg.vocab_size)
+        # Only rank 0 constrains: the followers take its tokens (core/ranks.py TokenShare).
+        leader = self.ranks.rank == LEADER
+        self.grammar = self._grammar_compiler(cfg.vocab_size) if leader else None
         self._compiling: list[tuple[Req, bool, Compiled]] = []
         # Compiled grammars of the slots a step starts, from planning to that step's run.
         self._step_grammars: dict[int, dict[int, Grammar]] = {}
@@ -140,6 +160,10 @@ class EngineCore:
             self._step_grammars,
             self.host,
         )
+        self.plans: PlanChannel | None = None
+        if self.ranks.size > 1:
+            self.plans = PlanChannel(self.ranks, self.device)
+            self.runner.share = TokenShare(self.ranks, self.device)
         # ------------------------------------------------------------------ warm-up
         if self.device.type == "cuda" and not args.kernel.skip_warmup:
             with self.startup.phase("warm-up"):
@@ -180,6 +204,7 @@ class EngineCore:
             "cuda_graph_bs": self.graphs.sizes if self.graphs else [],
             "piecewise_cuda_graph_tokens": self.piecewise.sizes if self.piecewise else [],
             "hicache_host_pages": self.host.pool.num_pages if self.host else 0,
+            "tp_size": self.ranks.size,
         }
 
     @property
@@ -278,6 +303,8 @@ class EngineCore:
             result = await future
         except Exception as exc:
             self.trace.processed(step, 0.0)
+            if self.plans is not None:
+                raise  # the ranks are out of step: the engine cannot go on
             return self.scheduler.fail_step(step, repr(exc))
         started = time.perf_counter()
         outputs = self.scheduler.process(result)
@@ -289,9 +316,31 @@ class EngineCore:
     def run(self, plan: StepPlan) -> StepResult:
         """One forward over the plan's tokens, and a sampled token for each seq that asks."""
         started, compiles = time.perf_counter(), self.trace.compiles.count
+        if self.plans is not None:
+            self.plans.send(plan)  # the followers run it with us
         result = self.runner.run(plan)
         self.trace.ran(plan.step, time.perf_counter() - started, compiles)
         return result
+
+    def follow(self) -> int:
+        """A follower rank's whole life after start: run rank 0's plans, in order, until it
+        says stop; the number of plans run. Raises `RankLost` when another rank dies."""
+        assert self.plans is not None and self.ranks.rank != LEADER
+        return follow(self.plans, self.runner.run)
+
+    def _plan_kv(self, args: ServerArgs, kv_dtype: torch.dtype, useful: int) -> KVBudget:
+        """This rank's KV budget (its own KV heads only), then the smallest over the ranks."""
+        budget = plan_kv_budget(
+            self.model.cfg,
+            self.device,
+            args.cache.max_total_tokens,
+            args.cache.mem_fraction_static,
+            kv_dtype,
+            max_useful_tokens=useful,
+            kv_heads=self.model.kv_heads,
+        )
+        pages = agree_on_pages(self.ranks, budget.num_pages, self.device)
+        return KVBudget(pages, budget.page_size)
 
     def _warm_up(self, args: ServerArgs, context: int, slots: int) -> None:
         """Run every step shape class once (core/warmup.py), so no request waits for a compile:
@@ -363,6 +412,8 @@ class EngineCore:
         stretch = args.sched.mixed_step_stretch
         if not stretch or self.device.type != "cuda" or args.sched.chunked_prefill_size < 0:
             return None
+        if self.ranks.size > 1:  # timed on rank 0 alone, its forwards would wait on the others
+            return None
         page = self.budget.page_size
         sizes = self.graphs.sizes if self.graphs else [1, 8, 32, 64, 128]
         with self.startup.phase("step cost"):
@@ -405,8 +456,10 @@ class EngineCore:
 
     def close(self) -> None:
         """Stop the executor and free the device memory now: an embedding process may start
-        another engine next."""
+        another engine next. Rank 0 of several tells the followers to stop first."""
         self.executor.close()
+        if self.plans is not None:
+            self._leave()
         if self.host is not None:
             self.host.close()
         self.trace.close()
@@ -415,3 +468,12 @@ class EngineCore:
         del self.runner, self.graphs, self.piecewise, self.kv, self.model, self.loaded
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+    def _leave(self) -> None:
+        assert self.plans is not None
+        if self.ranks.rank == LEADER:
+            try:
+                self.plans.send(None)
+            except Exception as exc:  # a follower already gone: nothing left to tell
+                log.warning("could not stop the follower ranks: %s", exc)
+        leave_ranks()

@@ -44,9 +44,11 @@ def plan_kv_budget(
     mem_fraction_static: float,
     kv_dtype: torch.dtype,
     max_useful_tokens: int | None = None,
+    kv_heads: int | None = None,
 ) -> KVBudget:
     """How many KV pages to allocate: an explicit token count, else what fits on the device,
-    but never more than `max_useful_tokens` (every running request at full context)."""
+    but never more than `max_useful_tokens` (every running request at full context).
+    `kv_heads`: the KV heads this rank caches (tensor parallelism; default all)."""
     page = cfg.page_size
     if max_total_tokens is not None:
         return KVBudget(-(-max_total_tokens // page), page)
@@ -55,7 +57,7 @@ def plan_kv_budget(
     free, total = torch.cuda.mem_get_info(device)
     # Weights are already resident; the KV pool takes what the static fraction leaves.
     budget = free - total * (1.0 - mem_fraction_static)
-    pages = int(budget // KVCache.bytes_per_page(cfg, kv_dtype))
+    pages = int(budget // KVCache.bytes_per_page(cfg, kv_dtype, kv_heads))
     if max_useful_tokens is not None:
         # A small model on a big GPU would otherwise get a pool of tens of millions of pages.
         pages = min(pages, -(-max_useful_tokens // page))
@@ -67,10 +69,11 @@ def plan_kv_budget(
     return KVBudget(pages, page)
 
 
-def leave_a_core_for_the_scheduler() -> None:
+def leave_a_core_for_the_scheduler(ranks: int = 1) -> None:
     """On CPU the executor thread's intra-op workers and the scheduler's event loop share the
-    cores; oversubscribed, every torch op slows several-fold (measured 3.5x on 2 cores)."""
-    threads = max(1, (os.cpu_count() or 2) - 1)
+    cores; oversubscribed, every torch op slows several-fold (measured 3.5x on 2 cores). The
+    `ranks` engine processes of a tensor-parallel engine share what is left."""
+    threads = max(1, ((os.cpu_count() or 2) - 1) // ranks)
     if torch.get_num_threads() > threads:
         log.info("CPU executor: torch intra-op threads %d -> %d", torch.get_num_threads(), threads)
         torch.set_num_threads(threads)

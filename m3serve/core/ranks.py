@@ -6,8 +6,8 @@ A length of -1 tells the followers to stop. A rank that dies breaks the broadcas
 rank (gloo: the peer's socket closes; NCCL: the communicator's timeout), so `follow` raises
 instead of waiting forever; the supervisor then fails the requests and ends the rest.
 
-Not wired into the engine yet: `EngineCore` still runs one rank (see README, "Deploy on a 4-GPU
-node").
+After each sampled step, `TokenShare` hands rank 0's tokens to the followers (its docstring says
+why). `EngineCore` sends (rank 0) and `engine/ranks.py` follows (ranks 1..N-1).
 """
 
 from __future__ import annotations
@@ -76,3 +76,30 @@ def follow(channel: PlanChannel, run: Callable[[StepPlan], object]) -> int:
         run(plan)
         steps += 1
     return steps
+
+
+class TokenShare:
+    """Rank 0's sampled tokens, and whether each ended its grammar, on every rank after each
+    step (one broadcast of a 2 x rows int64 tensor).
+
+    Every rank computes the same full logits, but only rank 0 holds the requests' grammars, and
+    a sampled (non-greedy) draw need not agree across processes; so the followers take rank 0's
+    tokens instead of their own. Their next decode inputs and the rows they drop as ended are
+    then exactly rank 0's, which keeps every rank's batches (and so the collectives) in step.
+    """
+
+    def __init__(self, ranks: RankGroup, device: torch.device | str = "cpu") -> None:
+        self.ranks = ranks
+        self.device = torch.device(device)
+
+    def share(self, tokens: list[int], ended: list[bool]) -> tuple[list[int], list[bool]]:
+        """Rank 0: its own `tokens` and `ended`, sent; a follower: rank 0's, in place of its own
+        (`ended` empty: no row is constrained)."""
+        flags = [int(e) for e in ended] if ended else [0] * len(tokens)
+        both = torch.tensor([tokens, flags], dtype=torch.int64, device=self.device)
+        try:
+            dist.broadcast(both, src=LEADER, group=self.ranks.group)
+        except RuntimeError as exc:
+            raise RankLost(f"rank {self.ranks.rank}: the token broadcast failed: {exc}") from exc
+        shared, flags = both.tolist()
+        return shared, [bool(f) for f in flags] if any(flags) else []

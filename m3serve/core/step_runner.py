@@ -6,6 +6,9 @@ draws each sampled row's token and keeps the per-slot state that lives on this t
 sampler's, the grammar matchers', the device table of each slot's last token (the next decode
 input, before the CPU has seen it) and which slots just sampled the token that ends their
 request. Everything here runs on the executor thread; the engine core plans on its event loop.
+
+With tensor parallelism every rank runs the same plans through its own StepRunner, and `share`
+makes each sampled step's tokens rank 0's on every rank (core/ranks.py `TokenShare`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from m3serve.core.hicache.copier import LayerLoad
 from m3serve.core.hicache.tier import HostTier
 from m3serve.core.matchers import GrammarMatchers
 from m3serve.core.piecewise import PiecewiseGraphs
+from m3serve.core.ranks import TokenShare
 from m3serve.core.sampler import Sampler
 from m3serve.model.batch import ForwardBatch
 from m3serve.model.kv_cache import KVCache
@@ -60,6 +64,7 @@ class StepRunner:
         self.host = host
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
+        self.share: TokenShare | None = None  # set by a tensor-parallel engine core
         self.last_tokens = torch.zeros(sampler.num_slots, dtype=torch.int64, device=self.device)
         # Each slot's stop ids, and the slots whose last sampled token ended their request
         # (their rows in a step planned before the CPU saw it are dropped).
@@ -126,9 +131,13 @@ class StepRunner:
         # After the launch, before the draw: on a GPU this host work overlaps the forward.
         allowed = self.matchers.fill(slots)
         tokens, logprobs = self.sampler.sample(logits, slots, allowed)
-        self.last_tokens[torch.tensor(slots, device=self.device)] = tokens
+        index = torch.tensor(slots, device=self.device)
+        self.last_tokens[index] = tokens
         ids = tokens.tolist()
         ended = self.matchers.accept(slots, ids)
+        if self.share is not None:  # every rank goes on with rank 0's tokens
+            ids, ended = self.share.share(ids, ended)
+            self.last_tokens[index] = torch.tensor(ids, device=self.device)
         self._note_ended(slots, ids, ended)
         return _result(plan.step, sampled, slots, ids, logprobs, ended)
 

@@ -3,6 +3,9 @@ with --enable-hierarchical-cache, the host-cache actor (engine/hicache.py), eith
 processes talking over ZeroMQ or as tasks in the caller's event loop over in-process mailboxes.
 Both give the caller the same `ActorGraph`.
 
+With --tp N the engine is N processes: the engine process is rank 0, and ranks 1..N-1 are
+follower processes (engine/ranks.py) that join its rank group and report Ready like any actor.
+
 Children are started with the `spawn` method: each imports what it needs (a tokenizer worker
 never imports torch), connects its mailboxes, serves until Shutdown, and exits on its own if the
 parent process dies.
@@ -35,12 +38,14 @@ from m3serve.engine.hicache import (
     hicache_in_process,
     wants_hicache,
 )
+from m3serve.engine.ranks import follower_name, rank_addresses, serve_follower
 from m3serve.runtime.actor import Actor
 from m3serve.runtime.codec import Codec
 from m3serve.runtime.config import ServerArgs
 from m3serve.runtime.messages import (
     Error,
     FromHiCache,
+    RankAddress,
     Ready,
     Shutdown,
     ToApi,
@@ -171,7 +176,7 @@ async def start_processes(args: ServerArgs, model_path: Path, supervisor: Superv
     if addresses.hicache is not None:
         supervisor.spawn(HICACHE, hicache_process, addresses, args, session, level)
         hicache = ZmqOutbox(addresses.hicache, Codec(ToHiCache))
-    supervisor.spawn("engine", engine_process, addresses, model_path, args, level, metric_files)
+    _spawn_engine(supervisor, addresses, model_path, args, level, metric_files)
     for i in range(workers):
         supervisor.spawn(
             f"tokenizer{i}", tokenizer_process, addresses, i, model_path, args, session, level
@@ -193,6 +198,25 @@ async def start_processes(args: ServerArgs, model_path: Path, supervisor: Superv
         await graph.shutdown()
         raise
     return graph
+
+
+def _spawn_engine(
+    supervisor: Supervisor,
+    addresses: Addresses,
+    model_path: Path,
+    args: ServerArgs,
+    level: int,
+    metric_files: Path,
+) -> None:
+    """The engine process, and with --tp N the follower ranks beside it."""
+    tp = args.parallel.tp_size
+    ranks: list[RankAddress | None] = [*rank_addresses(tp)] if tp > 1 else [None]
+    engine = (addresses, model_path, args, level, metric_files, ranks[0])
+    supervisor.spawn("engine", engine_process, *engine)
+    for rank in ranks[1:]:
+        assert rank is not None
+        follower = (addresses.control, model_path, args, level, rank)
+        supervisor.spawn(follower_name(rank.rank), follower_process, *follower)
 
 
 async def start_in_process(
@@ -287,6 +311,7 @@ def engine_process(
     args: ServerArgs,
     log_level: int,
     metric_files: Path,
+    rank: RankAddress | None = None,
 ) -> None:
     _write_metrics_to(metric_files)
     from m3serve.actors.scheduler import SchedulerActor
@@ -302,10 +327,18 @@ def engine_process(
             args,
             model_path,
             hicache=hicache,
+            rank=rank,
         )
         await actor.serve()
 
     _run("engine", main(), log_level)
+
+
+def follower_process(
+    control: str, model_path: Path, args: ServerArgs, log_level: int, rank: RankAddress
+) -> None:
+    """Rank 1..N-1 of a --tp N engine (engine/ranks.py)."""
+    _run(follower_name(rank.rank), serve_follower(control, model_path, args, rank), log_level)
 
 
 def hicache_process(addresses: Addresses, args: ServerArgs, session: str, log_level: int) -> None:

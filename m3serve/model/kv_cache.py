@@ -53,10 +53,12 @@ class KVCache:
         return cls(layers=layers, num_pages=num_pages, page_size=cfg.page_size)
 
     @staticmethod
-    def bytes_per_page(cfg: TextConfig, dtype: torch.dtype) -> int:
+    def bytes_per_page(cfg: TextConfig, dtype: torch.dtype, kv_heads: int | None = None) -> int:
+        """One page's bytes over every layer; `kv_heads`: this rank's KV heads (default all)."""
         item = torch.empty((), dtype=dtype).element_size()
+        kv_size = (kv_heads or cfg.num_kv_heads) * cfg.head_dim
         per_token = sum(
-            2 * cfg.kv_size + (cfg.index_head_dim if cfg.is_sparse(i) else 0)
+            2 * kv_size + (cfg.index_head_dim if cfg.is_sparse(i) else 0)
             for i in range(cfg.num_layers)
         )
         return per_token * cfg.page_size * item

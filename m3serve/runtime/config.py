@@ -470,9 +470,12 @@ _PLANNED: tuple[tuple[type, str], ...] = (
     (SpecArgs, "speculative decoding is not built yet"),
     (KernelArgs, "this kernel option is not built yet"),
 )
-# Planned-section settings that already hold in this build (nothing to refuse).
+# Planned-section settings that already hold in this build (nothing to refuse). --tp / --ep run
+# as engine ranks; where they cannot (GPUs, --single-process) engine/checks.py says so at start.
 _HONOURED = frozenset(
     {
+        "tp_size",
+        "ep_size",
         "disable_cuda_graph",
         "skip_warmup",
         "cuda_graph_max_bs_decode",

@@ -1,8 +1,9 @@
 """Every message that crosses an actor boundary, as msgspec Structs, grouped by channel.
 
 Channels: API → tokenizer, tokenizer → scheduler, scheduler → tokenizer, tokenizer → API,
-scheduler ↔ engine core (in-process), engine ↔ host cache, control (any actor → supervisor). Each
-channel has a tagged union type its receiver decodes. Request messages carry their `rid`; an
+launcher → engine ranks (spawn arguments), scheduler ↔ engine core (in-process), engine ↔ host
+cache, control (any actor → supervisor). Each channel has a tagged union type its receiver
+decodes. Request messages carry their `rid`; an
 `Error` with a rid fails that request, an `Error` without one means the sender is going down.
 """
 
@@ -224,6 +225,18 @@ class Error(msgspec.Struct, tag=True, array_like=True):
 
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
+
+
+# ---------------------------------------------------------------- launcher -> engine ranks
+
+
+class RankAddress(msgspec.Struct, array_like=True, frozen=True):
+    """Where one engine process of a tensor-parallel group joins it (launcher -> each rank):
+    its rank of `size`, and the TCP rendezvous port on 127.0.0.1 the launcher chose."""
+
+    rank: int
+    size: int
+    port: int
 
 
 # ---------------------------------------------------------------- scheduler <-> engine core
