@@ -90,9 +90,10 @@ def test_serve_help_groups_flags_by_section_and_lists_unbuilt_ones_apart() -> No
     at = [text.index(f"\n{title}\n") for title in [*titles, "not built yet:"]]
     assert at == sorted(at)  # every built section comes before the unbuilt flags
     built, unbuilt = text[: at[-1]], text[at[-1] :]
-    for flag in ("--tp", "--speculative-algorithm", "--monokernel-backend"):
+    for flag in ("--speculative-algorithm", "--monokernel-backend"):
         assert flag in unbuilt and f"[{flag}" in built  # listed apart; the usage line has all
     assert "--disable-cuda-graph" not in unbuilt  # a kernel flag this build honours
+    assert "--tp" not in unbuilt and "--ep" not in unbuilt  # engine ranks are built
     assert "--enable-hierarchical-cache" not in unbuilt  # HiCache is built
     assert "--cuda-graph-backend-prefill" not in unbuilt
     assert "(default: 30000)" in help_entry(built, "--port")

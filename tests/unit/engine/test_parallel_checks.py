@@ -1,6 +1,6 @@
 """--tp / --ep at start: sizes below 1 fail when the flags are parsed; what this model, these
 devices or --tp cannot run fails in the start-up checks with one message naming every problem;
-and until the engine runs ranks, any --tp or --ep above 1 is refused as not built."""
+--tp above 1 runs on the CPU only, as engine processes, and without HiCache."""
 
 from __future__ import annotations
 
@@ -51,9 +51,19 @@ def test_more_ranks_than_gpus_is_refused(monkeypatch: pytest.MonkeyPatch) -> Non
         check_parallel(ServerArgs.from_kwargs(tp_size=4), REAL, torch.device("cuda"))
 
 
-def test_tp_and_ep_stay_refused_until_the_engine_runs_ranks() -> None:
+def test_tp_and_ep_are_built() -> None:
     args = ServerArgs.from_kwargs(tp_size=4, ep_size=4)
-    problems = args.unsupported()
-    assert any(p.startswith("--tp 4") for p in problems)
-    assert any(p.startswith("--ep 4") for p in problems)
+    assert args.unsupported() == []
     assert dataclasses.replace(args, parallel=ParallelArgs()).unsupported() == []
+
+
+def test_what_ranks_cannot_do_yet_is_refused_in_the_one_message() -> None:
+    args = ServerArgs.from_kwargs(
+        tp_size=4, ep_size=3, single_process=True, enable_hierarchical_cache=True
+    )
+    with pytest.raises(ConfigInvalid) as info:
+        check_parallel(args, REAL, torch.device("cuda"))
+    message = str(info.value)
+    assert message.startswith("--tp 4 --ep 3 cannot run this model: ")
+    for part in ("--ep 3 must divide", "CPU (gloo) only", "--single-process", "hierarchical"):
+        assert part in message
