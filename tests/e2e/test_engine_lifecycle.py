@@ -94,8 +94,8 @@ def test_start_up_failure_names_the_problem(tmp_path: Path, model_path: Path) ->
         Engine(str(broken), startup_timeout=60)
     with pytest.raises(ModelNotFound, match="not a local directory"):
         Engine(str(tmp_path / "missing"))
-    with pytest.raises(ConfigInvalid, match="this build cannot honour: --tp 4"):
-        Engine(str(model_path), tp_size=4)
+    with pytest.raises(ConfigInvalid, match="--tp 3 --ep 1 cannot run this model: "):
+        Engine(str(model_path), tp_size=3)
 
 
 def test_skip_tokenizer_init_serves_token_ids_only(model_path: Path, tmp_path: Path) -> None:
