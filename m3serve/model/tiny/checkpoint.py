@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from m3serve.kernels import quant
 from m3serve.model.config import ModelConfig, parse_model_config
 from m3serve.model.inventory import TensorSpec, text_inventory
+from m3serve.model.tiny.dspark import write_tiny_dspark
 from m3serve.model.tiny.tokenizer import special_token_ids, write_tokenizer_files
 from m3serve.runtime.config import option
 
@@ -51,6 +52,9 @@ class TinySpec:
     quant: QuantMode = option("none", "modelopt-mixed: MXFP8 projections, NVFP4 experts")
     seed: int = option(0, "random seed; the same seed writes byte-identical files")
     shards: int = option(1, "number of safetensors shards (>1 writes an index file)")
+    dspark: bool = option(False, "also write a random DSpark draft into dspark/")
+    dspark_layers: int = option(2, "DSpark draft decoder layers (the real draft has 5)")
+    dspark_window: int = option(16, "DSpark draft attention window (sliding_window)")
 
     def __post_init__(self) -> None:
         if self.quant == "modelopt-mixed":
@@ -170,6 +174,8 @@ def make_tiny(out_dir: str | Path, spec: TinySpec | None = None) -> Path:
     (out / "config.json").write_text(json.dumps(spec.config(), indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(_generation_config(spec), indent=2))
     write_tokenizer_files(out, spec.vocab_size)
+    if spec.dspark:
+        write_tiny_dspark(out, spec)
     return out
 
 
