@@ -66,6 +66,14 @@ messages in `errors` and in no latency metric; completed ones with fewer output 
 asked count in `short_outputs`. The client's own CPU share is reported: near 100% of a core the
 client, not the server, is what is measured.
 
+Client processes (`--client-procs N`, default 1: all in this process). A level's closed-loop
+workers (C // N each, the prompts in proportion) or open-loop arrivals (one Poisson schedule,
+request i to process i % N) are split over N spawned processes, each running the same async loop
+on its share after its own warm-up and a barrier; their RequestRecords come back here and every
+statistic is computed over all of them as for one process, T from the first send to the last
+stream's end in any process (serving/procs.py). `client_cpu_util` is then the sum over the
+processes, `client_cpu_util_max` the busiest one's, `client_procs` how many ran (at most C).
+
 Against aiperf's and guidellm's own metric code (aiperf metrics/types/, guidellm
 schemas/request_stats.py; both stamp content-bearing chunks only, as here):
 TTFT is aiperf's `time_to_first_token` and guidellm's `time_to_first_token_ms`; E2E is aiperf's
@@ -149,7 +157,9 @@ async def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
     results = []
     for level, warm, prompts, arrivals in plans:
         level |= {"num_requests": len(prompts), "output_len": args.output_len}
-        result = await run_level(url, headers, timeout, target, level, warm, prompts, arrivals)
+        result = await run_level(
+            url, headers, timeout, target, level, warm, prompts, arrivals, args.client_procs
+        )
         print_level(result)
         results.append(result)
     report = {"model": model, "prompt_tokens_source": maker.source, "levels": results}
@@ -200,6 +210,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "num_requests": args.num_requests,
             "warmup_requests": args.warmup_requests,
             "seed": args.seed,
+            "client_procs": args.client_procs,
             "decode_probe": args.decode_probe,
             "decode_probe_output_len": args.decode_probe_output_len,
         },

@@ -76,6 +76,13 @@ def parse_args(description: str, argv: Sequence[str] | None = None) -> argparse.
     load.add_argument(
         "--decode-probe-output-len", type=positive, help="its output tokens [4 x output-len]"
     )
+    load.add_argument(
+        "--client-procs",
+        type=positive,
+        default=1,
+        metavar="N",
+        help="split each level's workers / arrivals over N client processes [1]",
+    )
     load.add_argument("--request-timeout", type=float, default=600.0, help="seconds [600]")
     data = parser.add_argument_group("requests")
     data.add_argument("--input-len", type=positive, help="prompt tokens [1024]")

@@ -18,9 +18,12 @@ def _ms(value: float | None) -> str:
 
 
 def print_level(r: dict[str, Any]) -> None:
+    cpu = f"client CPU {r['client_cpu_util']:.0%}"
+    if "client_procs" in r:  # --client-procs: the sum, and the busiest process
+        cpu += f" over {r['client_procs']} processes, at most {r['client_cpu_util_max']:.0%}"
     print(
         f"== {level_name(r)}: {r['num_requests']} requests, {r['completed']} ok, "
-        f"{r['failed']} failed, {r['duration_s']:.2f} s, client CPU {r['client_cpu_util']:.0%}"
+        f"{r['failed']} failed, {r['duration_s']:.2f} s, {cpu}"
     )
     print(
         f"requests/s {r['request_throughput']:.2f} | input tokens/s "
@@ -45,8 +48,9 @@ def print_level(r: dict[str, Any]) -> None:
         print(f"  {count} x {error}")
     if r["short_outputs"]:
         print(f"  {r['short_outputs']} completed requests had fewer than {r['output_len']} tokens")
-    if r["client_cpu_util"] > 0.8 and r["duration_s"] > 1.0:  # shorter runs: too noisy to say
-        print("  warning: the client used most of a CPU core; it may limit what is measured")
+    busiest = r.get("client_cpu_util_max", r["client_cpu_util"])
+    if busiest > 0.8 and r["duration_s"] > 1.0:  # shorter runs: too noisy to say
+        print("  warning: a client process used most of a CPU core; it may limit what is measured")
     print(flush=True)
 
 

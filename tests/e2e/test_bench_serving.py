@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from server_process import start_m3serve
 from serving.client import RequestRecord, StreamParser
 from serving.options import SMOKE
 from serving.probe import add_efficiency, summarize_probe, window
@@ -205,3 +206,42 @@ def test_smoke_run_reports_every_level_with_sane_values(tmp_path: Path) -> None:
     assert "concurrency 4" in run.stdout and "TTFT" in run.stdout
     png = out.with_suffix(".png")
     assert png.is_file() or "matplotlib is not installed" in run.stdout
+
+
+def test_smoke_over_two_client_processes_counts_as_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One server for both runs; the same seed gives both the same prompts.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("OUT", raising=False)
+    served = start_m3serve()
+    try:
+        reports = []
+        for procs in (1, 2):
+            out = tmp_path / f"procs{procs}.json"
+            command = [sys.executable, str(SCRIPT), "--smoke", "--url", served.url]
+            command += ["--client-procs", str(procs), "--out", str(out)]
+            run = subprocess.run(
+                command, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
+            )
+            assert run.returncode == 0, run.stdout + run.stderr
+            reports.append(json.loads(out.read_text()))
+    finally:
+        served.stop()
+    one, two = (r["levels"] for r in reports)
+    assert reports[1]["config"]["client_procs"] == 2
+    counts = ("num_requests", "completed", "failed", "short_outputs")
+    tokens = ("prompt_text_tokens", "input_tokens", "output_tokens")
+    for a, b in zip(one, two, strict=True):
+        assert (a["mode"], a[a["mode"]]) == (b["mode"], b[b["mode"]])
+        assert [a[k] for k in counts] == [b[k] for k in counts], b["mode"]
+        for key in tokens:
+            assert a[key] == b[key], (b["mode"], key)
+        assert sorted(r["completion_tokens"] for r in a["requests"]) == sorted(
+            r["completion_tokens"] for r in b["requests"]
+        )
+        assert "client_procs" not in a
+        split = b["mode"] != "concurrency" or b["concurrency"] > 1  # concurrency 1: one process
+        assert b.get("client_procs") == (2 if split else None), b
+        if split:
+            assert 0 < b["client_cpu_util_max"] <= b["client_cpu_util"]
