@@ -170,8 +170,8 @@ class EngineCore:
                 self._warm_up(args, context, slots)
         # ------------------------------------------------------------------ CUDA graphs
         with self.startup.phase("CUDA graphs"):
-            self.graphs = self.runner.graphs = self._capture_graphs(args, context, slots)
-            self.piecewise = self.runner.piecewise = self._capture_piecewise(args, slots)
+            self.runner.graphs = self._capture_graphs(args, context, slots)
+            self.runner.piecewise = self._capture_piecewise(args, slots)
         # ------------------------------------------------------------------ scheduler
         radix = not args.cache.disable_radix_cache
         budget = self._mixed_budget(args, slots)
@@ -195,14 +195,15 @@ class EngineCore:
 
     def info(self) -> dict[str, Any]:
         """What the engine learned at start, for clients (published with Ready)."""
+        graphs, piecewise = self.runner.graphs, self.runner.piecewise
         return {
             "max_total_tokens": self.budget.tokens,
             "page_size": self.budget.page_size,
             "backend": self.backend.name,
             "dtype": str(self.model.dtype).removeprefix("torch."),
             "device": str(self.device),
-            "cuda_graph_bs": self.graphs.sizes if self.graphs else [],
-            "piecewise_cuda_graph_tokens": self.piecewise.sizes if self.piecewise else [],
+            "cuda_graph_bs": graphs.sizes if graphs else [],
+            "piecewise_cuda_graph_tokens": piecewise.sizes if piecewise else [],
             "hicache_host_pages": self.host.pool.num_pages if self.host else 0,
             "tp_size": self.ranks.size,
         }
@@ -415,7 +416,8 @@ class EngineCore:
         if self.ranks.size > 1:  # timed on rank 0 alone, its forwards would wait on the others
             return None
         page = self.budget.page_size
-        sizes = self.graphs.sizes if self.graphs else [1, 8, 32, 64, 128]
+        graphs = self.runner.graphs
+        sizes = graphs.sizes if graphs else [1, 8, 32, 64, 128]
         with self.startup.phase("step cost"):
             cost = measure_step_cost(
                 self.runner.time_step,
@@ -465,7 +467,7 @@ class EngineCore:
         self.trace.close()
         if self.grammar is not None:
             self.grammar.close()
-        del self.runner, self.graphs, self.piecewise, self.kv, self.model, self.loaded
+        del self.runner, self.kv, self.model, self.loaded
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 

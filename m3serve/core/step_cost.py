@@ -95,14 +95,9 @@ def measure_step_cost(
             for i in range(size)
         ]
         decode_ms[size] = best_ms(lambda seqs=seqs: forward(seqs), sync)
+    longest = min(max_step_tokens, num_pages * page)
     prefill_ms = {}
-    for length in PREFILL_LENGTHS:
-        if length > min(max_step_tokens, num_pages * page):
-            break
+    for length in [n for n in PREFILL_LENGTHS if n <= longest] or [longest]:
         seq = SeqStep([1] * length, 0, list(range(-(-length // page))))
         prefill_ms[length] = best_ms(lambda seq=seq: forward([seq]), sync)
-    if not prefill_ms:
-        length = min(max_step_tokens, num_pages * page)
-        seq = SeqStep([1] * length, 0, list(range(-(-length // page))))
-        prefill_ms[length] = best_ms(lambda: forward([seq]), sync)
     return StepCost(decode_ms, fit_per_token(prefill_ms))

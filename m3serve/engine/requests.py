@@ -145,11 +145,3 @@ def generate_requests(
             req.input_ids = TokenIds(len(item), np.asarray(item, dtype=np.int32))
         reqs.append(req)
     return reqs, single
-
-
-def _only(reqs: list[GenerateReq], single: bool) -> GenerateReq:
-    if not single:
-        raise ValueError("stream=True takes one prompt")
-    req = reqs[0]
-    req.stream = True
-    return req

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pydantic
 import pytest
-from helpers.sdk_server import API_KEY, Server, start_server
+from helpers.sdk_server import API_KEY, Server, bearer_client, sdk_client, start_server
 from openai.types.responses import Response, ResponseStreamEvent
 
 SMALL = 12
@@ -45,14 +45,13 @@ def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 @pytest.fixture(scope="module")
 def client(server: Server) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0) as sdk:
+    with sdk_client(server) as sdk:
         yield sdk
 
 
 @pytest.fixture(scope="module")
 def http_client(server: Server) -> Iterator[httpx.Client]:
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    with httpx.Client(base_url=server.url, headers=headers, timeout=60.0) as plain:
+    with bearer_client(server) as plain:
         yield plain
 
 

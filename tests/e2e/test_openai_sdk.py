@@ -21,7 +21,14 @@ import httpx
 import openai
 import pytest
 from helpers.metrics_text import samples
-from helpers.sdk_server import API_KEY, MAX_REQUEST_BYTES, Server, start_server
+from helpers.sdk_server import (
+    API_KEY,
+    MAX_REQUEST_BYTES,
+    Server,
+    bearer_client,
+    sdk_client,
+    start_server,
+)
 from helpers.serve_process import descendants
 
 SMALL = 12  # max_tokens for most requests: enough text to compare, cheap on CPU
@@ -43,14 +50,13 @@ def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 @pytest.fixture(scope="module")
 def client(server: Server) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0) as sdk:
+    with sdk_client(server) as sdk:
         yield sdk
 
 
 @pytest.fixture(scope="module")
 def http(server: Server) -> Iterator[httpx.Client]:
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    with httpx.Client(base_url=server.url, headers=headers, timeout=60.0) as plain:
+    with bearer_client(server) as plain:
         yield plain
 
 

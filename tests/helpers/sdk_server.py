@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from helpers.serve_process import alive, descendants, free_port
@@ -89,3 +90,14 @@ def start_server(model_path: Path, log: Path, extra: Sequence[str] = ()) -> Serv
         time.sleep(0.1)
     server.stop()
     pytest.fail(f"m3serve serve was not healthy within {START_TIMEOUT_S}s\n{server.log_tail()}")
+
+
+def sdk_client(server: Server) -> openai.OpenAI:
+    """The official client on the server's API key, without retries (a test sees each error)."""
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+
+
+def bearer_client(server: Server) -> httpx.Client:
+    """Plain httpx with the API key, for what the SDK hides."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    return httpx.Client(base_url=server.url, headers=headers, timeout=60.0)
