@@ -103,6 +103,16 @@ class TokenLogprob(msgspec.Struct, array_like=True, frozen=True):
 # ---------------------------------------------------------------- API -> tokenizer
 
 
+class MediaBlob(msgspec.Struct, array_like=True, frozen=True):
+    """One image or video of a request, fetched and size-checked by the API, still encoded (PNG,
+    JPEG, MP4, ...). A chat message's media part is replaced by `{"type": kind, "media": i}`
+    with i its index in `GenerateReq.media`, so the template renders its placeholder in order."""
+
+    kind: Literal["image", "video"]
+    data: bytes
+    max_long_side_pixel: int | None = None
+
+
 class GenerateReq(msgspec.Struct, tag=True, kw_only=True, array_like=True):
     rid: str
     prompt: str | None = None
@@ -117,6 +127,7 @@ class GenerateReq(msgspec.Struct, tag=True, kw_only=True, array_like=True):
     # Text appended after the rendered chat prompt: the start of the answer the model must
     # continue.
     assistant_prefix: str | None = None
+    media: list[MediaBlob] = msgspec.field(default_factory=list)
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):
@@ -144,6 +155,19 @@ class DetokenizeReq(msgspec.Struct, tag=True, array_like=True):
 # ---------------------------------------------------------------- tokenizer -> scheduler
 
 
+class MediaInput(msgspec.Struct, array_like=True, frozen=True):
+    """One preprocessed image or video: its patches (float32 [patches, 1176], merge-window-major)
+    in shared memory, and where its placeholder tokens sit in the prompt. The vision features
+    (one row per placeholder token) replace those positions' embeddings, in order. An image is
+    one span; a video has one per temporal patch (timestamps and frame markers between them)."""
+
+    kind: Literal["image", "video"]
+    pixels: ShmRef
+    grids: list[tuple[int, int, int]]  # (t, h, w) in patches per attention segment
+    spans: list[tuple[int, int]]  # (offset in input_ids, placeholder count); counts sum to rows
+    content_hash: int  # of the pixels: the prefix cache keys these positions by it
+
+
 class Tokenized(msgspec.Struct, tag=True, kw_only=True, array_like=True):
     rid: str
     input_ids: TokenIds
@@ -152,6 +176,7 @@ class Tokenized(msgspec.Struct, tag=True, kw_only=True, array_like=True):
     max_new_tokens: int  # resolved: the request's own, or what the context leaves
     fit_to_pool: bool  # no explicit limit: the scheduler may lower it to what the KV pool holds
     worker: int  # the tokenizer worker that owns this request's detokenization
+    media: list[MediaInput] = msgspec.field(default_factory=list)
 
 
 # ---------------------------------------------------------------- scheduler -> tokenizer
