@@ -149,3 +149,20 @@ def test_block_accepts_strictly_more_when_a_later_ratio_makes_up_for_an_earlier_
     assert abs(blockwise.accept_len.float().mean().item() - 1.0) < 0.03
     assert torch.equal(blockwise.accept_len, 2 * (second == 0).long())
     assert abs(blockwise.tokens[:, 0].float().mean().item() - 0.5) < 0.03
+
+
+@settings(max_examples=60, deadline=None)
+@given(_cases())
+def test_one_hot_draft_none_equals_explicit_one_hot_probs(case: tuple[torch.Tensor, ...]) -> None:
+    """draft_probs=None (never materialized) is exactly an explicit one-hot q."""
+    draft, target_probs, _, uniforms = case
+    one_hot = torch.nn.functional.one_hot(draft, target_probs.shape[2]).float()
+    for method in METHODS:
+        implicit = verify_sampled(
+            draft, target_probs, None, uniforms, method, torch.Generator().manual_seed(4)
+        )
+        explicit = verify_sampled(
+            draft, target_probs, one_hot, uniforms, method, torch.Generator().manual_seed(4)
+        )
+        assert torch.equal(implicit.accept_len, explicit.accept_len)
+        assert torch.equal(implicit.tokens, explicit.tokens)
