@@ -13,12 +13,17 @@ from m3serve.core.spec.verify import PAD, Method, verify_sampled
 from .markov import propose, random_chain
 
 METHODS: tuple[Method, ...] = ("tokenwise", "block")
+# The references compute in float64, the code in float32: a coin this close to its threshold
+# may fall either way, so such a row is not compared (it happens about once in 10^5 coins).
+_NEAR = 1e-5
 
 
-def _tokenwise_reference(p: list[float], q: list[float], u: list[float]) -> int:
+def _tokenwise_reference(p: list[float], q: list[float], u: list[float]) -> int | None:
     """Drafts kept: stop at the first i with u_i >= p_i(d_i) / q_i(d_i)."""
     kept = 0
     for p_d, q_d, coin in zip(p, q, u, strict=True):
+        if abs(coin * q_d - p_d) < _NEAR:
+            return None
         if not coin * q_d < p_d:
             break
         kept += 1
@@ -31,7 +36,7 @@ def _block_reference(
     p_next: list[list[float]],
     q_next: list[list[float]],
     u: list[float],
-) -> int:
+) -> int | None:
     """τ of block verification, written out from Sun et al. 2024 one position at a time."""
     gamma = len(p_d)
     weight, tau = 1.0, 0
@@ -44,6 +49,8 @@ def _block_reference(
             mass = sum(max(weight * a - b, 0.0) for a, b in zip(p_next[i], q_next[i], strict=True))
             denom = mass + 1.0 - weight
             h = mass / denom if denom > 0 else 1.0
+        if abs(u[i] - h) < _NEAR:
+            return None
         if u[i] < h:
             tau = i + 1
     return tau
@@ -74,8 +81,12 @@ def test_accept_lengths_match_plain_python_references(case: tuple[torch.Tensor, 
         p_next = target_probs[b, 1:gamma].tolist()
         q_next = draft_probs[b, 1:gamma].tolist()
         coins = uniforms[b].tolist()
-        assert int(tokenwise.accept_len[b]) == _tokenwise_reference(p_d, q_d, coins)
-        assert int(block.accept_len[b]) == _block_reference(p_d, q_d, p_next, q_next, coins)
+        want_tokenwise = _tokenwise_reference(p_d, q_d, coins)
+        if want_tokenwise is not None:
+            assert int(tokenwise.accept_len[b]) == want_tokenwise
+        want_block = _block_reference(p_d, q_d, p_next, q_next, coins)
+        if want_block is not None:
+            assert int(block.accept_len[b]) == want_block
         for verdict in (tokenwise, block):
             kept = int(verdict.accept_len[b])
             assert verdict.tokens[b, :kept].tolist() == d[:kept]
