@@ -57,37 +57,65 @@ async def _read_capped(response: httpx.Response, policy: MediaPolicy) -> bytes:
     return bytes(body)
 
 
-def _pinned_request(url: httpx.URL, address: str) -> tuple[httpx.URL, dict[str, str], dict]:
-    host = url.raw_host.decode("ascii")
+def _redirect_target(url: httpx.URL, location: str) -> httpx.URL:
+    try:
+        target = url.join(location)
+    except (httpx.InvalidURL, TypeError, ValueError) as exc:
+        raise MediaError("media URL redirected to something that is not an http(s) URL") from exc
+    return parse_http_url(target)
+
+
+def _pinned_request(url: httpx.URL, address: str, policy: MediaPolicy) -> httpx.Request:
+    """A GET for `url` sent to `address`: the name stays in Host and, for https, in SNI (and so
+    in the certificate check)."""
     headers = {
         "Host": url.netloc.decode("ascii"),
         "Accept-Encoding": "identity",
         "User-Agent": _USER_AGENT,
     }
-    extensions = {"sni_hostname": host} if url.scheme == "https" else {}
-    return url.copy_with(host=address), headers, extensions
+    extensions: dict[str, object] = {"timeout": httpx.Timeout(policy.timeout_s).as_dict()}
+    if url.scheme == "https":
+        extensions["sni_hostname"] = url.raw_host.decode("ascii")
+    return httpx.Request("GET", url.copy_with(host=address), headers=headers, extensions=extensions)
+
+
+async def _answer(
+    url: httpx.URL, response: httpx.Response, policy: MediaPolicy
+) -> bytes | httpx.URL:
+    if response.status_code in _REDIRECTS:
+        location = response.headers.get("location")
+        if not location:
+            raise MediaError("media URL redirected without a Location")
+        return _redirect_target(url, location)
+    if not 200 <= response.status_code < 300:
+        raise MediaError(f"media URL answered HTTP {response.status_code}")
+    _check_headers(response, policy)
+    return await _read_capped(response, policy)
+
+
+async def _request(url: httpx.URL, address: str, policy: MediaPolicy) -> bytes | httpx.URL:
+    # The transport itself, not a client: no redirect handling of httpx's own, no proxy from
+    # the environment (which would resolve the name again), and a fresh pool per hop, so no
+    # connection made for one name serves another.
+    async with httpx.AsyncHTTPTransport(retries=0) as transport:
+        response = await transport.handle_async_request(_pinned_request(url, address, policy))
+        try:
+            return await _answer(url, response, policy)
+        finally:
+            await response.aclose()
 
 
 async def _hop(url: httpx.URL, policy: MediaPolicy) -> bytes | httpx.URL:
-    """One request: the body, or where a redirect points."""
+    """One request: the body, or where a redirect points. The checked addresses are tried in
+    order until one accepts the connection (localhost may answer on 127.0.0.1 but not ::1)."""
     port = url.port or _DEFAULT_PORTS[url.scheme]
-    address = await resolve_checked(url.raw_host.decode("ascii"), port, policy)
-    target, headers, extensions = _pinned_request(url, str(address))
-    # A client per hop: no pooled connection is reused across hosts, and no proxy from the
-    # environment (which would resolve the name itself) is used.
-    async with (
-        httpx.AsyncClient(trust_env=False, follow_redirects=False, timeout=policy.timeout_s) as c,
-        c.stream("GET", target, headers=headers, extensions=extensions) as response,
-    ):
-        if response.status_code in _REDIRECTS:
-            location = response.headers.get("location")
-            if not location:
-                raise MediaError("media URL redirected without a Location")
-            return url.join(location)
-        if not 200 <= response.status_code < 300:
-            raise MediaError(f"media URL answered HTTP {response.status_code}")
-        _check_headers(response, policy)
-        return await _read_capped(response, policy)
+    addresses = await resolve_checked(url.raw_host.decode("ascii"), port, policy)
+    for address in addresses[:-1]:
+        try:
+            return await _request(url, str(address), policy)
+        except httpx.ConnectError:
+            continue
+    return await _request(url, str(addresses[-1]), policy)
 
 
 async def fetch_http(url: str, policy: MediaPolicy) -> bytes:
@@ -101,5 +129,5 @@ async def fetch_http(url: str, policy: MediaPolicy) -> bytes:
             raise MediaError(f"could not fetch media from {host!r}: {type(exc).__name__}") from exc
         if isinstance(result, bytes):
             return result
-        current = parse_http_url(result)
+        current = result
     raise MediaError(f"media URL redirected more than {policy.max_redirects} times")

@@ -57,32 +57,51 @@ def _inside(path: Path, root: Path) -> bool:
     return path == root or root in path.parents
 
 
+_OUTSIDE = "file:// URL is outside the allowed local media directory"
+
+
+def _read_up_to(fd: int, limit: int) -> bytes:
+    # read() may return less than asked, even on a regular file.
+    parts: list[bytes] = []
+    size = 0
+    while size < limit and (part := os.read(fd, limit - size)):
+        parts.append(part)
+        size += len(part)
+    return b"".join(parts)
+
+
+def _check_opened(fd: int, root: Path, max_bytes: int) -> None:
+    opened = Path(f"/proc/self/fd/{fd}")
+    if opened.exists() and not _inside(Path(os.readlink(opened)), root):
+        # A directory above the file was swapped for a link since resolve().
+        raise MediaError(_OUTSIDE)
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        raise MediaError("file:// URL does not name a regular file")
+    if info.st_size > max_bytes:
+        raise MediaError(
+            f"file is {info.st_size} bytes, above the limit of {max_bytes} (--max-media-bytes)"
+        )
+
+
 def _read_confined(path: Path, root: Path, max_bytes: int) -> bytes:
-    refused = MediaError("file:// URL is outside the allowed local media directory")
     try:
         real = path.resolve(strict=True)
     except (OSError, RuntimeError) as exc:
         raise MediaError("file:// URL names no readable file") from exc
     if not _inside(real, root):
-        raise refused
+        raise MediaError(_OUTSIDE)
     # O_NOFOLLOW: the last component cannot have become a link since resolve(); O_NONBLOCK:
     # a FIFO swapped in does not hang the open.
     try:
         fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
         raise MediaError("file:// URL names no readable file") from exc
-    with os.fdopen(fd, "rb") as f:
-        opened = Path(f"/proc/self/fd/{fd}")
-        if opened.exists() and not _inside(Path(os.readlink(opened)), root):
-            raise refused  # a directory above it was swapped for a link meanwhile
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise MediaError("file:// URL does not name a regular file")
-        if info.st_size > max_bytes:
-            raise MediaError(
-                f"file is {info.st_size} bytes, above the limit of {max_bytes} (--max-media-bytes)"
-            )
-        data = f.read(max_bytes + 1)
+    try:
+        _check_opened(fd, root, max_bytes)
+        data = _read_up_to(fd, max_bytes + 1)
+    finally:
+        os.close(fd)
     if len(data) > max_bytes:
         raise MediaError(f"file is larger than the limit of {max_bytes} bytes (--max-media-bytes)")
     return data

@@ -32,17 +32,17 @@ async def _lookup(host: str, port: int) -> list[IPAddress]:
     return addresses
 
 
-async def resolve_checked(host: str, port: int, policy: MediaPolicy) -> IPAddress:
-    """The address to connect to for `host`. Every address the name resolves to must pass
-    (a name with one private answer among public ones is refused: which one a client would
-    pick is not ours to guess), unless the host is in the policy's allowed domains."""
+async def resolve_checked(host: str, port: int, policy: MediaPolicy) -> list[IPAddress]:
+    """The addresses to connect to for `host`, in resolver order. Every address the name
+    resolves to must pass (a name with one private answer among public ones is refused: which
+    one a client would pick is not ours to guess), unless the host is an allowed domain."""
     name = normalize_host(host)
     allowed = policy.host_allowed(name)
     if name in METADATA_HOSTS and not allowed:
         raise MediaError(f"media URL host {name!r} is a cloud metadata service; {_FLAG_HINT}")
     addresses = await _lookup(name, port)
     if allowed:
-        return addresses[0]
+        return addresses
     for ip in addresses:
         reason = refusal_reason(ip)
         if reason is not None:
@@ -51,4 +51,4 @@ async def resolve_checked(host: str, port: int, policy: MediaPolicy) -> IPAddres
                 f"media URL host {name!r} resolves to {reason}, which media fetches may not "
                 f"reach; {_FLAG_HINT}"
             )
-    return addresses[0]
+    return addresses
