@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import ssl
 import struct
 import zlib
 from collections import Counter
@@ -56,8 +57,8 @@ class MediaServer:
     def paths(self) -> list[str]:
         return [s.path for s in self.seen]
 
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+    async def start(self, tls: ssl.SSLContext | None = None) -> None:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0, ssl=tls)
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def close(self) -> None:
@@ -77,7 +78,7 @@ class MediaServer:
         self._tasks.add(task)
         try:
             await self._serve(reader, writer)
-        except (ConnectionError, asyncio.IncompleteReadError):
+        except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError):
             pass  # the fetcher hung up: what several tests want
         finally:
             self._tasks.discard(task)
