@@ -3,6 +3,8 @@ pixels than allowed (decompression bombs) are refused without decoding, non-imag
 
 from __future__ import annotations
 
+import io
+
 import pytest
 from helpers.media_server import png_bytes, png_claiming
 
@@ -11,6 +13,15 @@ from m3serve.media import MediaError, check_image_header
 
 def test_real_image_gives_its_size() -> None:
     assert check_image_header(png_bytes(7, 5), max_pixels=35) == (7, 5)
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "WEBP", "GIF", "BMP", "TIFF"])
+def test_every_supported_format_gives_its_size(fmt: str) -> None:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (9, 4), (10, 200, 10)).save(out, format=fmt)
+    assert check_image_header(out.getvalue(), max_pixels=36) == (9, 4)
 
 
 def test_image_one_pixel_over_the_limit_is_refused() -> None:
@@ -35,7 +46,19 @@ def test_claimed_size_within_the_limit_passes_without_decoding() -> None:
     assert check_image_header(png_claiming(3000, 2000), max_pixels=6_000_000) == (3000, 2000)
 
 
-@pytest.mark.parametrize("data", [b"", b"hello, not an image", b"\x89PNG\r\n\x1a\n" + b"\0" * 8])
+def ico() -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (2, 2)).save(out, format="ICO")
+    return out.getvalue()
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"", b"hello, not an image", b"\x89PNG\r\n\x1a\n" + b"\0" * 8, ico()],
+    ids=["empty", "text", "truncated-png", "ico"],
+)
 def test_non_images_are_refused(data: bytes) -> None:
     with pytest.raises(MediaError, match=r"not an image"):
         check_image_header(data, max_pixels=1 << 20)
