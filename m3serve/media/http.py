@@ -31,7 +31,7 @@ def parse_http_url(url: str | httpx.URL) -> httpx.URL:
     return parsed
 
 
-def too_big(size: int, policy: MediaPolicy) -> MediaError:
+def _too_big(size: int, policy: MediaPolicy) -> MediaError:
     return MediaError(
         f"media is {size} bytes or more, above the limit of {policy.max_bytes} bytes "
         "(--max-media-bytes)"
@@ -41,11 +41,12 @@ def too_big(size: int, policy: MediaPolicy) -> MediaError:
 def _check_headers(response: httpx.Response, policy: MediaPolicy) -> None:
     encoding = response.headers.get("content-encoding", "identity").strip().lower()
     if encoding not in ("", "identity"):
-        # We asked for identity: a compressed body would be inflated past the byte cap.
+        # We asked for identity and read raw bytes: a compressed body is not the media, and
+        # inflating it here could outgrow the byte cap many times over.
         raise MediaError(f"media server sent {encoding!r}-encoded content, which is refused")
     length = response.headers.get("content-length")
     if length is not None and length.strip().isdigit() and int(length) > policy.max_bytes:
-        raise too_big(int(length), policy)
+        raise _too_big(int(length), policy)
 
 
 async def _read_capped(response: httpx.Response, policy: MediaPolicy) -> bytes:
@@ -53,7 +54,7 @@ async def _read_capped(response: httpx.Response, policy: MediaPolicy) -> bytes:
     async for chunk in response.aiter_raw():
         body += chunk
         if len(body) > policy.max_bytes:
-            raise too_big(len(body), policy)
+            raise _too_big(len(body), policy)
     return bytes(body)
 
 

@@ -3,18 +3,26 @@ one local directory `file://` may read, and how many redirects are followed."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+import idna  # httpx's own IDNA codec, so names compare as httpx encodes them
 
 DEFAULT_MAX_REDIRECTS = 3
 
 
 def normalize_host(host: str) -> str:
-    """The form hosts are compared in: lower case, no trailing dot, IPv6 without brackets."""
+    """The form hosts are compared in: lower case, no trailing dot, IPv6 without brackets,
+    international names in their ASCII (punycode) form, as a URL's host arrives."""
     host = host.strip().lower().rstrip(".")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
+    if not host.isascii():
+        # A name idna refuses stays as is: it matches no URL's host, so it allows nothing.
+        with contextlib.suppress(idna.IDNAError):
+            host = idna.encode(host, uts46=True).decode("ascii")
     return host
 
 

@@ -127,6 +127,12 @@ async def test_redirects_up_to_the_cap_are_followed(server: MediaServer) -> None
     assert await fetch_media(chain(server, 3), policy("127.0.0.1", max_redirects=3)) == PNG
 
 
+async def test_no_redirects_followed_at_cap_zero(server: MediaServer) -> None:
+    with pytest.raises(MediaError, match=r"redirected more than 0 times"):
+        await fetch_media(chain(server, 1), policy("127.0.0.1", max_redirects=0))
+    assert server.paths() == ["/r0"]
+
+
 async def test_redirect_chain_longer_than_the_cap_is_refused(server: MediaServer) -> None:
     with pytest.raises(MediaError, match=r"redirected more than 3 times"):
         await fetch_media(chain(server, 4), policy("127.0.0.1", max_redirects=3))

@@ -21,6 +21,11 @@ def test_domains_from_a_comma_string_or_a_list_are_normalized() -> None:
     assert not a.host_allowed("sub.images.example.com")
 
 
+def test_international_domain_matches_its_punycode_host() -> None:
+    policy = MediaPolicy.from_values(max_bytes=1, timeout_s=1, allowed_domains="Bücher.example")
+    assert policy.host_allowed("xn--bcher-kva.example")
+
+
 @pytest.mark.parametrize("local", [None, ""])
 def test_no_local_path_means_none(local: str | None) -> None:
     policy = MediaPolicy.from_values(max_bytes=1, timeout_s=1, allowed_local_path=local)
