@@ -63,6 +63,8 @@ class MediaServer:
 
     async def close(self) -> None:
         await self.settle()
+        for task in list(self._tasks):  # a route still writing to a client that never left
+            task.cancel()
         assert self._server is not None
         self._server.close()
         await self._server.wait_closed()
