@@ -6,6 +6,7 @@ server variants of one session in one run, the comparison table's shape checked.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -170,7 +171,7 @@ def test_variants_replay_the_same_trace_on_their_own_servers(tmp_path: Path) -> 
         sizes.append([r["prompt_text_tokens"] for r in requests])
         # Trace answers re-tokenize to themselves: each turn's prompt up to the resent answer
         # comes from the cache (all but the partial last page and the template's turn end).
-        for before, after in zip(requests, requests[1:], strict=False):
+        for before, after in itertools.pairwise(requests):
             assert after["cached_tokens"] >= 0.8 * before["prompt_tokens"], (before, after)
     assert sizes[0] == sizes[1]  # the same seeded trace on both servers
     table = report["table"]
