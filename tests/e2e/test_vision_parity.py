@@ -1,7 +1,8 @@
 """Parity of image input with transformers' minimax_m3_vl on the tiny VL checkpoint: the vision
-features, the logits at every position of prompts with 1-3 images of different sizes, and 24
-greedy tokens, through the model (chunked so that chunks split placeholder runs) and through the
-engine core. Prompts are long enough that the sparse indexer drops blocks (>= 36 tokens)."""
+features, the logits at every position of prompts with 1-3 images of different sizes (and one
+video), and 24 greedy tokens, through the model (chunked so that chunks split placeholder runs)
+and through the engine core. Prompts are long enough that the sparse indexer drops blocks
+(>= 36 tokens)."""
 
 from __future__ import annotations
 
@@ -13,16 +14,18 @@ import pytest
 import torch
 from conftest import M31_SPEC
 from helpers.hf_oracle import load_hf, load_ours
-from helpers.vision import ImagePrompt, image_prompt
+from helpers.vision import ImagePrompt, image_prompt, random_pixels
 
 from m3serve.core.engine_core import EngineCore
+from m3serve.core.media import ReqMedia
 from m3serve.core.req import Req
 from m3serve.model.batch import ForwardBatch
-from m3serve.model.generate import generate
+from m3serve.model.generate import PromptEmbeds, generate
 from m3serve.model.kv_cache import KVCache
 from m3serve.model.m3 import M3ForCausalLM
+from m3serve.model.tiny.tokenizer import special_token_ids
 from m3serve.runtime.config import ServerArgs
-from m3serve.runtime.messages import SeqStep
+from m3serve.runtime.messages import SamplingParams, SeqStep
 
 TOLERANCE = 1e-4
 MIN_SPARSE_LENGTH = 3 * M31_SPEC.index_topk_blocks * M31_SPEC.index_block_size
@@ -162,5 +165,69 @@ def test_engine_greedy_with_images_matches_transformers(pair, core: EngineCore) 
     out = run_engine(core, [p.req(case) for case, p in prompts.items()])
     for case, prompt in prompts.items():
         assert out[case] == hf_greedy(hf, prompt, 24), case
+    core.scheduler.cache.reset()
+    core.scheduler.idle_check()
+
+
+def video_prompt(vocab: int) -> tuple[list[int], torch.Tensor, tuple[int, int, int], list]:
+    """Text, then a video of 2 temporal patches (4x4 patches each): per temporal patch, some
+    text (the timestamp) and a run of 4 video placeholders between image start/end markers."""
+    specials = special_token_ids(vocab)
+    words = image_prompt(99, vocab, [], [40]).ids
+    grid = (2, 4, 4)
+    per_frame = grid[1] * grid[2] // 4
+    ids, spans = list(words[:10]), []
+    for t in range(grid[0]):
+        ids.extend(words[10 + 3 * t : 13 + 3 * t])
+        ids.append(specials["]<]start of image[>["])
+        spans.append((len(ids), per_frame))
+        ids.extend([specials["]<]video[>["]] * per_frame)
+        ids.append(specials["]<]end of image[>["])
+    ids.extend(words[16:40])
+    pixels = torch.from_numpy(random_pixels(98, grid))
+    return ids, pixels, grid, spans
+
+
+def test_logits_and_greedy_tokens_with_a_video_match_transformers(pair) -> None:
+    ours, hf = pair
+    ids, pixels, grid, spans = video_prompt(ours.cfg.vocab_size)
+    assert len(ids) >= MIN_SPARSE_LENGTH and ours.vision is not None
+    rows = torch.cat([torch.arange(o, o + n) for o, n in spans])
+    features = ours.vision.encode(pixels, [grid])
+    cfg = ours.cfg
+    pages = list(range(-(-len(ids) // cfg.page_size)))
+    kv = KVCache.allocate(cfg, len(pages), ours.dtype, ours.device, ours.kv_heads)
+    batch = ForwardBatch.build([SeqStep(ids, 0, pages)], cfg.page_size, "cpu", True)
+    with torch.inference_mode():
+        logits = ours(batch.with_embeds(rows, features), kv)
+        inputs = {
+            "input_ids": torch.tensor([ids]),
+            "pixel_values_videos": pixels,
+            "video_grid_thw": torch.tensor([grid]),
+        }
+        expected = hf(**inputs).logits[0].float()
+        mask = torch.ones_like(inputs["input_ids"])
+        out = hf.generate(**inputs, attention_mask=mask, max_new_tokens=24, do_sample=False)
+    assert (logits - expected).abs().max().item() <= TOLERANCE
+    ours_greedy = generate(ours, ids, 24, prefill_chunk=5, embeds=PromptEmbeds(rows, features))
+    assert ours_greedy == out[0, len(ids) :].tolist()
+
+
+def test_engine_greedy_with_a_video_matches_the_model(pair, core: EngineCore) -> None:
+    """A video's placeholder runs (one per temporal patch, text between them) through the
+    engine core, chunks of 16 splitting them: the tokens of the model checked above."""
+    ours, _ = pair
+    ids, pixels, grid, spans = video_prompt(ours.cfg.vocab_size)
+    assert ours.vision is not None
+    rows = torch.cat([torch.arange(o, o + n) for o, n in spans])
+    expected = generate(
+        ours, ids, 24, embeds=PromptEmbeds(rows, ours.vision.encode(pixels, [grid]))
+    )
+    media = [ReqMedia("video", pixels.flatten(), [grid], spans, 12345)]
+    sampling = SamplingParams(max_new_tokens=24, temperature=0.0)
+    req = Req(
+        rid="video", prompt=ids, sampling=sampling, stop_ids=frozenset(), worker=0, media=media
+    )
+    assert run_engine(core, [req])["video"] == expected
     core.scheduler.cache.reset()
     core.scheduler.idle_check()
