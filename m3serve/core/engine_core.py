@@ -50,6 +50,7 @@ from m3serve.core.hicache.prefix_cache import HiPrefixCache
 from m3serve.core.hicache.storage_tier import ActorLink, StorageTier, page_key_root
 from m3serve.core.hicache.tier import HostTier
 from m3serve.core.matchers import GrammarMatchers
+from m3serve.core.media import ReqMedia, check_media
 from m3serve.core.memory import (
     KVBudget,
     kv_cache_dtype,
@@ -150,6 +151,8 @@ class EngineCore:
         self._compiling: list[tuple[Req, bool, Compiled]] = []
         # Compiled grammars of the slots a step starts, from planning to that step's run.
         self._step_grammars: dict[int, dict[int, Grammar]] = {}
+        # The images each planned step's prefill chunks need, by slot, until that step runs.
+        self._step_media: dict[int, dict[int, list[ReqMedia]]] = {}
         # ------------------------------------------------------------------ the step runner
         self.runner = StepRunner(
             self.model,
@@ -159,6 +162,7 @@ class EngineCore:
             GrammarMatchers(cfg.vocab_size),
             self._step_grammars,
             self.host,
+            self._step_media,
         )
         self.plans: PlanChannel | None = None
         if self.ranks.size > 1:
@@ -216,6 +220,8 @@ class EngineCore:
     # ------------------------------------------------------------------ requests
 
     def add(self, req: Req, fit_to_pool: bool = False) -> None:
+        if req.media:
+            self._check_media(req)
         constraint = req.sampling.constraint
         if constraint is None:
             self.scheduler.add(req, fit_to_pool)
@@ -224,6 +230,21 @@ class EngineCore:
             raise GrammarUnavailable("this engine cannot run constrained requests (no tokenizer)")
         self.scheduler.check(req, fit_to_pool)
         self._compiling.append((req, fit_to_pool, self.grammar.compile(constraint)))
+
+    def _check_media(self, req: Req) -> None:
+        """Refuse image/video input this engine cannot run, or that does not add up (400)."""
+        encoder = self.model.vision
+        if encoder is None:
+            raise ValueError(
+                f"the model at {self.loaded.path} has no vision tower: it takes no image or "
+                "video input"
+            )
+        if self.ranks.size > 1:
+            raise ValueError("image and video input is not supported with --tp > 1 yet")
+        config = self.loaded.config
+        ids = {"image": config.image_token_id, "video": config.video_token_id}
+        vision = encoder.cfg
+        check_media(req.prompt, req.media, ids, vision.patch_dim, vision.spatial_merge_size)
 
     def abort(self, rid: str) -> None:
         self._compiling = [entry for entry in self._compiling if entry[0].rid != rid]
@@ -280,6 +301,7 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if plan is not None:
             self._keep_grammars(plan)
+            self._keep_media(plan)
             self.trace.planned(plan, time.perf_counter() - started)
         return plan
 
@@ -294,6 +316,21 @@ class EngineCore:
         }
         if grammars:
             self._step_grammars[plan.step] = grammars
+
+    def _keep_media(self, plan: StepPlan) -> None:
+        """Hand the images of this plan's prefill chunks that reach a placeholder to its run."""
+        by_slot = {r.slot: r.media for r in self.scheduler.running if r.media}
+        if not by_slot:
+            return
+        media = {
+            seq.slot: by_slot[seq.slot]
+            for seq in plan.seqs
+            if seq.input_ids is not None
+            and seq.slot in by_slot
+            and any(m.rows_in(seq.start, seq.extend) for m in by_slot[seq.slot])
+        }
+        if media:
+            self._step_media[plan.step] = media
 
     def _launch(self, plan: StepPlan) -> Launched:
         return plan.step, asyncio.wrap_future(self.executor.submit(plan))

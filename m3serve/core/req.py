@@ -7,6 +7,7 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 from m3serve.core.kvcache.radix import Match
+from m3serve.core.media import ReqMedia, media_key
 from m3serve.runtime.messages import Finish, SamplingParams
 
 if TYPE_CHECKING:
@@ -45,6 +46,9 @@ class Req:
     # (and takes the ones behind it) until this is done; the fetch then adds the pages with
     # HiPrefixCache.add_host_prefix and admission loads them back like any host hit.
     fetch: Completion | None = None
+    media: list[ReqMedia] = field(default_factory=list)  # its images/videos, in prompt order
+    # The prompt as the prefix cache keys it (placeholders by content hash); set at creation.
+    key_prompt: list[int] = field(default_factory=list)
 
     @property
     def ready(self) -> bool:
@@ -57,10 +61,16 @@ class Req:
         return self.prompt + self.output
 
     @property
+    def key_tokens(self) -> list[int]:
+        """`tokens` as the prefix cache keys them (the same list content without media)."""
+        return self.key_prompt + self.output
+
+    @property
     def prefill_target(self) -> int:
         return len(self.prompt) + len(self.output)
 
     def __post_init__(self) -> None:
+        self.key_prompt = media_key(self.prompt, self.media) if self.media else self.prompt
         if not self.max_new:
             self.max_new = self.sampling.max_new_tokens or 1
 

@@ -243,7 +243,7 @@ class Scheduler:
 
     def _longest_prefix_first(self) -> None:
         """Reorder the waiting queue by cached prefix, longest first (ties keep arrival order)."""
-        cached = {id(req): self.cache.cached_length(req.tokens) for req in self.waiting}
+        cached = {id(req): self.cache.cached_length(req.key_tokens) for req in self.waiting}
         self.waiting = deque(sorted(self.waiting, key=lambda req: -cached[id(req)]))
 
     def _chunk(self, req: Req, budget: int, first: bool) -> int:
@@ -255,7 +255,7 @@ class Scheduler:
 
     def _admit(self, req: Req) -> bool:
         """Give a waiting request a slot and its cached prefix, if memory allows."""
-        tokens = req.tokens
+        tokens = req.key_tokens
         match = self.cache.acquire(tokens)
         reserve = self._reserved_tokens() + int(req.remaining_new * self.new_token_ratio)
         need_pages = -(-(len(tokens) - match.num_tokens + reserve) // self.page_size)
@@ -343,7 +343,7 @@ class Scheduler:
     def _release(self, req: Req) -> None:
         if req.match is not None:
             # Only tokens whose KV is written (or being written by a step in flight) are cached.
-            self.cache.release(req.tokens[: req.kv_len], req.pages, req.match)
+            self.cache.release(req.key_tokens[: req.kv_len], req.pages, req.match)
         if req.slot is not None:
             self.slots.free(req.slot)
         if req in self.running:

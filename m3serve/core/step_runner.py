@@ -22,6 +22,7 @@ from m3serve.core.graphs import DecodeGraphs
 from m3serve.core.hicache.copier import LayerLoad
 from m3serve.core.hicache.tier import HostTier
 from m3serve.core.matchers import GrammarMatchers
+from m3serve.core.media import ReqMedia, step_embeds
 from m3serve.core.piecewise import PiecewiseGraphs
 from m3serve.core.ranks import TokenShare
 from m3serve.core.sampler import Sampler
@@ -51,9 +52,11 @@ class StepRunner:
         matchers: GrammarMatchers,
         step_grammars: dict[int, dict[int, Grammar]],
         host: HostTier | None,
+        step_media: dict[int, dict[int, list[ReqMedia]]] | None = None,
     ) -> None:
         """`step_grammars`: the engine core's hand-over of compiled grammars, by step, to the
-        run that starts their slots. The CUDA graphs are set once captured (after warm-up)."""
+        run that starts their slots; `step_media` likewise of the images each step's prefill
+        chunks need, by slot. The CUDA graphs are set once captured (after warm-up)."""
         self.model = model
         self.kv = kv
         self.page_size = page_size
@@ -62,6 +65,7 @@ class StepRunner:
         self.matchers = matchers
         self.step_grammars = step_grammars
         self.host = host
+        self.step_media = step_media if step_media is not None else {}
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
         self.share: TokenShare | None = None  # set by a tensor-parallel engine core
@@ -100,6 +104,9 @@ class StepRunner:
     def logits(
         self, batch: ForwardBatch, decode_only: bool, load: LayerLoad | None = None
     ) -> torch.Tensor:
+        if batch.override_rows is not None:  # image features: graphs embed tokens themselves
+            before_layer = load.before_layer if load is not None else None
+            return self.model(batch, self.kv, before_layer=before_layer)
         if self.graphs is not None and decode_only and self.graphs.fits(batch):
             if load is not None:
                 load.wait_all()  # a replayed graph has no per-layer hook
@@ -121,6 +128,7 @@ class StepRunner:
             return _result(plan.step, sampled, [], [], [], [])
         batch = ForwardBatch.build(seqs, self.page_size, self.device)
         self._fill_slot_tokens(seqs, batch)
+        batch = self._with_media(plan.step, seqs, batch)
         slots = [seq.slot for seq in seqs if seq.sample]
         if layers is not None:
             logits = self.model(batch, self.kv, layers)
@@ -140,6 +148,15 @@ class StepRunner:
             self.last_tokens[index] = torch.tensor(ids, device=self.device)
         self._note_ended(slots, ids, ended)
         return _result(plan.step, sampled, slots, ids, logprobs, ended)
+
+    def _with_media(self, step: int, seqs: list[SeqStep], batch: ForwardBatch) -> ForwardBatch:
+        """The batch with image/video features in place of the placeholder rows it carries."""
+        media = self.step_media.pop(step, None)
+        encoder = self.model.vision
+        if not media or encoder is None:
+            return batch
+        embeds = step_embeds(encoder, seqs, media)
+        return batch if embeds is None else batch.with_embeds(*embeds)
 
     def _start_new_requests(self, plan: StepPlan) -> None:
         grammars = self.step_grammars.pop(plan.step, {})

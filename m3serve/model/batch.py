@@ -9,7 +9,7 @@ everything before is read from the cache.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -31,6 +31,17 @@ class ForwardBatch:
     seq_lens_t: torch.Tensor | None = None  # [B] int32
     extend_starts: torch.Tensor | None = None  # [B + 1] int32, request b owns rows [s[b], s[b+1])
     max_extend: int = 0  # the longest extend_len in the batch
+    # Rows of T whose input embedding is given instead of looked up (image/video features):
+    # eager prefill steps only; CUDA-graph paths never carry them.
+    embeds_override: torch.Tensor | None = None  # [R, hidden]
+    override_rows: torch.Tensor | None = None  # [R] int64
+
+    def with_embeds(self, rows: torch.Tensor, embeds: torch.Tensor) -> ForwardBatch:
+        """The same batch with the embeddings of `rows` replaced by `embeds` (none: unchanged)."""
+        if rows.numel() == 0:
+            return self
+        device = self.input_ids.device
+        return replace(self, override_rows=rows.to(device), embeds_override=embeds.to(device))
 
     @property
     def num_tokens(self) -> int:
