@@ -190,6 +190,8 @@ class TokenBatch(msgspec.Struct, tag=True, kw_only=True, array_like=True):
     finish: list[Finish | None]
     cached_tokens: list[int]
     logprobs: list[list[TokenLogprob]] | None = None
+    # Per row: the tokens a speculative verify step committed for it (0: not a verify row).
+    spec_accepted: list[int] = msgspec.field(default_factory=list)
 
 
 # ---------------------------------------------------------------- tokenizer -> API
@@ -281,10 +283,13 @@ class SeqStep(msgspec.Struct, array_like=True):
     slot: int = 0
     sample: bool = True  # False for a prefill chunk that does not end the prompt
     new_request: bool = False  # first step of this slot: reset its sampling state
+    # Speculative verify row: this many draft tokens follow the anchor (the `input_ids` None
+    # token); the engine core proposes them and verifies all of them in this step.
+    draft: int = 0
 
     @property
     def extend(self) -> int:
-        return 1 if self.input_ids is None else len(self.input_ids)
+        return 1 + self.draft if self.input_ids is None else len(self.input_ids)
 
 
 class PageCopy(msgspec.Struct, array_like=True):
@@ -321,6 +326,10 @@ class StepResult(msgspec.Struct, tag=True, kw_only=True, array_like=True):
     logprobs: list[TokenLogprob | None] = msgspec.field(default_factory=list)
     # Per token: its request's grammar accepted it as the last one (empty: no grammar ran).
     grammar_ended: list[bool] = msgspec.field(default_factory=list)
+    # Per row, speculative verify rows only: every token the row commits (the accepted drafts,
+    # then the correction or bonus token, which is also `tokens[row]`); [] for other rows, and
+    # the whole list empty when no row verified.
+    spec_tokens: list[list[int]] = msgspec.field(default_factory=list)
 
 
 # ---------------------------------------------------------------- engine <-> host cache
