@@ -142,7 +142,8 @@ class Scheduler:
         """Refuse a request the queue or the KV pool cannot take (what `add` checks first)."""
         if len(self.waiting) >= self.args.max_queued_requests:
             raise QueueFull(f"the waiting queue is full ({self.args.max_queued_requests})")
-        capacity = self.pool.num_pages * self.page_size
+        # A verify step writes a block past the last token the request may keep.
+        capacity = self.pool.num_pages * self.page_size - self.spec_draft
         if fit_to_pool:
             req.max_new = min(req.max_new, capacity - len(req.prompt))
         needed = len(req.prompt) + max(req.max_new, 1)
@@ -224,9 +225,10 @@ class Scheduler:
     def _drafts(self, req: Req) -> int:
         """Draft tokens its next decode verifies (speculative decoding): none past its
         max_new_tokens, and none for requests whose sampling a verify step cannot honour."""
-        if not self.spec_draft or not spec_eligible(req):
+        if not self.spec_draft or req.remaining_new - req.inflight <= 1 or not spec_eligible(req):
             return 0
-        return max(0, min(self.spec_draft, req.remaining_new - req.inflight - 1))
+        # A whole block even near the end: the scheduler cuts what passes max_new_tokens.
+        return self.spec_draft
 
     def _width(self, req: Req) -> int:
         """KV positions its next decode writes."""
