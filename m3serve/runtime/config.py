@@ -472,7 +472,7 @@ _TITLES: dict[type, str] = {
 }
 _PLANNED: tuple[tuple[type, str], ...] = (
     (ParallelArgs, "multi-GPU parallelism is not built yet"),
-    (SpecArgs, "speculative decoding is not built yet"),
+    (SpecArgs, "this speculative decoding option is not built yet"),
     (KernelArgs, "this kernel option is not built yet"),
 )
 # Planned-section settings that already hold in this build (nothing to refuse). --tp / --ep run

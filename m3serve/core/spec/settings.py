@@ -94,17 +94,20 @@ def engine_problems(args: ServerArgs) -> list[str]:
     return problems
 
 
-def resolve_spec(args: ServerArgs, model_path: Path | None) -> SpecSettings | None:
+def resolve_spec(
+    args: ServerArgs, model_path: Path | None, quiet: bool = False
+) -> SpecSettings | None:
     """The speculative settings to run, or None when speculation is off; raises ConfigInvalid
-    listing every setting that cannot run."""
+    listing every setting that cannot run. `quiet`: the start-up check, which logs nothing
+    (the engine logs where it found the draft when it loads it)."""
     problems = spec_problems(args.spec) + engine_problems(args)
     if problems:
         raise ConfigInvalid("speculative decoding cannot run: " + "; ".join(problems))
     spec = args.spec
     if spec.speculative_algorithm is None:
         return None
-    draft = _draft_path(spec, model_path)
-    if spec.speculative_use_block_verification:
+    draft = _draft_path(spec, model_path, quiet)
+    if spec.speculative_use_block_verification and not quiet:
         log.info(
             "--speculative-use-block-verification: block verification applies to sampled "
             "requests; it has no effect for greedy requests"
@@ -117,14 +120,15 @@ def resolve_spec(args: ServerArgs, model_path: Path | None) -> SpecSettings | No
     )
 
 
-def _draft_path(spec: SpecArgs, model_path: Path | None) -> Path:
+def _draft_path(spec: SpecArgs, model_path: Path | None, quiet: bool) -> Path:
     if spec.speculative_draft_model_path is not None:
         path = Path(spec.speculative_draft_model_path)
         if not (path / "config.json").is_file() and find_dspark_dir(path) is None:
             raise ConfigInvalid(f"--speculative-draft-model-path {path}: no draft config.json")
         return path
     if model_path is not None and find_dspark_dir(model_path) is not None:
-        log.info(FOUND_IN_CHECKPOINT)
+        if not quiet:
+            log.info(FOUND_IN_CHECKPOINT)
         return model_path
     raise ConfigInvalid(
         "--speculative-algorithm DSPARK: the target checkpoint has no dspark/ subfolder; "
