@@ -201,6 +201,17 @@ class Usage(msgspec.Struct, array_like=True, frozen=True):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    # Speculative decoding: verify steps that ran for the request, and the tokens they
+    # committed (their ratio is its mean acceptance length).
+    spec_verify_steps: int = 0
+    spec_accepted_tokens: int = 0
+
+    @property
+    def spec_accept_length(self) -> float | None:
+        """Tokens committed per verify step (None: no verify step ran)."""
+        if not self.spec_verify_steps:
+            return None
+        return self.spec_accepted_tokens / self.spec_verify_steps
 
 
 class RequestOutput(msgspec.Struct, array_like=True):

@@ -47,7 +47,12 @@ def test_paged_batched_proposals_match_the_dense_reference(
         want = draft.propose(int(anchors[row]), n, context)
         assert torch.equal(got.tokens[row], want.tokens)
         torch.testing.assert_close(got.logits[row], want.logits, rtol=1e-4, atol=1e-4)
-    used = {p * page + s for t, n in zip(tables, lengths, strict=True) for p_i, p in enumerate(t)
-            for s in range(page) if p_i * page + s < n}
+    used = {
+        p * page + s
+        for t, n in zip(tables, lengths, strict=True)
+        for p_i, p in enumerate(t)
+        for s in range(page)
+        if p_i * page + s < n
+    }
     untouched = torch.tensor([s not in used for s in range(kv.k[0].shape[0])])
     assert torch.count_nonzero(kv.k[0][untouched]) == 0

@@ -13,13 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from .agreeing import TargetProposer
 
 from m3serve.core.engine_core import EngineCore
 from m3serve.core.req import Req
 from m3serve.model.tiny.checkpoint import TinySpec
 from m3serve.runtime.config import ServerArgs
 from m3serve.runtime.messages import SamplingParams
+
+from .agreeing import TargetProposer
 
 SPEC = TinySpec(dtype="float32", seed=21, dspark=True)
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0)
@@ -77,7 +78,9 @@ def _generate(core: EngineCore, reqs: list[Req], abort_after: dict[str, int] | N
             if out is None:
                 break
             for batch in out.batches.values():
-                rows = zip(batch.rids, batch.new_ids, batch.spec_accepted, batch.cached_tokens)
+                rows = zip(
+                    batch.rids, batch.new_ids, batch.spec_accepted, batch.cached_tokens, strict=True
+                )
                 for rid, ids, accepted, cached in rows:
                     run.outputs[rid].extend(ids)
                     run.cached[rid] = cached
@@ -102,8 +105,14 @@ def _agreeing(core: EngineCore) -> TargetProposer:
     assert core.spec is not None
     block = core.spec.settings.block_size
     proposer = TargetProposer(core.model, core.kv, block, core.spec.proposer.layer_ids)
-    core.spec.attach(core.runner, core.model, core.backend, core.budget, core.kv.layers[0].k.dtype,
-                     proposer=proposer)
+    core.spec.attach(
+        core.runner,
+        core.model,
+        core.backend,
+        core.budget,
+        core.kv.layers[0].k.dtype,
+        proposer=proposer,
+    )
     return proposer
 
 
@@ -114,7 +123,7 @@ def test_greedy_output_is_identical_with_chunked_prefill_and_prefix_hits(cores) 
     kwargs = {"chunked_prefill_size": 8}
     off, on = cores(**kwargs), cores(**kwargs, **DSPARK)
     # A second wave repeats the first wave's prompts with new tails: prefix-cache hits.
-    second = [p + [400 + i] for i, p in enumerate(PROMPTS)]
+    second = [[*p, 400 + i] for i, p in enumerate(PROMPTS)]
     runs = {}
     for name, core in (("off", off), ("on", on)):
         first = _generate(core, [_req(f"a{i}", p) for i, p in enumerate(PROMPTS)])
