@@ -1,6 +1,8 @@
-"""A test-only proposer that agrees with the target: it drafts each block by greedy decoding
-the target itself, one token at a time, at the verify row's own KV slots (the verify forward
-rewrites those slots with the same values). Its acceptance shows that acceptance is wired."""
+"""A test-only proposer that agrees with the target: it drafts each block by decoding the
+target itself, one token at a time, at the verify row's own KV slots (the verify forward
+rewrites those slots with the same values): greedy rows take the argmax, sampled rows draw
+from the target's tempered distribution without its top-k / top-p cut, which is then the
+draft's q. Its acceptance shows that acceptance is wired."""
 
 from __future__ import annotations
 
@@ -39,6 +41,10 @@ class TargetProposer:
             ]
             step = self.model(ForwardBatch.build(seqs, self.kv.page_size, "cpu"), self.kv)
             prev = step.argmax(dim=-1).tolist()
+            for row, temperature in enumerate(temperatures):
+                if temperature > 0:
+                    probs = torch.softmax(step[row] / temperature, dim=-1)
+                    prev[row] = int(torch.multinomial(probs, 1, generator=generators[row])[0])
             tokens.append(torch.tensor(prev))
             logits.append(step)
         self.proposed += len(anchor_pos)

@@ -230,3 +230,23 @@ def test_sampled_requests_run_seeded(cores, block: bool) -> None:
         assert len(ids) == 12 and all(0 <= t < vocab for t in ids)
     assert any(first.accepted.values())
     _baseline(on)
+
+
+def test_requests_a_verify_step_cannot_honour_decode_beside_it_unchanged(cores) -> None:
+    # Penalties and logprobs depend on each token in turn: those requests decode one token per
+    # step next to the verify rows, and everyone's output is the one without speculation.
+    penalized = SamplingParams(max_new_tokens=10, temperature=0.0, repetition_penalty=1.3)
+    logprobs = SamplingParams(max_new_tokens=10, temperature=0.0, logprobs=True)
+    off, on = cores(), cores(**DSPARK)
+
+    def reqs() -> list[Req]:
+        return [
+            _req("plain", PROMPTS[0]),
+            _req("penalized", PROMPTS[1], penalized),
+            _req("logprobs", PROMPTS[2], logprobs),
+        ]
+
+    want, got = _generate(off, reqs()), _generate(on, reqs())
+    assert got.outputs == want.outputs
+    assert got.accepted["plain"] and not got.accepted["penalized"] and not got.accepted["logprobs"]
+    _baseline(on)
