@@ -81,7 +81,7 @@ class SpecStep:
                 )
         drafts, draft_logits = self._propose(seqs, verify, starts, batch)
         plain = [i for i, seq in enumerate(seqs) if seq.sample and not seq.draft]
-        rows = [starts[i] + seq.extend - 1 for i, seq in enumerate(seqs) if i in plain]
+        rows = [starts[i] + seqs[i].extend - 1 for i in plain]
         rows += [starts[i] + k for i in verify for k in range(self.gamma + 1)]
         hidden, features = target_pass(self.model, batch, self.kv, self.layer_ids)
         index = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
