@@ -214,6 +214,10 @@ class EngineCore:
             "piecewise_cuda_graph_tokens": piecewise.sizes if piecewise else [],
             "hicache_host_pages": self.host.pool.num_pages if self.host else 0,
             "tp_size": self.ranks.size,
+            # Tokens a verify step runs per request (speculative decoding; 0: off).
+            "speculative_num_draft_tokens": (
+                self.spec.settings.num_draft_tokens if self.spec is not None else 0
+            ),
         }
 
     @property

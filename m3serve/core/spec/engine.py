@@ -32,6 +32,12 @@ from m3serve.runtime.config import ServerArgs
 log = logging.getLogger(__name__)
 
 
+def draft_kv_dtype(kv_dtype: torch.dtype, compute: torch.dtype = torch.bfloat16) -> torch.dtype:
+    """The draft KV's dtype: the KV cache's, except FP8, which only the target's fused KV-write
+    kernel knows how to store; the draft's stays in the compute dtype then."""
+    return compute if kv_dtype.itemsize == 1 else kv_dtype
+
+
 class SpecPlugin:
     def __init__(self, settings: SpecSettings, draft_cfg: DSparkConfig) -> None:
         self.settings, self.draft_cfg = settings, draft_cfg
@@ -62,7 +68,7 @@ class SpecPlugin:
 
     def page_bytes(self, kv_dtype: torch.dtype, page_size: int) -> int:
         """The draft KV of one page."""
-        return DraftKV.bytes_per_page(self.draft_cfg, page_size, kv_dtype)
+        return DraftKV.bytes_per_page(self.draft_cfg, page_size, draft_kv_dtype(kv_dtype))
 
     def attach(
         self,
@@ -82,7 +88,7 @@ class SpecPlugin:
                 backend,
                 budget.num_pages + 1,  # the scratch page too, as the target's pool
                 budget.page_size,
-                kv_dtype,
+                draft_kv_dtype(kv_dtype, model.dtype),
             )
         self.proposer = proposer
         self.step = SpecStep(model, runner.kv, proposer, self.settings, runner.sampler.num_slots)
