@@ -13,12 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from m3serve.core.engine_core import EngineCore
 from m3serve.core.req import Req
+from m3serve.model.batch import ForwardBatch
+from m3serve.model.dspark import target_features
+from m3serve.model.kv_cache import KVCache
 from m3serve.model.tiny.checkpoint import TinySpec
 from m3serve.runtime.config import ServerArgs
-from m3serve.runtime.messages import SamplingParams
+from m3serve.runtime.messages import SamplingParams, SeqStep
 
 from .agreeing import TargetProposer
 
@@ -249,4 +253,33 @@ def test_requests_a_verify_step_cannot_honour_decode_beside_it_unchanged(cores) 
     want, got = _generate(off, reqs()), _generate(on, reqs())
     assert got.outputs == want.outputs
     assert got.accepted["plain"] and not got.accepted["penalized"] and not got.accepted["logprobs"]
+    _baseline(on)
+
+
+def test_the_draft_kv_of_committed_tokens_is_their_own(cores) -> None:
+    # After a run, the cached pages hold, at every committed position, the draft K/V computed
+    # from that token's target features in one fresh prefill: verify steps wrote the accepted
+    # tokens at their positions, and no rejected draft was left at a committed one.
+    on = cores(**DSPARK)
+    got = _generate(on, [_req("r", PROMPTS[2])])
+    assert got.accepted["r"]
+    proposer = on.spec.proposer  # type: ignore[union-attr]
+    draft = proposer.draft  # type: ignore[attr-defined]
+    tokens = PROMPTS[2] + got.outputs["r"]
+    match = on.scheduler.cache.acquire(tokens)
+    page = on.budget.page_size
+    n = match.num_tokens
+    assert n >= len(PROMPTS[2]) + 8, "the output's pages were not cached"
+    cfg = on.model.cfg
+    scratch = KVCache.allocate(cfg, -(-n // page), torch.float32, "cpu")
+    batch = ForwardBatch.build([SeqStep(tokens[:n], 0, list(range(-(-n // page))))], page, "cpu")
+    with torch.inference_mode():
+        features = target_features(on.model, batch, scratch, proposer.layer_ids)
+        want = draft.context(features, torch.arange(n))
+    positions = torch.arange(n)
+    slots = torch.tensor(match.pages)[positions // page] * page + positions % page
+    for layer, k in enumerate(want.k):
+        torch.testing.assert_close(proposer.kv.k[layer][slots], k, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(proposer.kv.v[layer][slots], want.v[layer], rtol=1e-4, atol=1e-4)
+    on.scheduler.cache.release(tokens[:n], match.pages, match)
     _baseline(on)
