@@ -27,8 +27,10 @@ the same StepRunner, which hands rank 0's sampled tokens to every rank (core/ran
 run in lockstep, so with more than one a failed step is fatal to the engine (raised, not failed
 request by request), and so is a lost rank.
 
-Where later features plug in: a draft proposer (speculative decoding) runs after `run()`'s
-forward on its hidden states, with verification as a step kind of the scheduler.
+Speculative decoding (`spec`, core/spec/engine.py): the draft's KV pool is sized with the
+target's pages and shares their ids; every step then runs through the runner's `SpecStep`
+(propose, one target forward over each verify row's block, verify, draft KV for the committed
+tokens), the scheduler plans decodes as verify rows, and `overlap_step` runs plain steps.
 """
 
 from __future__ import annotations
