@@ -53,12 +53,13 @@ def test_sampled_verification_keeps_first_two_token_distribution(
 
 
 @pytest.mark.parametrize("method", ["tokenwise", "block"])
-def test_one_hot_draft_keeps_distribution(method: Method) -> None:
+@pytest.mark.parametrize("gamma", [1, GAMMA])  # γ = 1: the second token is often the bonus
+def test_one_hot_draft_keeps_distribution(method: Method, gamma: int) -> None:
     """A draft that picks its tokens deterministically (q one-hot, draft_probs=None) is
     verified losslessly too: acceptance is then p(d), the residual p without d."""
     gen = torch.Generator().manual_seed(99)
     target = random_chain(VOCAB, gen, keep=4)
-    block = propose(target, random_chain(VOCAB, gen), ROWS, GAMMA, gen)
+    block = propose(target, random_chain(VOCAB, gen), ROWS, gamma, gen)
     verdict = verify_sampled(block.draft, block.target_probs, None, None, method, generator=gen)
     spec_on = first_two(verdict, target, gen)
     assert fit_p_value(torch.bincount(spec_on[:, 0], minlength=VOCAB), target.start) > ALPHA
