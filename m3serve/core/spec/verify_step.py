@@ -13,6 +13,10 @@ rejection or block verification on the target's processed probabilities against 
 (its Markov-corrected logits at the request's temperature). Rows that only prefill or decode
 one token are sampled as without speculation, by the runner. The KV of rejected drafts stays
 where it was written; the scheduler frees the pages past the kept length.
+
+A seeded sampled request draws its drafts and acceptance coins from a stream of its own, which
+restarts when the request does: after a retraction its continuation is a valid sample, but not
+the one it would have drawn without the retraction (a verify step's draw count varies).
 """
 
 from __future__ import annotations
