@@ -27,8 +27,10 @@ the same StepRunner, which hands rank 0's sampled tokens to every rank (core/ran
 run in lockstep, so with more than one a failed step is fatal to the engine (raised, not failed
 request by request), and so is a lost rank.
 
-Where later features plug in: a draft proposer (speculative decoding) runs after `run()`'s
-forward on its hidden states, with verification as a step kind of the scheduler.
+Speculative decoding (`spec`, core/spec/engine.py): the draft's KV pool is sized with the
+target's pages and shares their ids; every step then runs through the runner's `SpecStep`
+(propose, one target forward over each verify row's block, verify, draft KV for the committed
+tokens), the scheduler plans decodes as verify rows, and `overlap_step` runs plain steps.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ from m3serve.core.ranks import LEADER, PlanChannel, TokenShare, follow
 from m3serve.core.req import Req
 from m3serve.core.sampler import Sampler
 from m3serve.core.scheduler import Outputs, QueueFull, Scheduler
+from m3serve.core.spec.engine import SpecPlugin
 from m3serve.core.step_cost import measure_step_cost
 from m3serve.core.step_runner import StepRunner
 from m3serve.core.trace import StartupPhases, StepTrace
@@ -120,6 +123,8 @@ class EngineCore:
         # ------------------------------------------------------------------ KV pools
         slots = args.sched.max_running_requests
         context = args.runtime.context_length or cfg.max_position_embeddings
+        # Speculative decoding: the draft's KV pool shares the pages (core/spec/engine.py).
+        self.spec = SpecPlugin.configure(args, self.loaded.path)
         with self.startup.phase("KV pool"):
             kv_dtype = kv_cache_dtype(args.cache.kv_cache_dtype, self.model.dtype)
             self.budget = self._plan_kv(args, kv_dtype, context * slots)
@@ -164,6 +169,9 @@ class EngineCore:
             self.host,
             self._step_media,
         )
+        if self.spec is not None:
+            with self.startup.phase("DSpark draft"):
+                self.spec.attach(self.runner, self.model, self.backend, self.budget, kv_dtype)
         self.plans: PlanChannel | None = None
         if self.ranks.size > 1:
             self.plans = PlanChannel(self.ranks, self.device)
@@ -191,6 +199,8 @@ class EngineCore:
             cache=cache,
             storage=self.storage,
         )
+        if self.spec is not None:
+            self.scheduler.spec_draft = self.spec.settings.block_size
         # ------------------------------------------------------------------ executor
         self.executor = Executor(self.run)
         self._in_flight: Launched | None = None
@@ -210,6 +220,10 @@ class EngineCore:
             "piecewise_cuda_graph_tokens": piecewise.sizes if piecewise else [],
             "hicache_host_pages": self.host.pool.num_pages if self.host else 0,
             "tp_size": self.ranks.size,
+            # Tokens a verify step runs per request (speculative decoding; 0: off).
+            "speculative_num_draft_tokens": (
+                self.spec.settings.num_draft_tokens if self.spec is not None else 0
+            ),
         }
 
     @property
@@ -282,6 +296,8 @@ class EngineCore:
         """Schedule and launch step N+1, then process step N, whose tokens the plan of step N+1
         never needed (decode inputs come from the slot table). None when nothing was planned
         and nothing was in flight."""
+        if self.spec is not None:
+            return await self.step()  # verify steps run without overlap (SpecPlugin says so)
         plan = self._schedule()
         previous = self._in_flight
         self._in_flight = self._launch(plan) if plan is not None else None
@@ -376,6 +392,9 @@ class EngineCore:
             kv_dtype,
             max_useful_tokens=useful,
             kv_heads=self.model.kv_heads,
+            extra_page_bytes=(
+                self.spec.page_bytes(kv_dtype, self.model.cfg.page_size) if self.spec else 0
+            ),
         )
         pages = agree_on_pages(self.ranks, budget.num_pages, self.device)
         return KVBudget(pages, budget.page_size)

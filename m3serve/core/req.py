@@ -40,6 +40,10 @@ class Req:
     admitted_once: bool = False
     inflight: int = 0  # sampling steps submitted whose token has not come back yet
     retractions: int = 0
+    # Speculative decoding: verify steps run, and the tokens they committed (what the per-request
+    # acceptance length is made of).
+    spec_steps: int = 0
+    spec_tokens: int = 0
     finish: Finish | None = None
     grammar: Grammar | None = None  # its constraint, compiled (set before it is queued)
     # HiCache L3: its prefix being fetched into host memory. Admission passes over the request

@@ -40,6 +40,7 @@ from m3serve.runtime.messages import (
 
 if TYPE_CHECKING:
     from m3serve.core.grammar import Grammar
+    from m3serve.core.spec.verify_step import SpecStep
 
 
 class StepRunner:
@@ -69,6 +70,8 @@ class StepRunner:
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
         self.share: TokenShare | None = None  # set by a tensor-parallel engine core
+        # Speculative decoding (set by the engine core): every step runs through it.
+        self.spec: SpecStep | None = None
         self.last_tokens = torch.zeros(sampler.num_slots, dtype=torch.int64, device=self.device)
         # Each slot's stop ids, and the slots whose last sampled token ended their request
         # (their rows in a step planned before the CPU saw it are dropped).
@@ -129,6 +132,10 @@ class StepRunner:
         batch = ForwardBatch.build(seqs, self.page_size, self.device)
         self._fill_slot_tokens(seqs, batch)
         batch = self._with_media(plan.step, seqs, batch)
+        if self.spec is not None and layers is None:
+            if len(seqs) != len(plan.seqs):
+                raise RuntimeError("speculative steps run without overlap: no row is dropped")
+            return self.spec.run(plan.step, seqs, batch, self)
         slots = [seq.slot for seq in seqs if seq.sample]
         if layers is not None:
             logits = self.model(batch, self.kv, layers)
@@ -136,6 +143,14 @@ class StepRunner:
             logits = self.logits(batch, len(slots) == len(seqs), load)
         if not slots:
             return _result(plan.step, sampled, [], [], [], [])
+        ids, logprobs, ended = self.sample_rows(logits, slots)
+        return _result(plan.step, sampled, slots, ids, logprobs, ended)
+
+    def sample_rows(
+        self, logits: torch.Tensor, slots: list[int]
+    ) -> tuple[list[int], list[TokenLogprob | None], list[bool]]:
+        """Each row's token (logits [len(slots), V]), its logprob and whether its grammar
+        ended; the slots' device-side last tokens are set to them."""
         # After the launch, before the draw: on a GPU this host work overlaps the forward.
         allowed = self.matchers.fill(slots)
         tokens, logprobs = self.sampler.sample(logits, slots, allowed)
@@ -147,7 +162,16 @@ class StepRunner:
             ids, ended = self.share.share(ids, ended)
             self.last_tokens[index] = torch.tensor(ids, device=self.device)
         self._note_ended(slots, ids, ended)
-        return _result(plan.step, sampled, slots, ids, logprobs, ended)
+        return ids, logprobs, ended
+
+    def note_committed(self, slot: int, tokens: list[int]) -> None:
+        """A speculative verify row committed `tokens`: the last is the slot's next input."""
+        self.last_tokens[slot] = tokens[-1]
+        stops = self._stops.get(slot, ())
+        if any(token in stops for token in tokens):
+            self._ended.add(slot)
+        else:
+            self._ended.discard(slot)
 
     def _with_media(self, step: int, seqs: list[SeqStep], batch: ForwardBatch) -> ForwardBatch:
         """The batch with image/video features in place of the placeholder rows it carries."""
@@ -165,6 +189,8 @@ class StepRunner:
                 slot = seq.slot
                 output = plan.output_ids.get(slot, ())
                 self.sampler.start(slot, plan.sampling[slot], plan.prompt_ids[slot], output)
+                if self.spec is not None:
+                    self.spec.start(slot, plan.sampling[slot])
                 self._stops[slot] = frozenset(plan.stop_ids.get(slot, ()))
                 self._ended.discard(slot)
                 self.matchers.start(slot, grammars.get(slot), output)

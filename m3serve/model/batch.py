@@ -57,7 +57,7 @@ class ForwardBatch:
     ) -> ForwardBatch:
         """The batch of `seqs`. Logits are for the last new token of each sampled seq, or with
         `all_logits` for every new token (parity tests). A seq without input ids gets a
-        placeholder token its caller overwrites on the device.
+        placeholder token (a verify row: one per token) its caller overwrites on the device.
 
         Per-token metadata is computed with numpy, not per token in Python: a step of a few
         thousand prompt tokens would otherwise spend milliseconds here before it launches."""
@@ -79,7 +79,7 @@ class ForwardBatch:
             logit_rows = np.arange(int(ends[-1]))
         else:
             logit_rows = np.array([end - 1 for s, end in zip(seqs, ends, strict=True) if s.sample])
-        ids = [t for s in seqs for t in ([0] if s.input_ids is None else s.input_ids)]
+        ids = [t for s in seqs for t in ([0] * s.extend if s.input_ids is None else s.input_ids)]
 
         def tensor(values: np.ndarray | list[int], dtype: torch.dtype) -> torch.Tensor:
             return torch.as_tensor(np.asarray(values), dtype=dtype).to(device)
