@@ -276,7 +276,7 @@ def target_features(
     residual, before any norm)."""
     wanted = {layer: i for i, layer in enumerate(layer_ids)}
     taken: list[torch.Tensor | None] = [None] * len(layer_ids)
-    hidden, residual = target.embed(batch.input_ids), None
+    hidden, residual = target.input_embeds(batch), None
     for layer in target.layers[: max(layer_ids) + 1]:
         hidden, residual = layer(hidden, residual, batch, kv, target.inv_freq)
         if layer.index in wanted:

@@ -183,7 +183,7 @@ def target_pass(
     any norm)."""
     wanted = {layer: i for i, layer in enumerate(layer_ids)}
     taken: list[torch.Tensor | None] = [None] * len(layer_ids)
-    hidden, residual = target.embed(batch.input_ids), None
+    hidden, residual = target.input_embeds(batch), None
     for layer in target.layers:
         hidden, residual = layer(hidden, residual, batch, kv, target.inv_freq)
         if layer.index in wanted:

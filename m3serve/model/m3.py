@@ -172,10 +172,7 @@ class M3ForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final-normed hidden states of every new token [T, hidden]. `before_layer(i)` is
         called as layer i starts (HiCache: wait until that layer's KV pages are loaded)."""
-        hidden = self.embed(batch.input_ids)
-        if batch.override_rows is not None and batch.embeds_override is not None:
-            # Image/video features take the place of their placeholder tokens' embeddings.
-            hidden = hidden.index_copy(0, batch.override_rows, batch.embeds_override.to(hidden))
+        hidden = self.input_embeds(batch)
         residual: torch.Tensor | None = None
         chosen = self.model.layers if layers is None else [self.model.layers[i] for i in layers]
         for layer in chosen:
@@ -187,6 +184,14 @@ class M3ForCausalLM(nn.Module):
     @property
     def layers(self) -> list[DecoderLayer]:
         return list(self.model.layers)  # type: ignore[arg-type]
+
+    def input_embeds(self, batch: ForwardBatch) -> torch.Tensor:
+        """The first layer's input: token embeddings, with image/video features in place of
+        their placeholder tokens' embeddings."""
+        hidden = self.embed(batch.input_ids)
+        if batch.override_rows is not None and batch.embeds_override is not None:
+            hidden = hidden.index_copy(0, batch.override_rows, batch.embeds_override.to(hidden))
+        return hidden
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         table = self.model.embed_tokens.weight

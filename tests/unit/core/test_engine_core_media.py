@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -183,3 +184,24 @@ def test_a_model_without_a_vision_tower_refuses_images(path: Path, tmp_path: Pat
         assert run(core, [prompt.req("text", 4, media=False)])["text"]
     finally:
         core.close()
+
+
+def test_image_requests_decode_speculatively_to_the_same_greedy_tokens(
+    tiny_checkpoint: Callable,
+) -> None:
+    """The verify step's target pass (it also keeps the draft's features) takes the image
+    features as the plain forward does."""
+    spec_path = tiny_checkpoint(replace(M31_SPEC, dspark=True))
+    prompts = [_prompt(50 + i) for i in range(2)]
+    plain = _core(spec_path, max_total_tokens=1024, chunked_prefill_size=5)
+    spec = _core(
+        spec_path, max_total_tokens=1024, chunked_prefill_size=5, speculative_algorithm="DSPARK"
+    )
+    try:
+        expected = run(plain, [p.req(f"r{i}", 12) for i, p in enumerate(prompts)])
+        assert run(spec, [p.req(f"r{i}", 12) for i, p in enumerate(prompts)]) == expected
+        assert spec.scheduler.spec_accept_counts  # verify steps ran
+        _assert_idle_with_every_page_free(spec)
+    finally:
+        plain.close()
+        spec.close()
