@@ -45,10 +45,15 @@ def images(job: dict) -> dict[str, np.ndarray]:
 def prompt(job: dict) -> dict[str, np.ndarray]:
     from transformers import PreTrainedTokenizerFast
     from transformers.models.minimax_m3_vl.processing_minimax_m3_vl import MiniMaxM3VLProcessor
+    from transformers.models.minimax_m3_vl.video_processing_minimax_m3_vl import (
+        MiniMaxM3VLVideoProcessor,
+    )
 
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=job["tokenizer_file"])
     processor = MiniMaxM3VLProcessor(
-        image_processor=MiniMaxM3VLImageProcessor(**job.get("kwargs", {})), tokenizer=tokenizer
+        image_processor=MiniMaxM3VLImageProcessor(**job.get("kwargs", {})),
+        tokenizer=tokenizer,
+        video_processor=MiniMaxM3VLVideoProcessor(),
     )
     pictures = [_load(path) for path in job["files"]]
     result = processor(text=[job["text"]], images=pictures or None, return_tensors="np")

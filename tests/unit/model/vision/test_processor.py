@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers.hf_vision import run_oracle
+from helpers.vision_images import png, varied_images
 from PIL import Image
 
 from m3serve.model.vision.processor import MediaDecodeError, open_image, process_image_bytes
 from m3serve.model.vision.processor_config import ImageProcessorConfig, load_image_config
 from m3serve.model.vision.resize import ImageSizeError, smart_resize
-from tests.unit.model.vision.images import png, varied_images
 
 CONFIG = ImageProcessorConfig()
 
