@@ -5,6 +5,8 @@ job.json: {"kind": "images", "files": [...], "kwargs": {...}, "out": path.npz}
           -> pixels_<i>, grid_<i> for each file (processed one at a time)
           {"kind": "prompt", "tokenizer_dir": dir, "text": str, "files": [...], "out": ...}
           -> input_ids of the processor's expansion of `text` with those images
+          {"kind": "video", "files": [path.npy (T, H, W, 3 uint8)], "kwargs": {...}, "out": ...}
+          -> pixels_<i>, grids_<i> of the video processor on each file's (sampled) frames
 """
 
 from __future__ import annotations
@@ -60,10 +62,26 @@ def prompt(job: dict) -> dict[str, np.ndarray]:
     return {"input_ids": np.asarray(result["input_ids"][0])}
 
 
+def video(job: dict) -> dict[str, np.ndarray]:
+    import torch
+    from transformers.models.minimax_m3_vl.video_processing_minimax_m3_vl import (
+        MiniMaxM3VLVideoProcessor,
+    )
+
+    processor = MiniMaxM3VLVideoProcessor(**job.get("kwargs", {}))
+    out = {}
+    for i, path in enumerate(job["files"]):
+        frames = torch.from_numpy(np.load(path)).permute(0, 3, 1, 2).contiguous()
+        result = processor(videos=[frames], do_sample_frames=False, return_tensors="pt")
+        out[f"pixels_{i}"] = result["pixel_values_videos"].numpy()
+        out[f"grids_{i}"] = result["video_grid_thw"].numpy()
+    return out
+
+
 def main() -> None:
     with open(sys.argv[1]) as f:
         job = json.load(f)
-    out = {"images": images, "prompt": prompt}[job["kind"]](job)
+    out = {"images": images, "prompt": prompt, "video": video}[job["kind"]](job)
     np.savez(job["out"], **out)
 
 

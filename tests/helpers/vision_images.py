@@ -62,3 +62,22 @@ def varied_images() -> list[tuple[str, bytes]]:
 def png(h: int, w: int, seed: int = 0) -> bytes:
     """One RGB PNG of h x w pixels."""
     return _encode(Image.fromarray(_noise(np.random.default_rng(seed), h, w, 3)))
+
+
+def mp4(count: int, fps: int, h: int, w: int) -> bytes:
+    """An MPEG-4 video of `count` noise frames at `fps` (skips the test without PyAV)."""
+    import pytest
+
+    av = pytest.importorskip("av")
+    rng = np.random.default_rng(count)
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as out:
+        stream = out.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
+        for _ in range(count):
+            image = _noise(rng, h, w, 3)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return buf.getvalue()

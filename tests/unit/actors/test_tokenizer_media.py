@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.vision_images import png
+from helpers.vision_images import mp4, png
 
 from m3serve.actors.tokenizer import TokenizerActor
 from m3serve.model.tiny.checkpoint import TinySpec
@@ -177,3 +177,27 @@ async def test_video_without_pyav_is_a_400(wired, monkeypatch: pytest.MonkeyPatc
     error = await next_message(api)
     assert isinstance(error, Error) and error.code == 400
     assert "PyAV" in error.message
+
+
+async def test_a_video_has_one_timestamped_span_per_temporal_patch(wired) -> None:
+    actor, sched, _, _ = wired
+    await actor.on_start()
+    req = GenerateReq(
+        rid="vid",
+        messages=[{"role": "user", "content": [{"type": "video", "media": 0}]}],
+        media=[MediaBlob("video", mp4(count=24, fps=4, h=64, w=96))],  # 6 s
+    )
+    await actor.on_generate(req)
+    message = await next_message(sched)
+    assert isinstance(message, Tokenized), message
+    (video,) = message.media
+    assert video.kind == "video" and video.grids == [(3, 4, 6)]
+    assert [count for _, count in video.spans] == [6, 6, 6]
+    ids = unpack_token_ids(message.input_ids).tolist()
+    video_id = actor.tokenizer.token_to_id("]<]video[>[")
+    assert ids.count(video_id) == 18
+    text = actor.tokenizer.decode(ids, skip_special_tokens=False)
+    for stamp in ("]<]0.0 seconds[>[", "]<]2.0 seconds[>[", "]<]4.0 seconds[>["):
+        assert stamp in text
+    pixels = read_array(video.pixels, np.float32)
+    assert pixels.size == 3 * 4 * 6 * 1176  # temporal patches x grid, one row per patch
