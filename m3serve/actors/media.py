@@ -20,7 +20,7 @@ from m3serve.model.vision.processor_config import load_image_config, load_video_
 from m3serve.model.vision.prompt import MediaTokens
 from m3serve.model.vision.video import process_video_bytes, timestamp_text
 from m3serve.runtime.messages import MediaBlob, MediaInput
-from m3serve.runtime.shm import write_array
+from m3serve.runtime.shm import attach_segment, unlink_segment, write_array
 
 HASH_BITS = 63
 
@@ -76,3 +76,19 @@ class MediaPreprocessor:
             tokens = MediaTokens("video", [video.frame_tokens] * n, stamps)
             return Prepared("video", video.pixels, video.grids, tokens)
         raise MediaDecodeError(f"unknown media kind {blob.kind!r}")
+
+
+def write_media(
+    prepared: list[Prepared], spans: list[list[tuple[int, int]]], session: str
+) -> list[MediaInput]:
+    """Each item's patches into a segment of its own; all or none (a failure unlinks those
+    already written: nobody would read them)."""
+    written: list[MediaInput] = []
+    try:
+        for item, item_spans in zip(prepared, spans, strict=True):
+            written.append(item.to_input(item_spans, session))
+    except BaseException:
+        for done in written:
+            unlink_segment(attach_segment(done.pixels.name))
+        raise
+    return written

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from m3serve.actors.detokenize import IncrementalDetokenizer
-from m3serve.actors.media import MediaPreprocessor, Prepared
+from m3serve.actors.media import MediaPreprocessor, Prepared, write_media
 from m3serve.model.chat_template import ChatTemplateError, load_chat_template, render_chat
 from m3serve.model.config import load_generation_config, load_model_config
 from m3serve.model.special_tokens import THINK_END, THINK_START
@@ -36,7 +36,6 @@ from m3serve.runtime.messages import (
     Error,
     Finish,
     GenerateReq,
-    MediaInput,
     RequestOutput,
     SamplingParams,
     TextBatch,
@@ -46,7 +45,7 @@ from m3serve.runtime.messages import (
     TokenizeResult,
     Usage,
 )
-from m3serve.runtime.shm import attach_segment, pack_token_ids, unlink_segment, unpack_token_ids
+from m3serve.runtime.shm import pack_token_ids, unpack_token_ids
 from m3serve.runtime.transport import Inbox, Outbox
 
 log = logging.getLogger(__name__)
@@ -161,7 +160,7 @@ class TokenizerActor(Actor):
         try:
             ids, prepared, spans = await self.encode_with_media(req)
             max_new = self.check(req.sampling, len(ids))
-            media = self._write_media(prepared, spans)
+            media = write_media(prepared, spans, self.session)
         except (RequestInvalid, ChatTemplateError, MediaDecodeError, PromptMediaError) as exc:
             await self.api.send(Error(req.rid, str(exc), 400))
             return
@@ -209,19 +208,6 @@ class TokenizerActor(Actor):
         ids, spans = await self._encode_chat(req, prepared)
         self._check_ids(ids)
         return ids, prepared, spans
-
-    def _write_media(
-        self, prepared: list[Prepared], spans: list[list[tuple[int, int]]]
-    ) -> list[MediaInput]:
-        written: list[MediaInput] = []
-        try:
-            for item, item_spans in zip(prepared, spans, strict=True):
-                written.append(item.to_input(item_spans, self.session))
-        except BaseException:
-            for done in written:  # nobody will read them
-                unlink_segment(attach_segment(done.pixels.name))
-            raise
-        return written
 
     async def _encode_chat(
         self, req: GenerateReq, prepared: list[Prepared]
