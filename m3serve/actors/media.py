@@ -70,7 +70,9 @@ class MediaPreprocessor:
                 "image", image.pixels, [image.grid], MediaTokens("image", [count], [None])
             )
         if blob.kind == "video":
-            video = process_video_bytes(blob.data, self.video, self.max_image_pixels)
+            video = process_video_bytes(
+                blob.data, self.video, self.max_image_pixels, blob.max_long_side_pixel
+            )
             n = video.temporal_patches
             stamps = [timestamp_text(s) for s in video.timestamps]
             tokens = MediaTokens("video", [video.frame_tokens] * n, stamps)

@@ -46,8 +46,9 @@ def is_media_part(part: dict[str, Any]) -> bool:
 
 
 def parse_part(part: dict[str, Any], param: str) -> MediaPart:
-    """An `image_url` / `video_url` part's URL and options (`detail` is accepted and ignored:
-    the processor's own pixel bounds decide the resolution)."""
+    """An `image_url` / `video_url` part's URL and options: `max_long_side_pixel` (as
+    MiniMax's API: a cap on the longer side, of an image or of each video frame); `detail` is
+    accepted and ignored (the processor's own pixel bounds decide the resolution)."""
     kind_name = part["type"]
     body = part.get(kind_name)
     if isinstance(body, str):  # some clients send the URL bare

@@ -65,15 +65,19 @@ def sample_indices(total: int, video_fps: float, config: VideoProcessorConfig) -
 
 
 def frame_size(
-    height: int, width: int, frames: int, config: VideoProcessorConfig
+    height: int,
+    width: int,
+    frames: int,
+    config: VideoProcessorConfig,
+    max_long_side: int | None = None,
 ) -> tuple[int, int]:
     """The resized (height, width) of each frame: the per-frame bounds, with the video's total
-    pixel budget shared between its temporal patches."""
+    pixel budget shared between its temporal patches (and a request's long-side cap)."""
     image = config.image
     groups = math.ceil(frames / image.temporal_patch_size)
     budget = max(image.min_pixels, config.total_pixels // max(groups, 1))
     cap = min(image.max_pixels, budget)
-    return smart_resize(height, width, image.factor, image.min_pixels, cap)
+    return smart_resize(height, width, image.factor, image.min_pixels, cap, max_long_side)
 
 
 def _decode(
@@ -141,13 +145,17 @@ def _sampled(
 
 
 def preprocess_frames(
-    frames: list[np.ndarray], indices: list[int], fps: float, config: VideoProcessorConfig
+    frames: list[np.ndarray],
+    indices: list[int],
+    fps: float,
+    config: VideoProcessorConfig,
+    max_long_side: int | None = None,
 ) -> ProcessedVideo:
     """Sampled RGB frames (H, W, 3 uint8; `indices` their frame numbers at `fps`) to patches."""
     image = config.image
     height, width = frames[0].shape[:2]
     try:
-        h, w = frame_size(height, width, len(frames), config)
+        h, w = frame_size(height, width, len(frames), config, max_long_side)
     except ImageSizeError as exc:
         raise MediaDecodeError(str(exc)) from exc
     stacked = torch.stack([normalize(resize_bicubic(f, h, w), image) for f in frames])
@@ -163,11 +171,14 @@ def preprocess_frames(
 
 
 def process_video_bytes(
-    data: bytes, config: VideoProcessorConfig, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    data: bytes,
+    config: VideoProcessorConfig,
+    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    max_long_side: int | None = None,
 ) -> ProcessedVideo:
     """Encoded video bytes to patches; every failure is a `MediaDecodeError`."""
     frames, indices, fps = _decode(data, config, max_pixels)
-    return preprocess_frames(frames, indices, fps, config)
+    return preprocess_frames(frames, indices, fps, config, max_long_side)
 
 
 def timestamp_text(seconds: float) -> str:

@@ -83,3 +83,11 @@ def test_garbage_is_not_a_video() -> None:
     pytest.importorskip("av")
     with pytest.raises(MediaDecodeError, match="cannot decode the video"):
         process_video_bytes(b"definitely not a video", CONFIG)
+
+
+def test_max_long_side_caps_each_frame() -> None:
+    clip = frames(4, 300, 600)
+    free = preprocess_frames(clip, [0, 1, 2, 3], 1.0, CONFIG)
+    capped = preprocess_frames(clip, [0, 1, 2, 3], 1.0, CONFIG, max_long_side=280)
+    assert max(free.grids[0][1:]) * 14 > 280
+    assert max(capped.grids[0][1:]) * 14 <= 280
