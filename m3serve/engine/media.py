@@ -21,6 +21,7 @@ from m3serve.runtime.messages import MediaBlob
 
 PART_KINDS: dict[str, Literal["image", "video"]] = {"image_url": "image", "video_url": "video"}
 _DATA_URL = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^,;]*)*),", re.ASCII)
+_SPACE = re.compile(r"\s+")
 MIN_LONG_SIDE = 28
 
 
@@ -88,6 +89,8 @@ def decode_data_url(url: str, kind: str, max_bytes: int, param: str) -> bytes:
     if not mime.startswith(kind + "/"):
         raise MediaRefused(f"a {kind} data: URL needs a {kind}/* media type, got {mime!r}", param)
     payload = url[match.end() :]
+    if _SPACE.search(payload):  # line-wrapped base64, as some encoders write it
+        payload = _SPACE.sub("", payload)
     # Refuse from the length, before decoding: base64 holds 3 bytes per 4 characters.
     if len(payload) // 4 * 3 > max_bytes + 2:
         raise MediaRefused(

@@ -28,6 +28,12 @@ def test_data_url_media_type_parameters_are_allowed() -> None:
     assert decode_data_url(url(b"abc", "data:IMAGE/JPEG;base64,"), "image", 10, "p") == b"abc"
 
 
+def test_line_wrapped_base64_is_accepted() -> None:
+    encoded = base64.encodebytes(b"y" * 200).decode()  # 76-character lines
+    assert "\n" in encoded
+    assert decode_data_url("data:image/png;base64," + encoded, "image", 1000, "p") == b"y" * 200
+
+
 @pytest.mark.parametrize(
     ("value", "words"),
     [
