@@ -202,7 +202,7 @@ class TokenizerActor(Actor):
             return await self.encode(req), [], []
         if req.messages is None or self.tokenizer is None:
             raise RequestInvalid("images and videos need chat messages")
-        if self.vision is None:
+        if self.vision is None:  # refused before any decoding work
             raise RequestInvalid("this model's tokenizer has no image placeholder tokens")
         prepared = await asyncio.to_thread(lambda: [self.media.prepare(b) for b in req.media])
         ids, spans = await self._encode_chat(req, prepared)
@@ -212,22 +212,23 @@ class TokenizerActor(Actor):
     async def _encode_chat(
         self, req: GenerateReq, prepared: list[Prepared]
     ) -> tuple[list[int], list[list[tuple[int, int]]]]:
-        text = self.render(req)
-        markers = any(marker in text for marker in MARKERS.values())
-        if not prepared and (not markers or self.vision is None):
-            return await self._encode_text(text), []
-        # Render again with the client's own marker strings escaped: every marker left came
-        # from a media part.
+        vision = self.vision
+        if not prepared:
+            text = self.render(req)
+            if vision is None or not any(marker in text for marker in MARKERS.values()):
+                return await self._encode_text(text), []
+        if vision is None:
+            raise RequestInvalid("this model's tokenizer has no image placeholder tokens")
+        # Rendered with the client's own marker strings escaped: every marker left in the text
+        # came from a media part.
         escaper = Escaper()
         text = self.render(req, escaper)
         self._check_chars(text)
         tokens = [item.tokens for item in prepared]
-        assert self.vision is not None
 
         def run() -> tuple[list[int], list[list[tuple[int, int]]]]:
-            done = expand(
-                escaper.split(text), tokens, self.vision, escaper, self._ids, self._literal_ids
-            )
+            pieces = escaper.split(text)
+            done = expand(pieces, tokens, vision, escaper, self._ids, self._literal_ids)
             return done.ids, done.spans
 
         if len(text) < THREAD_MIN_CHARS:
