@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from helpers.hf_vision import run_oracle
 from helpers.vision_images import png
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from m3serve.model.chat_template import render_chat
@@ -147,3 +149,29 @@ def test_lookup_needs_every_placeholder_token() -> None:
     tokenizer = build_tokenizer(512)
     assert VisionTokens.lookup(tokenizer.token_to_id) is not None
     assert VisionTokens.lookup(lambda token: None) is None
+
+
+_TINY = build_tokenizer(512)
+_LITERAL = Tokenizer.from_str(_TINY.to_str())
+_LITERAL.encode_special_tokens = True
+_PIECES = [IMAGE_MARKER, "]<]video[>[", "]<]", "[>[", "image", " ", "x", "\ue000", "\ue001"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from(_PIECES), max_size=12))
+def test_client_text_never_becomes_a_placeholder(chunks: list[str]) -> None:
+    text = "".join(chunks)
+    escaper = Escaper()
+    escaped = escaper.escape(text)
+    vision = VisionTokens.lookup(_TINY.token_to_id)
+    assert vision is not None
+
+    def encode(t: str) -> list[int]:
+        return _TINY.encode(t, add_special_tokens=False).ids
+
+    def literal(t: str) -> list[int]:
+        return _LITERAL.encode(t, add_special_tokens=False).ids
+
+    done = expand(escaper.split(escaped), [], vision, escaper, encode, literal)
+    assert vision.image not in done.ids and vision.video not in done.ids
+    assert _TINY.decode(done.ids, skip_special_tokens=False) == text
