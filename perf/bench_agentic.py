@@ -113,7 +113,8 @@ async def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
             trace = make_trace(spec, n, f"{args.seed}-level{i}")
             if args.trace_out:
                 write_weka(args.trace_out / f"sessions{n}", trace, model)
-            texts = await session_texts(maker, random.Random(f"{args.seed}-text{i}"), trace)
+            rng = random.Random(f"{args.seed}-text{i}")
+            texts = await session_texts(maker, rng, trace, args.answers == "trace")
             plans.append((trace, texts))
         warm_sizes = [WARMUP_TOKENS] * args.warmup_requests
         warm = await maker.make_many(random.Random(f"{args.seed}-warmup"), warm_sizes)
@@ -186,6 +187,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     trace.add_argument("--output-sigma", type=float, default=0.5)
     trace.add_argument("--think-time", type=float, default=0.0, help="median pause, s [0]")
     trace.add_argument("--seed", type=int, default=0)
+    trace.add_argument(
+        "--answers",
+        choices=("server", "trace"),
+        default="server",
+        help="assistant messages resent: the server's streamed text, or trace text of the "
+        "answer's size (random-weight models: their answers do not re-tokenize) [server]",
+    )
     trace.add_argument("--no-continuous-usage", dest="continuous_usage", action="store_false")
     trace.add_argument("--extra-body", type=_json_object, default={}, help="JSON merged in")
     parser.add_argument(
@@ -250,7 +258,7 @@ def header(args: argparse.Namespace) -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "config": {"trace": trace_spec(args).as_dict(), "seed": args.seed}
         | {"num_gpus": args.num_gpus, "warmup_requests": args.warmup_requests}
-        | {"extra_body": args.extra_body},
+        | {"extra_body": args.extra_body, "answers": args.answers},
     }
 
 

@@ -21,7 +21,9 @@ from typing import IO
 
 import httpx
 
-START_TIMEOUT_S = 120.0
+# A GPU server compiles its Triton kernels and captures CUDA graphs before /health answers:
+# minutes on a cold kernel cache.
+START_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 30.0
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 

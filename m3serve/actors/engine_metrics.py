@@ -21,12 +21,14 @@ process counted.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from m3serve.core.hicache.prefix_cache import HiPrefixCache
 from m3serve.core.scheduler import Scheduler
 
 PREFIX = "m3serve:"
+# Acceptance lengths are whole numbers 1..block+1 (8 for DSpark): one bucket each.
+ACCEPT_BUCKETS = (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, float("inf"))
 
 
 class EngineMetrics:
@@ -98,12 +100,21 @@ class EngineMetrics:
             registry=r,
             multiprocess_mode="livemax",
         )
+        # Speculative decoding: tokens each verify row committed (accepted drafts + 1).
+        self.spec_accept_length = Histogram(
+            PREFIX + "spec_accept_length",
+            "Tokens committed per speculative verify step of a request (accepted drafts + 1)",
+            buckets=ACCEPT_BUCKETS,
+            registry=r,
+        )
         self._last: tuple[int, ...] | None = None
         self._totals: dict[Counter, int] = {}
+        self._accepts: dict[int, int] = {}
 
     def update(self, scheduler: Scheduler, compiles_after_ready: int = 0) -> None:
         """Writes the scheduler's current figures. Steps that change none of them (most decode
         steps of a steady batch) write nothing."""
+        self._observe_accepts(scheduler.spec_accept_counts)
         pool = scheduler.pool
         host = scheduler.cache.host_pool if isinstance(scheduler.cache, HiPrefixCache) else None
         host_used = host.num_pages - host.num_free if host is not None else 0
@@ -135,6 +146,13 @@ class EngineMetrics:
         self._advance(self.cached_prompt_tokens, scheduler.cached_prompt_tokens)
         self._advance(self.host_hit_tokens, scheduler.host_hit_tokens)
         self._advance(self.storage_hit_tokens, figures[-1])
+
+    def _observe_accepts(self, counts: dict[int, int]) -> None:
+        """The scheduler counts verify rows by committed length; observe the new ones."""
+        for length, total in counts.items():
+            for _ in range(total - self._accepts.get(length, 0)):
+                self.spec_accept_length.observe(length)
+            self._accepts[length] = total
 
     def _advance(self, counter: Counter, total: int) -> None:
         """The scheduler keeps running totals; a Counter only moves forward by increments."""

@@ -25,6 +25,7 @@ from m3serve.actors.engine_metrics import EngineMetrics
 from m3serve.core.engine_core import EngineCore
 from m3serve.core.hicache.storage_client import StorageClient
 from m3serve.core.hicache.storage_tier import ActorLink
+from m3serve.core.media import read_media
 from m3serve.core.req import Req
 from m3serve.core.scheduler import Outputs, QueueFull
 from m3serve.runtime.actor import Actor, handles
@@ -85,6 +86,11 @@ class SchedulerActor(Actor):
     @handles(Tokenized)
     async def on_tokenized(self, msg: Tokenized) -> None:
         assert self.core is not None
+        try:
+            media = read_media(msg.media)  # unlinks every segment, even when one is unreadable
+        except ValueError as exc:
+            await self.tokenizers[msg.worker].send(Error(msg.rid, str(exc), 400))
+            return
         req = Req(
             rid=msg.rid,
             prompt=unpack_token_ids(msg.input_ids).tolist(),
@@ -92,6 +98,7 @@ class SchedulerActor(Actor):
             stop_ids=frozenset(msg.stop_token_ids),
             worker=msg.worker,
             max_new=msg.max_new_tokens,
+            media=media,
         )
         try:
             self.core.add(req, fit_to_pool=msg.fit_to_pool)

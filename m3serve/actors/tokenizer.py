@@ -89,6 +89,8 @@ class Pending:
     prompt_tokens: int
     completion_tokens: int = 0
     cached_tokens: int = 0
+    spec_verify_steps: int = 0
+    spec_accepted_tokens: int = 0
     stopped: bool = False
 
 
@@ -394,6 +396,10 @@ class TokenizerActor(Actor):
             new_ids, finish = batch.new_ids[i], batch.finish[i]
             state.completion_tokens += len(new_ids)
             state.cached_tokens = batch.cached_tokens[i]
+            accepted = batch.spec_accepted[i] if batch.spec_accepted else 0
+            if accepted:
+                state.spec_verify_steps += 1
+                state.spec_accepted_tokens += accepted
             text = ""
             if state.detok is not None:
                 # A matched stop token ends the output but is not part of its text.
@@ -405,7 +411,13 @@ class TokenizerActor(Actor):
                     aborts.append(Abort(rid))
                 elif finish is not None:
                     text += state.detok.finish()
-            usage = Usage(state.prompt_tokens, state.completion_tokens, state.cached_tokens)
+            usage = Usage(
+                state.prompt_tokens,
+                state.completion_tokens,
+                state.cached_tokens,
+                state.spec_verify_steps,
+                state.spec_accepted_tokens,
+            )
             logprobs = batch.logprobs[i] if batch.logprobs is not None else []
             outputs.append(RequestOutput(rid, text, new_ids, finish, usage, logprobs))
             if finish is not None:

@@ -27,8 +27,10 @@ the same StepRunner, which hands rank 0's sampled tokens to every rank (core/ran
 run in lockstep, so with more than one a failed step is fatal to the engine (raised, not failed
 request by request), and so is a lost rank.
 
-Where later features plug in: a draft proposer (speculative decoding) runs after `run()`'s
-forward on its hidden states, with verification as a step kind of the scheduler.
+Speculative decoding (`spec`, core/spec/engine.py): the draft's KV pool is sized with the
+target's pages and shares their ids; every step then runs through the runner's `SpecStep`
+(propose, one target forward over each verify row's block, verify, draft KV for the committed
+tokens), the scheduler plans decodes as verify rows, and `overlap_step` runs plain steps.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from m3serve.core.hicache.prefix_cache import HiPrefixCache
 from m3serve.core.hicache.storage_tier import ActorLink, StorageTier, page_key_root
 from m3serve.core.hicache.tier import HostTier
 from m3serve.core.matchers import GrammarMatchers
+from m3serve.core.media import ReqMedia, check_media
 from m3serve.core.memory import (
     KVBudget,
     kv_cache_dtype,
@@ -62,6 +65,7 @@ from m3serve.core.ranks import LEADER, PlanChannel, TokenShare, follow
 from m3serve.core.req import Req
 from m3serve.core.sampler import Sampler
 from m3serve.core.scheduler import Outputs, QueueFull, Scheduler
+from m3serve.core.spec.engine import SpecPlugin
 from m3serve.core.step_cost import measure_step_cost
 from m3serve.core.step_runner import StepRunner
 from m3serve.core.trace import StartupPhases, StepTrace
@@ -119,6 +123,8 @@ class EngineCore:
         # ------------------------------------------------------------------ KV pools
         slots = args.sched.max_running_requests
         context = args.runtime.context_length or cfg.max_position_embeddings
+        # Speculative decoding: the draft's KV pool shares the pages (core/spec/engine.py).
+        self.spec = SpecPlugin.configure(args, self.loaded.path)
         with self.startup.phase("KV pool"):
             kv_dtype = kv_cache_dtype(args.cache.kv_cache_dtype, self.model.dtype)
             self.budget = self._plan_kv(args, kv_dtype, context * slots)
@@ -150,6 +156,8 @@ class EngineCore:
         self._compiling: list[tuple[Req, bool, Compiled]] = []
         # Compiled grammars of the slots a step starts, from planning to that step's run.
         self._step_grammars: dict[int, dict[int, Grammar]] = {}
+        # The images each planned step's prefill chunks need, by slot, until that step runs.
+        self._step_media: dict[int, dict[int, list[ReqMedia]]] = {}
         # ------------------------------------------------------------------ the step runner
         self.runner = StepRunner(
             self.model,
@@ -159,7 +167,11 @@ class EngineCore:
             GrammarMatchers(cfg.vocab_size),
             self._step_grammars,
             self.host,
+            self._step_media,
         )
+        if self.spec is not None:
+            with self.startup.phase("DSpark draft"):
+                self.spec.attach(self.runner, self.model, self.backend, self.budget, kv_dtype)
         self.plans: PlanChannel | None = None
         if self.ranks.size > 1:
             self.plans = PlanChannel(self.ranks, self.device)
@@ -187,6 +199,8 @@ class EngineCore:
             cache=cache,
             storage=self.storage,
         )
+        if self.spec is not None:
+            self.scheduler.spec_draft = self.spec.settings.block_size
         # ------------------------------------------------------------------ executor
         self.executor = Executor(self.run)
         self._in_flight: Launched | None = None
@@ -206,6 +220,10 @@ class EngineCore:
             "piecewise_cuda_graph_tokens": piecewise.sizes if piecewise else [],
             "hicache_host_pages": self.host.pool.num_pages if self.host else 0,
             "tp_size": self.ranks.size,
+            # Tokens a verify step runs per request (speculative decoding; 0: off).
+            "speculative_num_draft_tokens": (
+                self.spec.settings.num_draft_tokens if self.spec is not None else 0
+            ),
         }
 
     @property
@@ -216,6 +234,8 @@ class EngineCore:
     # ------------------------------------------------------------------ requests
 
     def add(self, req: Req, fit_to_pool: bool = False) -> None:
+        if req.media:
+            self._check_media(req)
         constraint = req.sampling.constraint
         if constraint is None:
             self.scheduler.add(req, fit_to_pool)
@@ -224,6 +244,21 @@ class EngineCore:
             raise GrammarUnavailable("this engine cannot run constrained requests (no tokenizer)")
         self.scheduler.check(req, fit_to_pool)
         self._compiling.append((req, fit_to_pool, self.grammar.compile(constraint)))
+
+    def _check_media(self, req: Req) -> None:
+        """Refuse image/video input this engine cannot run, or that does not add up (400)."""
+        encoder = self.model.vision
+        if encoder is None:
+            raise ValueError(
+                f"the model at {self.loaded.path} has no vision tower: it takes no image or "
+                "video input"
+            )
+        if self.ranks.size > 1:
+            raise ValueError("image and video input is not supported with --tp > 1 yet")
+        config = self.loaded.config
+        ids = {"image": config.image_token_id, "video": config.video_token_id}
+        vision = encoder.cfg
+        check_media(req.prompt, req.media, ids, vision.patch_dim, vision.spatial_merge_size)
 
     def abort(self, rid: str) -> None:
         self._compiling = [entry for entry in self._compiling if entry[0].rid != rid]
@@ -261,6 +296,8 @@ class EngineCore:
         """Schedule and launch step N+1, then process step N, whose tokens the plan of step N+1
         never needed (decode inputs come from the slot table). None when nothing was planned
         and nothing was in flight."""
+        if self.spec is not None:
+            return await self.step()  # verify steps run without overlap (SpecPlugin says so)
         plan = self._schedule()
         previous = self._in_flight
         self._in_flight = self._launch(plan) if plan is not None else None
@@ -280,6 +317,7 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if plan is not None:
             self._keep_grammars(plan)
+            self._keep_media(plan)
             self.trace.planned(plan, time.perf_counter() - started)
         return plan
 
@@ -294,6 +332,21 @@ class EngineCore:
         }
         if grammars:
             self._step_grammars[plan.step] = grammars
+
+    def _keep_media(self, plan: StepPlan) -> None:
+        """Hand the images of this plan's prefill chunks that reach a placeholder to its run."""
+        by_slot = {r.slot: r.media for r in self.scheduler.running if r.media}
+        if not by_slot:
+            return
+        media = {
+            seq.slot: by_slot[seq.slot]
+            for seq in plan.seqs
+            if seq.input_ids is not None
+            and seq.slot in by_slot
+            and any(m.rows_in(seq.start, seq.extend) for m in by_slot[seq.slot])
+        }
+        if media:
+            self._step_media[plan.step] = media
 
     def _launch(self, plan: StepPlan) -> Launched:
         return plan.step, asyncio.wrap_future(self.executor.submit(plan))
@@ -339,6 +392,9 @@ class EngineCore:
             kv_dtype,
             max_useful_tokens=useful,
             kv_heads=self.model.kv_heads,
+            extra_page_bytes=(
+                self.spec.page_bytes(kv_dtype, self.model.cfg.page_size) if self.spec else 0
+            ),
         )
         pages = agree_on_pages(self.ranks, budget.num_pages, self.device)
         return KVBudget(pages, budget.page_size)

@@ -45,10 +45,12 @@ def plan_kv_budget(
     kv_dtype: torch.dtype,
     max_useful_tokens: int | None = None,
     kv_heads: int | None = None,
+    extra_page_bytes: int = 0,
 ) -> KVBudget:
     """How many KV pages to allocate: an explicit token count, else what fits on the device,
     but never more than `max_useful_tokens` (every running request at full context).
-    `kv_heads`: the KV heads this rank caches (tensor parallelism; default all)."""
+    `kv_heads`: the KV heads this rank caches (tensor parallelism; default all);
+    `extra_page_bytes`: what else each page costs (the speculative draft's KV)."""
     page = cfg.page_size
     if max_total_tokens is not None:
         return KVBudget(-(-max_total_tokens // page), page)
@@ -57,7 +59,7 @@ def plan_kv_budget(
     free, total = torch.cuda.mem_get_info(device)
     # Weights are already resident; the KV pool takes what the static fraction leaves.
     budget = free - total * (1.0 - mem_fraction_static)
-    pages = int(budget // KVCache.bytes_per_page(cfg, kv_dtype, kv_heads))
+    pages = int(budget // (KVCache.bytes_per_page(cfg, kv_dtype, kv_heads) + extra_page_bytes))
     if max_useful_tokens is not None:
         # A small model on a big GPU would otherwise get a pool of tens of millions of pages.
         pages = min(pages, -(-max_useful_tokens // page))

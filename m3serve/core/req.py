@@ -7,6 +7,7 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 from m3serve.core.kvcache.radix import Match
+from m3serve.core.media import ReqMedia, media_key
 from m3serve.runtime.messages import Finish, SamplingParams
 
 if TYPE_CHECKING:
@@ -39,12 +40,19 @@ class Req:
     admitted_once: bool = False
     inflight: int = 0  # sampling steps submitted whose token has not come back yet
     retractions: int = 0
+    # Speculative decoding: verify steps run, and the tokens they committed (what the per-request
+    # acceptance length is made of).
+    spec_steps: int = 0
+    spec_tokens: int = 0
     finish: Finish | None = None
     grammar: Grammar | None = None  # its constraint, compiled (set before it is queued)
     # HiCache L3: its prefix being fetched into host memory. Admission passes over the request
     # (and takes the ones behind it) until this is done; the fetch then adds the pages with
     # HiPrefixCache.add_host_prefix and admission loads them back like any host hit.
     fetch: Completion | None = None
+    media: list[ReqMedia] = field(default_factory=list)  # its images/videos, in prompt order
+    # The prompt as the prefix cache keys it (placeholders by content hash); set at creation.
+    key_prompt: list[int] = field(default_factory=list)
 
     @property
     def ready(self) -> bool:
@@ -57,10 +65,16 @@ class Req:
         return self.prompt + self.output
 
     @property
+    def key_tokens(self) -> list[int]:
+        """`tokens` as the prefix cache keys them (the same list content without media)."""
+        return self.key_prompt + self.output
+
+    @property
     def prefill_target(self) -> int:
         return len(self.prompt) + len(self.output)
 
     def __post_init__(self) -> None:
+        self.key_prompt = media_key(self.prompt, self.media) if self.media else self.prompt
         if not self.max_new:
             self.max_new = self.sampling.max_new_tokens or 1
 

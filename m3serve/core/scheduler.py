@@ -30,6 +30,7 @@ from m3serve.core.kvcache.pages import PagePool
 from m3serve.core.kvcache.radix import PrefixCache
 from m3serve.core.kvcache.slots import SlotPool
 from m3serve.core.req import Phase, Req
+from m3serve.core.spec.settings import spec_eligible
 from m3serve.runtime.config import SchedArgs
 from m3serve.runtime.messages import (
     SKIPPED_TOKEN,
@@ -63,11 +64,15 @@ class Outputs:
     batches: dict[int, TokenBatch] = field(default_factory=dict)
     errors: dict[int, list[Error]] = field(default_factory=dict)
 
-    def add(self, req: Req, new_ids: list[int], logprob: TokenLogprob | None) -> None:
+    def add(
+        self, req: Req, new_ids: list[int], logprob: TokenLogprob | None, accepted: int = 0
+    ) -> None:
+        """`accepted`: the tokens a speculative verify step committed for the row (0: none)."""
         batch = self.batches.get(req.worker)
         if batch is None:
             batch = TokenBatch(rids=[], new_ids=[], finish=[], cached_tokens=[])
             self.batches[req.worker] = batch
+        batch.spec_accepted.append(accepted)
         batch.rids.append(req.rid)
         batch.new_ids.append(new_ids)
         batch.finish.append(req.finish)
@@ -117,6 +122,10 @@ class Scheduler:
         self.prompt_tokens = 0
         self.cached_prompt_tokens = 0  # on the device
         self.host_hit_tokens = 0  # loaded back from host memory (HiCache)
+        # Speculative decoding (set by the engine core): draft tokens per verify row, 0 = off;
+        # and how many verify rows committed each number of tokens so far (a metric).
+        self.spec_draft = 0
+        self.spec_accept_counts: dict[int, int] = {}
 
     # ------------------------------------------------------------------ requests in
 
@@ -133,7 +142,8 @@ class Scheduler:
         """Refuse a request the queue or the KV pool cannot take (what `add` checks first)."""
         if len(self.waiting) >= self.args.max_queued_requests:
             raise QueueFull(f"the waiting queue is full ({self.args.max_queued_requests})")
-        capacity = self.pool.num_pages * self.page_size
+        # A verify step writes a block past the last token the request may keep.
+        capacity = self.pool.num_pages * self.page_size - self.spec_draft
         if fit_to_pool:
             req.max_new = min(req.max_new, capacity - len(req.prompt))
         needed = len(req.prompt) + max(req.max_new, 1)
@@ -197,17 +207,32 @@ class Scheduler:
         decode = [r for r in self.running if r.prefilled and len(r.output) + r.inflight < r.max_new]
         # Newest first out: retract from the back until every decode token has a page.
         while decode:
-            short = [r for r in decode if r.kv_len // self.page_size >= len(r.pages)]
+            ps = self.page_size
+            short = [(r, -(-(r.kv_len + self._width(r)) // ps) - len(r.pages)) for r in decode]
+            short = [(r, n) for r, n in short if n > 0]
             if not short:
                 return decode
-            pages = self.cache.alloc(len(short))
+            pages = self.cache.alloc(sum(n for _, n in short))
             if pages is not None:
-                for req, page in zip(short, pages, strict=True):
-                    req.pages.append(page)
+                for req, n in short:
+                    req.pages.extend(pages[:n])
+                    pages = pages[n:]
                 return decode
             victim = decode.pop()
             self._retract(victim)
         return decode
+
+    def _drafts(self, req: Req) -> int:
+        """Draft tokens its next decode verifies (speculative decoding): none past its
+        max_new_tokens, and none for requests whose sampling a verify step cannot honour."""
+        if not self.spec_draft or req.remaining_new - req.inflight <= 1 or not spec_eligible(req):
+            return 0
+        # A whole block even near the end: the scheduler cuts what passes max_new_tokens.
+        return self.spec_draft
+
+    def _width(self, req: Req) -> int:
+        """KV positions its next decode writes."""
+        return 1 + self._drafts(req)
 
     def _plan_prefill(self, decodes: int) -> list[tuple[Req, int]]:
         budget = self.args.max_prefill_tokens
@@ -243,7 +268,7 @@ class Scheduler:
 
     def _longest_prefix_first(self) -> None:
         """Reorder the waiting queue by cached prefix, longest first (ties keep arrival order)."""
-        cached = {id(req): self.cache.cached_length(req.tokens) for req in self.waiting}
+        cached = {id(req): self.cache.cached_length(req.key_tokens) for req in self.waiting}
         self.waiting = deque(sorted(self.waiting, key=lambda req: -cached[id(req)]))
 
     def _chunk(self, req: Req, budget: int, first: bool) -> int:
@@ -255,7 +280,7 @@ class Scheduler:
 
     def _admit(self, req: Req) -> bool:
         """Give a waiting request a slot and its cached prefix, if memory allows."""
-        tokens = req.tokens
+        tokens = req.key_tokens
         match = self.cache.acquire(tokens)
         reserve = self._reserved_tokens() + int(req.remaining_new * self.new_token_ratio)
         need_pages = -(-(len(tokens) - match.num_tokens + reserve) // self.page_size)
@@ -300,7 +325,8 @@ class Scheduler:
         return True
 
     def _decode_seq(self, req: Req) -> SeqStep:
-        seq = SeqStep(None, req.kv_len, list(req.pages), slot=req.slot)
+        # A verify row's anchor is committed now; its accepted drafts when the step is processed.
+        seq = SeqStep(None, req.kv_len, list(req.pages), slot=req.slot, draft=self._drafts(req))
         req.kv_len += 1
         req.inflight += 1
         return seq
@@ -343,7 +369,7 @@ class Scheduler:
     def _release(self, req: Req) -> None:
         if req.match is not None:
             # Only tokens whose KV is written (or being written by a step in flight) are cached.
-            self.cache.release(req.tokens[: req.kv_len], req.pages, req.match)
+            self.cache.release(req.key_tokens[: req.kv_len], req.pages, req.match)
         if req.slot is not None:
             self.slots.free(req.slot)
         if req in self.running:
@@ -357,7 +383,10 @@ class Scheduler:
         rows = self.inflight.pop(result.step, [])
         logprobs = result.logprobs or [None] * len(result.tokens)
         ended = result.grammar_ended or [False] * len(result.tokens)
-        for req, token, logprob, done in zip(rows, result.tokens, logprobs, ended, strict=True):
+        spec = result.spec_tokens or [[] for _ in result.tokens]
+        for req, token, logprob, done, block in zip(
+            rows, result.tokens, logprobs, ended, spec, strict=True
+        ):
             if req is None:
                 continue
             req.inflight -= 1
@@ -365,6 +394,9 @@ class Scheduler:
                 continue  # finished or aborted while this step was in flight
             if token == SKIPPED_TOKEN:
                 raise RuntimeError(f"the engine dropped the row of {req.rid}, which is running")
+            if block:
+                self._commit_block(req, block, out)
+                continue
             req.output.append(token)
             # A finished grammar ends its request like a stop token, even with ignore_eos.
             req.finish = Finish("stop", token) if done else self._finish_reason(req, token)
@@ -372,6 +404,30 @@ class Scheduler:
             if req.finish is not None:
                 self._finish(req)
         return out
+
+    def _commit_block(self, req: Req, block: list[int], out: Outputs) -> None:
+        """A verify row's tokens: the accepted drafts (their KV is kept) and the correction or
+        bonus token, cut at the first one that ends the request; the KV pages past the kept
+        positions go back to the pool."""
+        req.kv_len += len(block) - 1
+        emitted: list[int] = []
+        for token in block:
+            req.output.append(token)
+            emitted.append(token)
+            req.finish = self._finish_reason(req, token)
+            if req.finish is not None:
+                break
+        self.spec_accept_counts[len(block)] = self.spec_accept_counts.get(len(block), 0) + 1
+        req.spec_steps += 1
+        req.spec_tokens += len(block)
+        out.add(req, emitted, None, accepted=len(block))
+        if req.finish is not None:
+            self._finish(req)
+            return
+        keep = max(-(-req.kv_len // self.page_size), len(req.match.pages) if req.match else 0)
+        if len(req.pages) > keep:
+            self.cache.free_tail(req.pages[keep:])
+            del req.pages[keep:]
 
     def take_errors(self) -> Outputs | None:
         """Errors waiting for the next processed step, now (None when there are none)."""

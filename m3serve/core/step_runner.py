@@ -22,6 +22,7 @@ from m3serve.core.graphs import DecodeGraphs
 from m3serve.core.hicache.copier import LayerLoad
 from m3serve.core.hicache.tier import HostTier
 from m3serve.core.matchers import GrammarMatchers
+from m3serve.core.media import ReqMedia, step_embeds
 from m3serve.core.piecewise import PiecewiseGraphs
 from m3serve.core.ranks import TokenShare
 from m3serve.core.sampler import Sampler
@@ -39,6 +40,7 @@ from m3serve.runtime.messages import (
 
 if TYPE_CHECKING:
     from m3serve.core.grammar import Grammar
+    from m3serve.core.spec.verify_step import SpecStep
 
 
 class StepRunner:
@@ -51,9 +53,11 @@ class StepRunner:
         matchers: GrammarMatchers,
         step_grammars: dict[int, dict[int, Grammar]],
         host: HostTier | None,
+        step_media: dict[int, dict[int, list[ReqMedia]]] | None = None,
     ) -> None:
         """`step_grammars`: the engine core's hand-over of compiled grammars, by step, to the
-        run that starts their slots. The CUDA graphs are set once captured (after warm-up)."""
+        run that starts their slots; `step_media` likewise of the images each step's prefill
+        chunks need, by slot. The CUDA graphs are set once captured (after warm-up)."""
         self.model = model
         self.kv = kv
         self.page_size = page_size
@@ -62,9 +66,12 @@ class StepRunner:
         self.matchers = matchers
         self.step_grammars = step_grammars
         self.host = host
+        self.step_media = step_media if step_media is not None else {}
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
         self.share: TokenShare | None = None  # set by a tensor-parallel engine core
+        # Speculative decoding (set by the engine core): every step runs through it.
+        self.spec: SpecStep | None = None
         self.last_tokens = torch.zeros(sampler.num_slots, dtype=torch.int64, device=self.device)
         # Each slot's stop ids, and the slots whose last sampled token ended their request
         # (their rows in a step planned before the CPU saw it are dropped).
@@ -100,6 +107,9 @@ class StepRunner:
     def logits(
         self, batch: ForwardBatch, decode_only: bool, load: LayerLoad | None = None
     ) -> torch.Tensor:
+        if batch.override_rows is not None:  # image features: graphs embed tokens themselves
+            before_layer = load.before_layer if load is not None else None
+            return self.model(batch, self.kv, before_layer=before_layer)
         if self.graphs is not None and decode_only and self.graphs.fits(batch):
             if load is not None:
                 load.wait_all()  # a replayed graph has no per-layer hook
@@ -121,6 +131,11 @@ class StepRunner:
             return _result(plan.step, sampled, [], [], [], [])
         batch = ForwardBatch.build(seqs, self.page_size, self.device)
         self._fill_slot_tokens(seqs, batch)
+        batch = self._with_media(plan.step, seqs, batch)
+        if self.spec is not None and layers is None:
+            if len(seqs) != len(plan.seqs):
+                raise RuntimeError("speculative steps run without overlap: no row is dropped")
+            return self.spec.run(plan.step, seqs, batch, self)
         slots = [seq.slot for seq in seqs if seq.sample]
         if layers is not None:
             logits = self.model(batch, self.kv, layers)
@@ -128,6 +143,14 @@ class StepRunner:
             logits = self.logits(batch, len(slots) == len(seqs), load)
         if not slots:
             return _result(plan.step, sampled, [], [], [], [])
+        ids, logprobs, ended = self.sample_rows(logits, slots)
+        return _result(plan.step, sampled, slots, ids, logprobs, ended)
+
+    def sample_rows(
+        self, logits: torch.Tensor, slots: list[int]
+    ) -> tuple[list[int], list[TokenLogprob | None], list[bool]]:
+        """Each row's token (logits [len(slots), V]), its logprob and whether its grammar
+        ended; the slots' device-side last tokens are set to them."""
         # After the launch, before the draw: on a GPU this host work overlaps the forward.
         allowed = self.matchers.fill(slots)
         tokens, logprobs = self.sampler.sample(logits, slots, allowed)
@@ -139,7 +162,25 @@ class StepRunner:
             ids, ended = self.share.share(ids, ended)
             self.last_tokens[index] = torch.tensor(ids, device=self.device)
         self._note_ended(slots, ids, ended)
-        return _result(plan.step, sampled, slots, ids, logprobs, ended)
+        return ids, logprobs, ended
+
+    def note_committed(self, slot: int, tokens: list[int]) -> None:
+        """A speculative verify row committed `tokens`: the last is the slot's next input."""
+        self.last_tokens[slot] = tokens[-1]
+        stops = self._stops.get(slot, ())
+        if any(token in stops for token in tokens):
+            self._ended.add(slot)
+        else:
+            self._ended.discard(slot)
+
+    def _with_media(self, step: int, seqs: list[SeqStep], batch: ForwardBatch) -> ForwardBatch:
+        """The batch with image/video features in place of the placeholder rows it carries."""
+        media = self.step_media.pop(step, None)
+        encoder = self.model.vision
+        if not media or encoder is None:
+            return batch
+        embeds = step_embeds(encoder, seqs, media)
+        return batch if embeds is None else batch.with_embeds(*embeds)
 
     def _start_new_requests(self, plan: StepPlan) -> None:
         grammars = self.step_grammars.pop(plan.step, {})
@@ -148,6 +189,8 @@ class StepRunner:
                 slot = seq.slot
                 output = plan.output_ids.get(slot, ())
                 self.sampler.start(slot, plan.sampling[slot], plan.prompt_ids[slot], output)
+                if self.spec is not None:
+                    self.spec.start(slot, plan.sampling[slot])
                 self._stops[slot] = frozenset(plan.stop_ids.get(slot, ()))
                 self._ended.discard(slot)
                 self.matchers.start(slot, grammars.get(slot), output)

@@ -36,6 +36,7 @@ def checked_model_path(args: ServerArgs) -> Path:
     """The model's directory, once every setting is known to work with it: a start fails here,
     with the component's own message, before any actor is spawned."""
     from m3serve.backends import check_backend
+    from m3serve.core.spec.settings import resolve_spec
     from m3serve.model.build import resolve_device
     from m3serve.model.config import load_model_config
     from m3serve.model.locate import resolve_model_path
@@ -56,6 +57,7 @@ def checked_model_path(args: ServerArgs) -> Path:
     backend = check_backend(args.backend.backend, device, args.kernel.moe_runner_backend)
     if args.cache.kv_cache_dtype == "fp8_e4m3" and backend != "hopper":
         raise ConfigInvalid("--kv-cache-dtype fp8_e4m3 needs the hopper backend")
+    resolve_spec(args, model_path, quiet=True)  # refuses what speculative decoding cannot run
     return model_path
 
 

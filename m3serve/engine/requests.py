@@ -73,6 +73,9 @@ class Result:
             "finish_reason": finish_dict(self.finish),
             "e2e_latency": latency,
         }
+        if usage.spec_verify_steps:  # SGLang's names
+            meta["spec_verify_ct"] = usage.spec_verify_steps
+            meta["spec_accept_length"] = usage.spec_accept_length
         if self.logprobs:
             meta["output_token_logprobs"] = [(lp.logprob, lp.token_id) for lp in self.logprobs]
             if any(lp.top for lp in self.logprobs):

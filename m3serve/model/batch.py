@@ -9,7 +9,7 @@ everything before is read from the cache.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -31,6 +31,17 @@ class ForwardBatch:
     seq_lens_t: torch.Tensor | None = None  # [B] int32
     extend_starts: torch.Tensor | None = None  # [B + 1] int32, request b owns rows [s[b], s[b+1])
     max_extend: int = 0  # the longest extend_len in the batch
+    # Rows of T whose input embedding is given instead of looked up (image/video features):
+    # eager prefill steps only; CUDA-graph paths never carry them.
+    embeds_override: torch.Tensor | None = None  # [R, hidden]
+    override_rows: torch.Tensor | None = None  # [R] int64
+
+    def with_embeds(self, rows: torch.Tensor, embeds: torch.Tensor) -> ForwardBatch:
+        """The same batch with the embeddings of `rows` replaced by `embeds` (none: unchanged)."""
+        if rows.numel() == 0:
+            return self
+        device = self.input_ids.device
+        return replace(self, override_rows=rows.to(device), embeds_override=embeds.to(device))
 
     @property
     def num_tokens(self) -> int:
@@ -46,7 +57,7 @@ class ForwardBatch:
     ) -> ForwardBatch:
         """The batch of `seqs`. Logits are for the last new token of each sampled seq, or with
         `all_logits` for every new token (parity tests). A seq without input ids gets a
-        placeholder token its caller overwrites on the device.
+        placeholder token (a verify row: one per token) its caller overwrites on the device.
 
         Per-token metadata is computed with numpy, not per token in Python: a step of a few
         thousand prompt tokens would otherwise spend milliseconds here before it launches."""
@@ -68,7 +79,7 @@ class ForwardBatch:
             logit_rows = np.arange(int(ends[-1]))
         else:
             logit_rows = np.array([end - 1 for s, end in zip(seqs, ends, strict=True) if s.sample])
-        ids = [t for s in seqs for t in ([0] if s.input_ids is None else s.input_ids)]
+        ids = [t for s in seqs for t in ([0] * s.extend if s.input_ids is None else s.input_ids)]
 
         def tensor(values: np.ndarray | list[int], dtype: torch.dtype) -> torch.Tensor:
             return torch.as_tensor(np.asarray(values), dtype=dtype).to(device)

@@ -12,9 +12,10 @@ import torch
 
 from m3serve.model.backend import Backend
 from m3serve.model.config import ModelConfig, load_model_config
-from m3serve.model.loader import load_weights
+from m3serve.model.loader import has_vision_weights, load_weights
 from m3serve.model.m3 import M3ForCausalLM
 from m3serve.model.parallel import SINGLE, Parallel
+from m3serve.model.vision.config import vision_config
 from m3serve.model.weights import WeightFormats
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,9 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, config, device)
     started = time.monotonic()
     formats = WeightFormats(config.quant, backend.weight_formats)
-    model = M3ForCausalLM(config.text, backend, torch_dtype, device, formats, parallel)
+    # The vision tower is built when the checkpoint has one; text-only exports run without it.
+    vision = vision_config(config) if has_vision_weights(path) else None
+    model = M3ForCausalLM(config.text, backend, torch_dtype, device, formats, parallel, vision)
     load_weights(model, path, config, progress=progress, parallel=parallel)
     model.eval()
     log.info(

@@ -110,6 +110,7 @@ class ModelConfig:
     vision: dict[str, Any] | None = None
     image_token_id: int | None = None
     video_token_id: int | None = None
+    projector_hidden_size: int | None = None
 
 
 SUPPORTED_QUANT_ALGOS = ("MIXED_PRECISION", "MXFP8", "NVFP4")
@@ -183,6 +184,7 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
         vision=raw.get("vision_config") if composite else None,
         image_token_id=raw.get("image_token_index", raw.get("image_token_id")),
         video_token_id=raw.get("video_token_index", raw.get("video_token_id")),
+        projector_hidden_size=raw.get("projector_hidden_size") if composite else None,
     )
 
 

@@ -14,10 +14,11 @@
   `logits_k = z_k + markov_w2 · markov_w1[prev_k]`, prev_0 = anchor, prev_k = the token chosen
   at slot k − 1 (argmax, or a sample at the given temperature).
 
-This is the torch reference for one request, before the engine integration. The draft context
-is a dense per-layer K/V tensor (`DraftContext`), not a paged pool: the paged draft KV pool,
-batching and a backend attention op for it come with the draft actor. Attention therefore calls
-the reference op `kernels.attention.attention` directly; every other op goes through the backend.
+This is the torch reference for one request: the draft context is a dense per-layer K/V
+tensor (`DraftContext`). The engine runs the same layers batched over requests on a paged
+draft KV pool (model/dspark_paged.py). No backend has an attention op for the draft yet, so
+both call the reference op `kernels.attention.attention`; every other op goes through the
+backend.
 The confidence head is loaded when present but not evaluated (§D.2.8: not needed for
 correctness). Where §D is silent (window bounds) this follows SGLang's DSpark port.
 """
@@ -275,7 +276,7 @@ def target_features(
     residual, before any norm)."""
     wanted = {layer: i for i, layer in enumerate(layer_ids)}
     taken: list[torch.Tensor | None] = [None] * len(layer_ids)
-    hidden, residual = target.embed(batch.input_ids), None
+    hidden, residual = target.input_embeds(batch), None
     for layer in target.layers[: max(layer_ids) + 1]:
         hidden, residual = layer(hidden, residual, batch, kv, target.inv_freq)
         if layer.index in wanted:

@@ -5,6 +5,7 @@ for serving."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -17,6 +18,20 @@ from m3serve.runtime.messages import SamplingParams, SeqStep
 GREEDY = SamplingParams(temperature=0.0)
 
 
+@dataclass(frozen=True)
+class PromptEmbeds:
+    """Given input embeddings for some prompt positions: `rows` [R] (ascending) and `values`
+    [R, hidden]."""
+
+    rows: torch.Tensor
+    values: torch.Tensor
+
+    def chunk(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows (relative to `start`) and values of the positions [start, start + length)."""
+        inside = (self.rows >= start) & (self.rows < start + length)
+        return self.rows[inside] - start, self.values[inside]
+
+
 @torch.inference_mode()
 def stream_tokens(
     model: M3ForCausalLM,
@@ -25,8 +40,10 @@ def stream_tokens(
     sampling: SamplingParams = GREEDY,
     stop_ids: Sequence[int] | None = None,
     prefill_chunk: int | None = None,
+    embeds: PromptEmbeds | None = None,
 ) -> Iterator[int]:
-    """Yield new token ids until a stop id (yielded too) or max_new_tokens."""
+    """Yield new token ids until a stop id (yielded too) or max_new_tokens. `embeds`: prompt
+    positions whose input embedding is given (image features), and those embeddings."""
     if not prompt_ids:
         raise ValueError("the prompt is empty")
     if max_new_tokens <= 0:
@@ -47,7 +64,10 @@ def stream_tokens(
         new = tokens[start : start + chunk] if start < len(prompt_ids) else tokens[-1:]
         prompt_done = start + len(new) >= len(prompt_ids)
         seq = SeqStep(new, start, pages, sample=prompt_done)
-        logits = model(ForwardBatch.build([seq], page_size, model.device), kv)
+        batch = ForwardBatch.build([seq], page_size, model.device)
+        if embeds is not None and start < len(prompt_ids):
+            batch = batch.with_embeds(*embeds.chunk(start, len(new)))
+        logits = model(batch, kv)
         start += len(new)
         if not prompt_done:
             continue
@@ -76,5 +96,9 @@ def generate(
     sampling: SamplingParams = GREEDY,
     stop_ids: Sequence[int] | None = None,
     prefill_chunk: int | None = None,
+    embeds: PromptEmbeds | None = None,
 ) -> list[int]:
-    return list(stream_tokens(model, prompt_ids, max_new_tokens, sampling, stop_ids, prefill_chunk))
+    tokens = stream_tokens(
+        model, prompt_ids, max_new_tokens, sampling, stop_ids, prefill_chunk, embeds
+    )
+    return list(tokens)

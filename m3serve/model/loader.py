@@ -31,6 +31,8 @@ from m3serve.model.inventory import (
 )
 from m3serve.model.parallel import SINGLE, Parallel
 from m3serve.model.progress import Progress
+from m3serve.model.vision.config import VisionConfig
+from m3serve.model.vision.inventory import TOWER, vision_inventory
 
 log = logging.getLogger(__name__)
 
@@ -155,22 +157,35 @@ def checkpoint_prefix(names: set[str]) -> str:
     return PREFIX if any(n.startswith(PREFIX) for n in names) else ""
 
 
+def has_vision_weights(model_dir: str | Path) -> bool:
+    """Whether the checkpoint carries the vision tower (a text-only export does not)."""
+    return any(name.startswith(TOWER) for name in CheckpointFiles(Path(model_dir)).location)
+
+
 def plan_load(
-    files: CheckpointFiles, cfg: ModelConfig, parallel: Parallel = SINGLE
+    files: CheckpointFiles,
+    cfg: ModelConfig,
+    parallel: Parallel = SINGLE,
+    vision: VisionConfig | None = None,
 ) -> list[tuple[TensorSpec, str | None]]:
     """Validate the whole checkpoint against the inventory; returns each weight this rank
-    reads (`parallel`) with its format."""
+    reads (`parallel`) with its format. With `vision` the vision tower and projector are read
+    too (whole on every rank), else skipped."""
     names = set(files.location)
     prefix = checkpoint_prefix(names)
     plan: list[tuple[TensorSpec, str | None]] = []
     expected: dict[str, Expected] = {}
     problems: list[str] = []
-    for spec in text_inventory(cfg.text, prefix):
-        algo = _quant_algo(cfg, spec)
+    extra = [(s, _listed_algo(cfg, s)) for s in vision_inventory(vision)] if vision else []
+    for spec, algo in [
+        *((s, _quant_algo(cfg, s)) for s in text_inventory(cfg.text, prefix)),
+        *extra,
+    ]:
         plan.append((spec, algo))
         expected.update(stored_tensors(spec, algo))
     missing = [n for n, e in expected.items() if n not in names and not e.optional]
-    skipped = [n for n in names if n.startswith(VISION_PREFIXES + IGNORED_PREFIXES)]
+    ignored = IGNORED_PREFIXES if vision is not None else VISION_PREFIXES + IGNORED_PREFIXES
+    skipped = [n for n in names if n.startswith(ignored) and n not in expected]
     unexpected = sorted(names - expected.keys() - set(skipped))
     _report(problems, "missing", missing)
     _report(problems, "unexpected", unexpected)
@@ -182,11 +197,11 @@ def plan_load(
         details = "; ".join(problems)
         raise CheckpointError(f"checkpoint {files.dir} does not match its config: {details}")
     if skipped:
-        log.info(
-            "skipping %d vision-tower/projector/MTP tensors (text-only model for now)", len(skipped)
-        )
+        what = "MTP" if vision is not None else "vision-tower/projector/MTP"
+        log.info("skipping %d %s tensors", len(skipped), what)
     if parallel.enabled:
         plan = [(s, _quant_algo(cfg, s)) for s in text_inventory(cfg.text, prefix, parallel)]
+        plan += extra
     return plan
 
 
@@ -197,6 +212,12 @@ def _quant_algo(cfg: ModelConfig, spec: TensorSpec) -> str | None:
     if spec.kind != "linear" and cfg.quant.algo != "MIXED_PRECISION":
         return None
     return cfg.quant.algo_for(spec.module)
+
+
+def _listed_algo(cfg: ModelConfig, spec: TensorSpec) -> str | None:
+    """Vision weights are stored unquantized (ModelOpt lists none of them) unless a per-module
+    entry says otherwise: a global algo or a missing exclude pattern never covers them."""
+    return cfg.quant.layers.get(spec.module) if cfg.quant is not None else None
 
 
 def _report(problems: list[str], what: str, names: list[str]) -> None:
@@ -263,7 +284,8 @@ def load_weights(
     checkpoint in `model_dir`. `progress`: True for a progress bar on stderr, a logger for
     progress lines in its log, False for none."""
     files = CheckpointFiles(Path(model_dir))
-    plan = plan_load(files, cfg, parallel)
+    encoder = getattr(model, "vision", None)
+    plan = plan_load(files, cfg, parallel, encoder.cfg if encoder is not None else None)
     params = dict(model.named_parameters())
     into_log = progress if isinstance(progress, logging.Logger) else None
     bar = Progress("Loading weights", len(plan), enabled=progress is not False, log=into_log)

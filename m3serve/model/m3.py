@@ -17,6 +17,8 @@ from m3serve.model.ffn import DenseMLP, MoE
 from m3serve.model.kv_cache import KVCache
 from m3serve.model.parallel import SINGLE, Parallel, vocab_parallel_embed
 from m3serve.model.params import Norm, Table
+from m3serve.model.vision.config import VisionConfig
+from m3serve.model.vision.encoder import VisionEncoder
 from m3serve.model.weights import WeightFormats
 
 
@@ -116,7 +118,9 @@ class M3ForCausalLM(nn.Module):
     except where the loader fuses tensors: q/k/v + indexer projections, gate/up projections and
     the stacked experts. `formats` says which weights stay in the checkpoint's quantized format
     (default: every weight dense); `parallel` which slice of each weight this rank holds
-    (default: all of them, on one rank)."""
+    (default: all of them, on one rank). With `vision` the model also holds the vision tower
+    and projector (`vision`, loaded from the checkpoint's `vision_tower.*` / projector names),
+    whose features replace placeholder embeddings (`ForwardBatch.embeds_override`)."""
 
     def __init__(
         self,
@@ -126,6 +130,7 @@ class M3ForCausalLM(nn.Module):
         device: torch.device | str = "cpu",
         formats: WeightFormats | None = None,
         parallel: Parallel = SINGLE,
+        vision: VisionConfig | None = None,
     ) -> None:
         super().__init__()
         self.cfg = cfg
@@ -137,6 +142,7 @@ class M3ForCausalLM(nn.Module):
         self.kv_heads = parallel.kv_heads(cfg).size
         self.model = Backbone(cfg, backend, dtype, device, formats or WeightFormats(), parallel)
         self.lm_head = Table(self.vocab.size, cfg.hidden_size, dtype, device)
+        self.vision = VisionEncoder(vision, backend, dtype, device) if vision else None
         self.register_buffer(
             "inv_freq", rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, device), persistent=False
         )
@@ -166,7 +172,7 @@ class M3ForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final-normed hidden states of every new token [T, hidden]. `before_layer(i)` is
         called as layer i starts (HiCache: wait until that layer's KV pages are loaded)."""
-        hidden = self.embed(batch.input_ids)
+        hidden = self.input_embeds(batch)
         residual: torch.Tensor | None = None
         chosen = self.model.layers if layers is None else [self.model.layers[i] for i in layers]
         for layer in chosen:
@@ -178,6 +184,14 @@ class M3ForCausalLM(nn.Module):
     @property
     def layers(self) -> list[DecoderLayer]:
         return list(self.model.layers)  # type: ignore[arg-type]
+
+    def input_embeds(self, batch: ForwardBatch) -> torch.Tensor:
+        """The first layer's input: token embeddings, with image/video features in place of
+        their placeholder tokens' embeddings."""
+        hidden = self.embed(batch.input_ids)
+        if batch.override_rows is not None and batch.embeds_override is not None:
+            hidden = hidden.index_copy(0, batch.override_rows, batch.embeds_override.to(hidden))
+        return hidden
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         table = self.model.embed_tokens.weight

@@ -242,6 +242,11 @@ class SpecArgs:
     speculative_dspark_block_size: int | None = option(None, "DSpark block size")
     speculative_use_block_verification: bool = option(False, "block verification of samples")
     speculative_draft_kv_cache_dtype: str | None = option(None, "draft KV cache dtype")
+    speculative_accept_length_override: int = option(
+        0,
+        "benchmarking only, breaks exactness: every verify step accepts exactly L-1 draft "
+        "tokens (then the target's token), whatever the draft proposed; 0 = off",
+    )
 
 
 @dataclass(frozen=True)
@@ -504,7 +509,7 @@ _TITLES: dict[type, str] = {
 }
 _PLANNED: tuple[tuple[type, str], ...] = (
     (ParallelArgs, "multi-GPU parallelism is not built yet"),
-    (SpecArgs, "speculative decoding is not built yet"),
+    (SpecArgs, "this speculative decoding option is not built yet"),
     (KernelArgs, "this kernel option is not built yet"),
 )
 # Planned-section settings that already hold in this build (nothing to refuse). --tp / --ep run
@@ -519,6 +524,15 @@ _HONOURED = frozenset(
         "cuda_graph_max_bs_prefill",
         "cuda_graph_backend_prefill",
         "moe_runner_backend",
+        # Speculative decoding: core/spec/settings.py refuses the values it cannot run.
+        "speculative_algorithm",
+        "speculative_draft_model_path",
+        "speculative_num_steps",
+        "speculative_eagle_topk",
+        "speculative_num_draft_tokens",
+        "speculative_dspark_block_size",
+        "speculative_use_block_verification",
+        "speculative_accept_length_override",
     }
 )
 

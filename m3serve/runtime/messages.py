@@ -190,6 +190,8 @@ class TokenBatch(msgspec.Struct, tag=True, kw_only=True, array_like=True):
     finish: list[Finish | None]
     cached_tokens: list[int]
     logprobs: list[list[TokenLogprob]] | None = None
+    # Per row: the tokens a speculative verify step committed for it (0: not a verify row).
+    spec_accepted: list[int] = msgspec.field(default_factory=list)
 
 
 # ---------------------------------------------------------------- tokenizer -> API
@@ -199,6 +201,17 @@ class Usage(msgspec.Struct, array_like=True, frozen=True):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    # Speculative decoding: verify steps that ran for the request, and the tokens they
+    # committed (their ratio is its mean acceptance length).
+    spec_verify_steps: int = 0
+    spec_accepted_tokens: int = 0
+
+    @property
+    def spec_accept_length(self) -> float | None:
+        """Tokens committed per verify step (None: no verify step ran)."""
+        if not self.spec_verify_steps:
+            return None
+        return self.spec_accepted_tokens / self.spec_verify_steps
 
 
 class RequestOutput(msgspec.Struct, array_like=True):
@@ -281,10 +294,13 @@ class SeqStep(msgspec.Struct, array_like=True):
     slot: int = 0
     sample: bool = True  # False for a prefill chunk that does not end the prompt
     new_request: bool = False  # first step of this slot: reset its sampling state
+    # Speculative verify row: this many draft tokens follow the anchor (the `input_ids` None
+    # token); the engine core proposes them and verifies all of them in this step.
+    draft: int = 0
 
     @property
     def extend(self) -> int:
-        return 1 if self.input_ids is None else len(self.input_ids)
+        return 1 + self.draft if self.input_ids is None else len(self.input_ids)
 
 
 class PageCopy(msgspec.Struct, array_like=True):
@@ -321,6 +337,10 @@ class StepResult(msgspec.Struct, tag=True, kw_only=True, array_like=True):
     logprobs: list[TokenLogprob | None] = msgspec.field(default_factory=list)
     # Per token: its request's grammar accepted it as the last one (empty: no grammar ran).
     grammar_ended: list[bool] = msgspec.field(default_factory=list)
+    # Per row, speculative verify rows only: every token the row commits (the accepted drafts,
+    # then the correction or bonus token, which is also `tokens[row]`); [] for other rows, and
+    # the whole list empty when no row verified.
+    spec_tokens: list[list[int]] = msgspec.field(default_factory=list)
 
 
 # ---------------------------------------------------------------- engine <-> host cache

@@ -4,7 +4,12 @@ resent conversation.
 
 A session's messages are its system prompt, then per turn a user message of the turn's new
 tokens; after each answer the assistant message with the text the server actually streamed
-(its `delta.content`) is appended before the next turn. A failed turn ends its session (there
+(its `delta.content`) is appended before the next turn — or, with `answers="trace"`, text of
+the answer's size drawn like the prompts. A model with random weights streams token soup that
+does not re-tokenize to itself (byte-fallback pieces decode to U+FFFD, which encodes to more
+tokens), so with its own answers every later prompt outgrows the trace and misses the prefix
+cache from the first answer on; a real model's answers round-trip, and trace answers stand in
+for that. A failed turn ends its session (there
 is no answer to continue from). Text sizes are exact by the server's tokenizer where it has a
 tokenize endpoint (serving/prompts.py); the server's `usage.prompt_tokens` counts the rest
 (chat template, re-tokenized answers).
@@ -46,6 +51,7 @@ COUNTERS: dict[str, tuple[str, ...]] = {
 class SessionText:
     system: str
     turns: list[str]  # each turn's new user message
+    answers: list[str] | None = None  # each turn's assistant message; None: the server's
 
 
 @dataclass
@@ -56,15 +62,21 @@ class TurnResult:
 
 
 async def session_texts(
-    maker: PromptMaker, rng: random.Random, trace: Sequence[Session]
+    maker: PromptMaker, rng: random.Random, trace: Sequence[Session], trace_answers: bool = False
 ) -> list[SessionText]:
     """Text of the trace's sizes for every session (its own generator each, drawn up front, so
-    the words do not depend on the order the tokenize calls come back in)."""
+    the words do not depend on the order the tokenize calls come back in); with
+    `trace_answers`, each turn's assistant message too, of the turn's output size."""
     out = []
     for session in trace:
-        sizes = [session.system_tokens] + [t.new_tokens for t in session.turns]
-        system, *turns = await maker.make_many(random.Random(rng.getrandbits(64)), sizes)
-        out.append(SessionText(system.text, [t.text for t in turns]))
+        turns = session.turns
+        sizes = [session.system_tokens] + [t.new_tokens for t in turns]
+        if trace_answers:
+            sizes += [t.output_tokens for t in turns]
+        system, *rest = await maker.make_many(random.Random(rng.getrandbits(64)), sizes)
+        texts = [t.text for t in rest]
+        answers = texts[len(turns) :] if trace_answers else None
+        out.append(SessionText(system.text, texts[: len(turns)], answers))
     return out
 
 
@@ -87,7 +99,8 @@ async def run_session(
         )
         if not record.ok:
             return
-        messages.append({"role": "assistant", "content": record.text})
+        answer = record.text if text.answers is None else text.answers[k]
+        messages.append({"role": "assistant", "content": answer})
 
 
 async def replay(

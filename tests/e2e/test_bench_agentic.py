@@ -6,6 +6,7 @@ server variants of one session in one run, the comparison table's shape checked.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -152,6 +153,7 @@ def test_variants_replay_the_same_trace_on_their_own_servers(tmp_path: Path) -> 
         "--server-args=--max-running-requests 4",
         "--variant=plain=",
         "--variant=hi=--enable-hierarchical-cache --hicache-ratio 2",
+        "--answers=trace",
     )
     variants = report["variants"]
     assert [v["name"] for v in variants] == ["plain", "hi"]
@@ -165,7 +167,12 @@ def test_variants_replay_the_same_trace_on_their_own_servers(tmp_path: Path) -> 
         assert "error" not in v, v
         (level,) = v["levels"]
         assert level["sessions"] == 1 and level["completed"] == turns, level["errors"]
-        sizes.append([r["prompt_text_tokens"] for r in level["requests"]])
+        requests = sorted(level["requests"], key=lambda r: r["turn"])
+        sizes.append([r["prompt_text_tokens"] for r in requests])
+        # Trace answers re-tokenize to themselves: each turn's prompt up to the resent answer
+        # comes from the cache (all but the partial last page and the template's turn end).
+        for before, after in itertools.pairwise(requests):
+            assert after["cached_tokens"] >= 0.8 * before["prompt_tokens"], (before, after)
     assert sizes[0] == sizes[1]  # the same seeded trace on both servers
     table = report["table"]
     assert [(r["variant"], r["sessions"]) for r in table] == [("plain", 1), ("hi", 1)]

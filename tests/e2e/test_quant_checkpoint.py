@@ -243,6 +243,8 @@ def test_loaded_weights_equal_independently_dequantized_values_exactly(
     tensors, formats = reference
     params = dict(loaded.model.named_parameters())
     assert all(p.dtype == torch.float32 for p in params.values())
+    # The text weights; the (unquantized) vision tower's are checked in tests/unit/model.
+    params = {n: p for n, p in params.items() if not n.startswith("vision.")}
     covered = {name: torch.zeros(p.shape, dtype=torch.bool) for name, p in params.items()}
     mismatched = []
     rows = {name: value.shape[0] for name, value in tensors.items() if value.ndim == 2}

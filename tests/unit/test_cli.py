@@ -90,8 +90,9 @@ def test_serve_help_groups_flags_by_section_and_lists_unbuilt_ones_apart() -> No
     at = [text.index(f"\n{title}\n") for title in [*titles, "not built yet:"]]
     assert at == sorted(at)  # every built section comes before the unbuilt flags
     built, unbuilt = text[: at[-1]], text[at[-1] :]
-    for flag in ("--speculative-algorithm", "--monokernel-backend"):
+    for flag in ("--speculative-draft-kv-cache-dtype", "--monokernel-backend"):
         assert flag in unbuilt and f"[{flag}" in built  # listed apart; the usage line has all
+    assert "--speculative-algorithm" not in unbuilt  # DSpark is built
     assert "--disable-cuda-graph" not in unbuilt  # a kernel flag this build honours
     assert "--tp" not in unbuilt and "--ep" not in unbuilt  # engine ranks are built
     assert "--enable-hierarchical-cache" not in unbuilt  # HiCache is built

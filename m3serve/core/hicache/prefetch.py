@@ -80,7 +80,7 @@ class Prefetcher:
     def start(self, req: Req) -> None:
         """Fetch the full pages of the request's prompt that neither tier holds, if any."""
         ps = self.cache.tree.page_size
-        tokens = req.prompt[:-1]  # what admission matches: the last token is always computed
+        tokens = req.key_prompt[:-1]  # what admission matches: the last token is always computed
         end = len(tokens) // ps
         start = self._cached_pages(tokens)
         if end - start < MIN_FETCH_PAGES:

@@ -375,6 +375,12 @@ class PrefixCache:
             self.request_pages += n
         return pages
 
+    def free_tail(self, pages: Sequence[int]) -> None:
+        """Give back pages a request allocated and no longer needs (the tail past a verify
+        step's rejected drafts): never cached, so straight to the pool."""
+        self.pool.free(pages)
+        self.request_pages -= len(pages)
+
     def load_back(self, match: Match) -> Match | None:
         """The match with its host part (if any) on the device: pages allocated and a copy
         scheduled; None when the device cannot take it. Without a host tier, `match` itself."""

@@ -21,6 +21,8 @@ from m3serve.model.config import ModelConfig, parse_model_config
 from m3serve.model.inventory import TensorSpec, text_inventory
 from m3serve.model.tiny.dspark import write_tiny_dspark
 from m3serve.model.tiny.tokenizer import special_token_ids, write_tokenizer_files
+from m3serve.model.vision.config import parse_vision_config
+from m3serve.model.vision.inventory import vision_inventory
 from m3serve.runtime.config import option
 
 QuantMode = Literal["none", "modelopt-mixed"]
@@ -278,42 +280,22 @@ def _quantization_config(spec: TinySpec, cfg: ModelConfig) -> dict[str, Any]:
 
 
 def _vision_tensors(spec: TinySpec, generator: torch.Generator) -> dict[str, torch.Tensor]:
-    """The vision tower and projector in the checkpoint's naming (kept for the multimodal work)."""
-    v = TINY_VISION
-    vh, vi = v["hidden_size"], v["intermediate_size"]
-    patch, t = v["patch_size"], v["temporal_patch_size"]
-    th = spec.hidden_size
-    merged = th * v["spatial_merge_size"] ** 2
-    shapes: dict[str, tuple[int, ...]] = {
-        "vision_tower.vision_model.embeddings.patch_embedding.weight": (vh, 3, t, patch, patch),
-        "vision_tower.vision_model.pre_layrnorm.weight": (vh,),
-        "vision_tower.vision_model.pre_layrnorm.bias": (vh,),
-    }
-    for layer in range(v["num_hidden_layers"]):
-        base = f"vision_tower.vision_model.encoder.layers.{layer}."
-        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
-            shapes[f"{base}self_attn.{proj}.weight"] = (vh, vh)
-            shapes[f"{base}self_attn.{proj}.bias"] = (vh,)
-        for norm in ("layer_norm1", "layer_norm2"):
-            shapes[f"{base}{norm}.weight"] = (vh,)
-            shapes[f"{base}{norm}.bias"] = (vh,)
-        shapes[f"{base}mlp.fc1.weight"] = (vi, vh)
-        shapes[f"{base}mlp.fc1.bias"] = (vi,)
-        shapes[f"{base}mlp.fc2.weight"] = (vh, vi)
-        shapes[f"{base}mlp.fc2.bias"] = (vh,)
-    for name, rows, cols in (
-        ("multi_modal_projector.linear_1", th, vh),
-        ("multi_modal_projector.linear_2", th, th),
-        ("patch_merge_mlp.linear_1", th, merged),
-        ("patch_merge_mlp.linear_2", th, th),
-    ):
-        shapes[f"{name}.weight"] = (rows, cols)
-        shapes[f"{name}.bias"] = (rows,)
+    """The vision tower and projector under the checkpoint's names (model/vision/inventory.py),
+    scaled so activations stay O(1): features that matter to the logits make parity meaningful."""
+    cfg = parse_vision_config(TINY_VISION, spec.hidden_size, spec.hidden_size)
     dtype = _torch_dtype(spec)
-    return {
-        name: (torch.randn(shape, generator=generator) * 0.05).to(dtype)
-        for name, shape in shapes.items()
-    }
+    tensors = {}
+    for s in vision_inventory(cfg):
+        noise = torch.randn(s.shape, generator=generator)
+        if s.kind == "norm":
+            value = 1.0 + 0.1 * noise  # LayerNorm scales the input by w itself (not 1 + w)
+        elif s.kind == "bias":
+            value = 0.1 * noise
+        else:
+            fan_in = math.prod(s.shape[1:])
+            value = noise / math.sqrt(fan_in)
+        tensors[s.name] = value.to(dtype)
+    return tensors
 
 
 def _save_shards(out: Path, tensors: dict[str, torch.Tensor], shards: int) -> None:

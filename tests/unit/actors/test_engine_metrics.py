@@ -45,9 +45,16 @@ def test_figures_of_a_real_scheduler() -> None:
     assert value(metrics.registry, "num_cached_pages") == 0
 
 
-def fake(retracted: int, running: int = 0, fetched: int | None = None) -> SimpleNamespace:
-    """A scheduler's figures; `fetched`: tokens its L3 tier fetched (None: no L3 tier)."""
+def fake(
+    retracted: int,
+    running: int = 0,
+    fetched: int | None = None,
+    accepts: dict[int, int] | None = None,
+) -> SimpleNamespace:
+    """A scheduler's figures; `fetched`: tokens its L3 tier fetched (None: no L3 tier);
+    `accepts`: verify rows so far by committed length (speculative decoding)."""
     return SimpleNamespace(
+        spec_accept_counts=accepts or {},
         running=[object()] * running,
         waiting=[],
         pool=SimpleNamespace(num_pages=10, num_free=10),
@@ -66,6 +73,18 @@ def test_tokens_fetched_from_l3_count_up() -> None:
     for total in (0, 40, 40, 52):
         metrics.update(fake(0, fetched=total))  # type: ignore[arg-type]
         assert value(metrics.registry, "hicache_storage_hit_tokens_total") == total
+
+
+def test_acceptance_lengths_are_observed_once_each() -> None:
+    metrics = EngineMetrics()
+    metrics.update(fake(0, accepts={1: 2, 3: 1}))  # type: ignore[arg-type]
+    metrics.update(fake(0, accepts={1: 2, 3: 2, 8: 1}))  # type: ignore[arg-type]
+    metrics.update(fake(0, accepts={1: 2, 3: 2, 8: 1}))  # type: ignore[arg-type]
+    assert value(metrics.registry, "spec_accept_length_count") == 5
+    assert value(metrics.registry, "spec_accept_length_sum") == 1 + 1 + 3 + 3 + 8
+    bucket = metrics.registry.get_sample_value
+    assert bucket("m3serve:spec_accept_length_bucket", {"le": "1.0"}) == 2
+    assert bucket("m3serve:spec_accept_length_bucket", {"le": "7.0"}) == 4
 
 
 def test_retractions_count_up_by_the_schedulers_increments() -> None:

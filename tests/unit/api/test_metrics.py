@@ -58,6 +58,7 @@ ENGINE_FAMILIES = {
     "m3serve:hicache_storage_hit_tokens_total": "counter",
     "m3serve:hicache_host_cached_pages": "gauge",
     "m3serve:hicache_host_usage_ratio": "gauge",
+    "m3serve:spec_accept_length": "histogram",
 }
 
 
@@ -122,6 +123,7 @@ def fake_scheduler(
         retracted=retracted,
         cached_prompt_tokens=0,
         host_hit_tokens=0,
+        spec_accept_counts={},
         storage=None,
     )
 

@@ -295,19 +295,35 @@ def test_directory_without_safetensors_is_reported(writable: Callable[[TinySpec]
 # ------------------------------------------------------------------- good checkpoints
 
 
-def test_vision_and_projector_tensors_are_skipped_with_a_log_line(
+def test_vision_and_projector_tensors_are_loaded_into_the_vision_tower(
+    tiny_checkpoint: MakeCheckpoint,
+) -> None:
+    path = tiny_checkpoint(M31_SPEC)
+    tensors = load_file(path / SINGLE)
+    vision = [n for n in tensors if not n.startswith("language_model.")]
+    assert any(n.startswith("vision_tower.") for n in vision)
+    assert any(n.startswith("multi_modal_projector.") for n in vision)
+    assert any(n.startswith("patch_merge_mlp.") for n in vision)
+    encoder = load(path).model.vision
+    assert encoder is not None
+    merge = tensors["patch_merge_mlp.linear_1.weight"]
+    assert torch.equal(encoder.projector.merge_linear_1.weight, merge.float())
+    patch = tensors["vision_tower.vision_model.embeddings.patch_embedding.weight"]
+    assert torch.equal(encoder.patch_embedding, patch.float())
+
+
+def test_a_model_built_without_the_vision_tower_skips_its_tensors_with_a_log_line(
     tiny_checkpoint: MakeCheckpoint, caplog: pytest.LogCaptureFixture
 ) -> None:
     path = tiny_checkpoint(M31_SPEC)
     with safe_open(str(path / SINGLE), framework="pt") as f:
         names = list(f.keys())
     vision = [n for n in names if not n.startswith("language_model.")]
-    assert any(n.startswith("vision_tower.") for n in vision)
-    assert any(n.startswith("multi_modal_projector.") for n in vision)
-    assert any(n.startswith("patch_merge_mlp.") for n in vision)
+    cfg = load_model_config(path)
+    model = M3ForCausalLM(cfg.text, CPU_REFERENCE)
     caplog.set_level(logging.INFO, logger="m3serve.model.loader")
-    loaded = load(path)
-    assert not any("vision" in n or "projector" in n for n, _ in loaded.model.named_parameters())
+    load_weights(model, path, cfg, progress=False)
+    assert not any("vision" in n or "projector" in n for n, _ in model.named_parameters())
     lines = [r.getMessage() for r in caplog.records if r.name == "m3serve.model.loader"]
     assert any(f"skipping {len(vision)} vision-tower/projector" in line for line in lines), lines
 
@@ -366,7 +382,9 @@ def test_text_only_export_without_language_model_prefix_loads_the_same_parameter
     save_file(text, tmp_path / "text" / SINGLE)
     expected = dict(load(source).model.named_parameters())
     got = dict(load(tmp_path / "text").model.named_parameters())
-    assert all(torch.equal(expected[n], got[n]) for n in expected)
+    # Without vision tensors the model is text-only: the same text parameters, no vision ones.
+    assert set(got) == {n for n in expected if not n.startswith("vision.")}
+    assert all(torch.equal(expected[n], got[n]) for n in got)
 
 
 def test_bf16_checkpoint_loaded_as_float32_equals_the_stored_values_exactly(

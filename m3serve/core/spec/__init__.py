@@ -1,0 +1,1 @@
+"""Speculative decoding: verification rules, draft KV, proposal/verify step glue."""

@@ -1,0 +1,95 @@
+"""`SpecPlugin`: speculative decoding as the engine core holds it.
+
+`configure` reads the settings (None: speculation off) and the draft's config before the KV
+pool is sized, so each page is budgeted with its draft KV; `attach` loads the draft, allocates
+its KV over the same page ids as the target's (plus the scratch page) and hands the runner the
+`SpecStep` that every step then runs through.
+
+What this build does not do yet, said at start: the verify steps run eagerly (no CUDA graph for
+the draft or the verify forward) and without the overlap scheduler (each step is processed
+before the next is planned).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from m3serve.core.memory import KVBudget
+from m3serve.core.spec.proposer import DSparkProposer, Proposer
+from m3serve.core.spec.settings import SpecSettings, resolve_spec
+from m3serve.core.spec.verify_step import SpecStep
+from m3serve.core.step_runner import StepRunner
+from m3serve.model.backend import Backend
+from m3serve.model.dspark_config import DSparkConfig, load_dspark_config
+from m3serve.model.dspark_loader import find_dspark_dir
+from m3serve.model.dspark_paged import DraftKV
+from m3serve.model.m3 import M3ForCausalLM
+from m3serve.runtime.config import ServerArgs
+
+log = logging.getLogger(__name__)
+
+
+def draft_kv_dtype(kv_dtype: torch.dtype, compute: torch.dtype = torch.bfloat16) -> torch.dtype:
+    """The draft KV's dtype: the KV cache's, except FP8, which only the target's fused KV-write
+    kernel knows how to store; the draft's stays in the compute dtype then."""
+    return compute if kv_dtype.itemsize == 1 else kv_dtype
+
+
+class SpecPlugin:
+    def __init__(self, settings: SpecSettings, draft_cfg: DSparkConfig) -> None:
+        self.settings, self.draft_cfg = settings, draft_cfg
+        self.proposer: Proposer | None = None
+        self.step: SpecStep | None = None
+
+    @classmethod
+    def configure(cls, args: ServerArgs, model_path: Path) -> SpecPlugin | None:
+        settings = resolve_spec(args, model_path)
+        if settings is None:
+            return None
+        draft_dir = find_dspark_dir(settings.draft_path) or settings.draft_path
+        if not args.sched.disable_overlap_schedule:
+            log.info(
+                "speculative decoding: the overlap scheduler is off (verify steps run one "
+                "after another)"
+            )
+        log.info("speculative decoding: verify steps run eagerly (no CUDA graphs for them yet)")
+        if settings.accept_length_override:
+            log.warning(
+                "--speculative-accept-length-override %d: every verify step commits exactly %d "
+                "tokens whatever the draft proposed; the output is NOT the model's (benchmarks "
+                "only)",
+                settings.accept_length_override,
+                settings.accept_length_override,
+            )
+        return cls(settings, load_dspark_config(draft_dir))
+
+    def page_bytes(self, kv_dtype: torch.dtype, page_size: int) -> int:
+        """The draft KV of one page."""
+        return DraftKV.bytes_per_page(self.draft_cfg, page_size, draft_kv_dtype(kv_dtype))
+
+    def attach(
+        self,
+        runner: StepRunner,
+        model: M3ForCausalLM,
+        backend: Backend,
+        budget: KVBudget,
+        kv_dtype: torch.dtype,
+        proposer: Proposer | None = None,
+    ) -> None:
+        """Load the draft (or take `proposer`, tests) and route every step of `runner`
+        through the verify step."""
+        if proposer is None:
+            proposer = DSparkProposer.load(
+                self.settings.draft_path,
+                model,
+                backend,
+                budget.num_pages + 1,  # the scratch page too, as the target's pool
+                budget.page_size,
+                draft_kv_dtype(kv_dtype, model.dtype),
+            )
+        self.proposer = proposer
+        self.step = SpecStep(model, runner.kv, proposer, self.settings, runner.sampler.num_slots)
+        runner.spec = self.step

@@ -1,0 +1,249 @@
+"""One engine step with speculative decoding on, on the executor thread: propose, run the
+target once, verify, commit.
+
+With speculation on every step comes here (`StepRunner` hands it over), because every target
+forward — prefill chunks too — feeds the draft: the residual streams of the draft's target
+layers are captured for each new token, and those of committed tokens become draft KV.
+
+A verify row (a `SeqStep` with `draft` > 0) is [anchor, d_1..d_γ]: the anchor is the slot's
+last sampled token (the runner's device table put it there), the drafts come from one batched
+proposal over every verify row of the step. The target's logits at all γ + 1 positions are
+verified (core/spec/verify.py): greedy rows by argmax matching, sampled rows by per-token
+rejection or block verification on the target's processed probabilities against the draft's
+(its Markov-corrected logits at the request's temperature). Rows that only prefill or decode
+one token are sampled as without speculation, by the runner. The KV of rejected drafts stays
+where it was written; the scheduler frees the pages past the kept length.
+
+A seeded sampled request draws its drafts and acceptance coins from a stream of its own, which
+restarts when the request does: after a retraction its continuation is a valid sample, but not
+the one it would have drawn without the retraction (a verify step's draw count varies).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from m3serve.core.spec.proposer import Proposer
+from m3serve.core.spec.settings import SpecSettings
+from m3serve.core.spec.verify import (
+    Verdict,
+    accept_length_override,
+    verify_greedy,
+    verify_sampled,
+)
+from m3serve.kernels.sampling import MIN_TEMPERATURE, filter_probs_batch
+from m3serve.model.batch import ForwardBatch
+from m3serve.model.dspark_paged import target_pass
+from m3serve.model.kv_cache import KVCache
+from m3serve.model.m3 import M3ForCausalLM
+from m3serve.runtime.messages import SamplingParams, SeqStep, StepResult, TokenLogprob
+
+if TYPE_CHECKING:
+    from m3serve.core.step_runner import StepRunner
+
+_SEED_MASK = (1 << 64) - 1
+# The draft's and the verifier's draws of a seeded request: a stream apart from the sampler's.
+_SPEC_STREAM = 0x5BEC
+
+
+class SpecStep:
+    def __init__(
+        self,
+        model: M3ForCausalLM,
+        kv: KVCache,
+        proposer: Proposer,
+        settings: SpecSettings,
+        num_slots: int,
+    ) -> None:
+        self.model, self.kv, self.proposer, self.settings = model, kv, proposer, settings
+        self.layer_ids = proposer.layer_ids
+        self.gamma = settings.block_size
+        self._params: list[SamplingParams] = [SamplingParams()] * num_slots
+        self._generators: list[torch.Generator | None] = [None] * num_slots
+
+    def start(self, slot: int, params: SamplingParams) -> None:
+        """A request starts in `slot`: its sampling settings and, if seeded, its own stream."""
+        self._params[slot] = params
+        self._generators[slot] = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.model.device)
+            self._generators[slot] = generator.manual_seed(
+                (params.seed ^ _SPEC_STREAM) & _SEED_MASK
+            )
+
+    def run(
+        self, step: int, seqs: list[SeqStep], batch: ForwardBatch, runner: StepRunner
+    ) -> StepResult:
+        starts = _row_starts(seqs)
+        verify = [i for i, seq in enumerate(seqs) if seq.draft]
+        for i in verify:
+            if seqs[i].draft != self.gamma:
+                raise ValueError(
+                    f"a verify row of {seqs[i].draft} drafts; this engine drafts {self.gamma}"
+                )
+        drafts, draft_logits = self._propose(seqs, verify, starts, batch)
+        plain = [i for i, seq in enumerate(seqs) if seq.sample and not seq.draft]
+        rows = [starts[i] + seqs[i].extend - 1 for i in plain]
+        rows += [starts[i] + k for i in verify for k in range(self.gamma + 1)]
+        hidden, features = target_pass(self.model, batch, self.kv, self.layer_ids)
+        index = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
+        logits = self.model.compute_logits(hidden[index])
+        plain_slots = [seqs[i].slot for i in plain]
+        sampled = runner.sample_rows(logits[: len(plain)], plain_slots) if plain else None
+        verdict = None
+        if verify:
+            target = logits[len(plain) :].view(len(verify), self.gamma + 1, -1)
+            slots = [seqs[i].slot for i in verify]
+            verdict = self._verify(drafts, draft_logits, target, slots)
+        self._commit_features(seqs, starts, verify, verdict, batch, features)
+        return self._result(step, seqs, plain, verify, sampled, verdict, runner)
+
+    # ------------------------------------------------------------------ propose
+
+    def _propose(
+        self, seqs: list[SeqStep], verify: list[int], starts: list[int], batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft tokens [R, γ] for the verify rows, written into the batch after each anchor;
+        and the draft logits [R, γ, V] (None when the proposer has none)."""
+        device = batch.input_ids.device
+        if not verify:
+            return torch.empty(0, self.gamma, dtype=torch.int64, device=device), None
+        anchor_rows = torch.tensor([starts[i] for i in verify], device=device)
+        slots = [seqs[i].slot for i in verify]
+        temperatures = [self._temperature(slot) for slot in slots]
+        proposal = self.proposer.propose(
+            batch.input_ids[anchor_rows],
+            [seqs[i].start for i in verify],
+            batch.page_table[torch.tensor(verify, device=device)],
+            temperatures,
+            [self._generators[slot] for slot in slots],
+        )
+        offsets = torch.arange(1, self.gamma + 1, device=device)
+        batch.input_ids[anchor_rows[:, None] + offsets] = proposal.tokens
+        return proposal.tokens, proposal.logits
+
+    def _temperature(self, slot: int) -> float:
+        params = self._params[slot]
+        return 0.0 if params.greedy else max(params.temperature, MIN_TEMPERATURE)
+
+    # ------------------------------------------------------------------ verify
+
+    def _verify(
+        self,
+        drafts: torch.Tensor,
+        draft_logits: torch.Tensor | None,
+        target: torch.Tensor,
+        slots: list[int],
+    ) -> Verdict:
+        override = self.settings.accept_length_override
+        if override:
+            return accept_length_override(drafts, target, override)
+        accept = torch.empty(len(slots), dtype=torch.int64, device=drafts.device)
+        tokens = torch.empty(len(slots), self.gamma + 1, dtype=torch.int64, device=drafts.device)
+        greedy = [r for r, slot in enumerate(slots) if self._params[slot].greedy]
+        if greedy:
+            index = torch.tensor(greedy, device=drafts.device)
+            verdict = verify_greedy(drafts[index], target[index])
+            accept[index], tokens[index] = verdict.accept_len, verdict.tokens
+        method = "block" if self.settings.block_verification else "tokenwise"
+        for r, slot in enumerate(slots):
+            if r in greedy:
+                continue
+            # Row by row: each seeded request draws from its own stream.
+            q = None
+            if draft_logits is not None:
+                q = torch.softmax(draft_logits[r : r + 1] / self._temperature(slot), dim=-1)
+            p = self._target_probs(target[r], self._params[slot])[None]
+            verdict = verify_sampled(
+                drafts[r : r + 1], p, q, None, method, generator=self._generators[slot]
+            )
+            accept[r], tokens[r] = verdict.accept_len[0], verdict.tokens[0]
+        return Verdict(accept, tokens)
+
+    def _target_probs(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """[γ+1, V]: the target's distribution at each block position, as the sampler draws:
+        temperature, then top-k / top-p / min-p, renormalized."""
+        vocab = logits.shape[-1]
+        probs = torch.softmax(logits.float() / max(params.temperature, MIN_TEMPERATURE), dim=-1)
+        top_k = params.top_k if 0 < params.top_k < vocab else vocab
+        if top_k < vocab or params.top_p < 1.0 or params.min_p > 0.0:
+            n = probs.shape[0]
+            probs = filter_probs_batch(
+                probs,
+                torch.full((n,), top_k, dtype=torch.int64, device=probs.device),
+                torch.full((n,), params.top_p, device=probs.device),
+                torch.full((n,), params.min_p, device=probs.device),
+            )
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        return probs
+
+    # ------------------------------------------------------------------ commit
+
+    def _commit_features(
+        self,
+        seqs: list[SeqStep],
+        starts: list[int],
+        verify: list[int],
+        verdict: Verdict | None,
+        batch: ForwardBatch,
+        features: torch.Tensor,
+    ) -> None:
+        """Draft KV for the tokens this step committed: every prompt token and plain decode
+        input, and a verify row's anchor with its accepted drafts (rejected ones never)."""
+        kept = {}
+        if verdict is not None:
+            kept = dict(zip(verify, verdict.accept_len.tolist(), strict=True))
+        rows: list[int] = []
+        for i, seq in enumerate(seqs):
+            count = 1 + kept[i] if i in kept else seq.extend
+            rows.extend(range(starts[i], starts[i] + count))
+        index = torch.tensor(rows, dtype=torch.int64, device=features.device)
+        self.proposer.commit(features[index], batch.positions[index], batch.out_slots[index])
+
+    def _result(
+        self,
+        step: int,
+        seqs: list[SeqStep],
+        plain: list[int],
+        verify: list[int],
+        sampled: tuple[list[int], list[TokenLogprob | None], list[bool]] | None,
+        verdict: Verdict | None,
+        runner: StepRunner,
+    ) -> StepResult:
+        """The rows in plan order (the scheduler's): plain rows' tokens from the runner, verify
+        rows' committed tokens, the last of which is the slot's next anchor."""
+        by_seq: dict[int, tuple[int, TokenLogprob | None, bool, list[int]]] = {}
+        if sampled is not None:
+            for n, i in enumerate(plain):
+                by_seq[i] = (
+                    sampled[0][n],
+                    sampled[1][n],
+                    sampled[2][n] if sampled[2] else False,
+                    [],
+                )
+        if verdict is not None:
+            accepted = verdict.accept_len.tolist()
+            for n, (i, row) in enumerate(zip(verify, verdict.tokens.tolist(), strict=True)):
+                block = row[: accepted[n] + 1]
+                by_seq[i] = (block[-1], None, False, block)
+                runner.note_committed(seqs[i].slot, block)
+        order = [i for i, seq in enumerate(seqs) if seq.sample]
+        rows = [by_seq[i] for i in order]
+        return StepResult(
+            step=step,
+            slots=[seqs[i].slot for i in order],
+            tokens=[r[0] for r in rows],
+            logprobs=[r[1] for r in rows],
+            grammar_ended=[r[2] for r in rows],
+            spec_tokens=[r[3] for r in rows] if verify else [],
+        )
+
+
+def _row_starts(seqs: list[SeqStep]) -> list[int]:
+    starts, row = [], 0
+    for seq in seqs:
+        starts.append(row)
+        row += seq.extend
+    return starts
