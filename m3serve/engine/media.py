@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from m3serve.media import MediaError, MediaPolicy, fetch_media
 from m3serve.runtime.config import MediaArgs
 from m3serve.runtime.messages import MediaBlob
 
@@ -110,10 +111,19 @@ def decode_data_url(url: str, kind: str, max_bytes: int, param: str) -> bytes:
 
 
 async def fetch_remote(url: str, part: MediaPart, args: MediaArgs) -> bytes:
-    """http(s) and file URLs. The fetcher (m3serve/media/fetch.py) plugs in here."""
-    raise MediaRefused(
-        "remote media fetching not available: send the image or video as a data: URL",
-        part.param,
+    """http(s) and file URLs, through the fetcher that cannot be turned against the host."""
+    try:
+        return await fetch_media(url, media_policy(args))
+    except MediaError as exc:
+        raise MediaRefused(str(exc), part.param) from exc
+
+
+def media_policy(args: MediaArgs) -> MediaPolicy:
+    return MediaPolicy.from_values(
+        max_bytes=args.max_media_bytes,
+        timeout_s=args.media_fetch_timeout,
+        allowed_domains=args.allowed_media_domains,
+        allowed_local_path=args.allowed_local_media_path,
     )
 
 

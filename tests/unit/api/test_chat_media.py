@@ -1,14 +1,17 @@
 """image_url / video_url parts at /v1/chat/completions and input_image at /v1/responses, with a
-scripted engine: a data: URL reaches the engine as a MediaBlob and a media reference in the
-message; malformed parts, bad base64, a wrong media type, oversize payloads and remote URLs
-(no fetcher yet) are 400s in OpenAI's error shape, before the engine sees anything."""
+scripted engine: a data: URL, an http URL of an allowed host and a file in the allowed directory
+reach the engine as MediaBlobs and media references in the message; malformed parts, bad base64,
+a wrong media type, oversize payloads and URLs the fetcher refuses are 400s in OpenAI's error
+shape, before the engine sees anything."""
 
 from __future__ import annotations
 
 import base64
+from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.media_server import MediaServer, serve_bytes
 from helpers.scripted_engine import ScriptedEngine
 from helpers.vision_images import png
 
@@ -83,8 +86,9 @@ async def test_max_long_side_pixel_travels_with_the_image(serve) -> None:
             {"type": "image_url", "image_url": {"url": data_url(IMAGE), "max_long_side_pixel": 3}},
             "max_long_side_pixel",
         ),
-        ({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}, "remote media"),
-        ({"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}, "remote media"),
+        ({"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/a.png"}}, "loopback"),
+        ({"type": "image_url", "image_url": {"url": "http://169.254.169.254/a"}}, "metadata"),
+        ({"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}, "file://"),
         ({"type": "image", "image": "x"}, "image_url"),
         ({"type": "input_audio"}, "input_audio"),
     ],
@@ -110,14 +114,38 @@ async def test_an_oversize_image_is_a_400(serve, model_dir) -> None:
     assert "--max-media-bytes" in response.json()["error"]["message"]
 
 
-async def test_a_remote_url_is_not_fetched_when_the_request_is_invalid(serve) -> None:
-    # The media part is fine but the request is not: the refusal names the request's error.
-    part = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
-    async with serve(says) as s:
-        body = {"messages": [image_message(part)], "thinking": {"type": "sideways"}}
-        response = await s.post(CHAT, body)
-    assert response.status_code == 400
-    assert response.json()["error"]["param"] == "thinking"
+async def test_an_allowed_host_is_fetched_only_for_a_valid_request(serve, model_dir) -> None:
+    media = MediaServer(routes={"/a.png": serve_bytes(IMAGE)})
+    await media.start()
+    args = ServerArgs.from_kwargs(allowed_media_domains=["127.0.0.1"])
+    part = {"type": "image_url", "image_url": {"url": f"{media.url}/a.png"}}
+    try:
+        async with serve(ScriptedEngine(says, str(model_dir), args)) as s:
+            body = {"messages": [image_message(part)], "thinking": {"type": "sideways"}}
+            refused = await s.post(CHAT, body)
+            assert media.paths() == []  # an invalid request fetches nothing
+            served = await s.post(CHAT, {"messages": [image_message(part)]})
+            req = s.engine.seen[-1]
+    finally:
+        await media.close()
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "thinking"
+    assert served.status_code == 200, served.text
+    assert media.paths() == ["/a.png"]
+    assert [b.data for b in req.media] == [IMAGE]
+
+
+async def test_a_file_in_the_allowed_directory_is_read(serve, model_dir, tmp_path: Path) -> None:
+    (tmp_path / "cat.png").write_bytes(IMAGE)
+    args = ServerArgs.from_kwargs(allowed_local_media_path=str(tmp_path))
+    part = {"type": "image_url", "image_url": {"url": f"file://{tmp_path}/cat.png"}}
+    async with serve(ScriptedEngine(says, str(model_dir), args)) as s:
+        response = await s.post(CHAT, {"messages": [image_message(part)]})
+        escape = {"type": "image_url", "image_url": {"url": f"file://{tmp_path}/../etc/passwd"}}
+        outside = await s.post(CHAT, {"messages": [image_message(escape)]})
+        req = s.engine.seen[-1]
+    assert response.status_code == 200, response.text
+    assert req.media[0].data == IMAGE
+    assert outside.status_code == 400
 
 
 async def test_responses_input_image_reaches_the_engine(serve) -> None:
