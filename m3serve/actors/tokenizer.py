@@ -72,13 +72,15 @@ class ModelFacts:
     eos_ids: tuple[int, ...]
     context_length: int
     vocab_size: int
+    vision: bool = False  # the config has a vision tower: images and videos may come
 
     @classmethod
     def read(cls, model_dir: Path, context_length: int | None) -> ModelFacts:
-        text = load_model_config(model_dir).text
+        config = load_model_config(model_dir)
+        text = config.text
         eos = set(text.eos_token_ids) | set(load_generation_config(model_dir).eos_token_ids)
         limit = context_length or text.max_position_embeddings
-        return cls(tuple(sorted(eos)), limit, text.vocab_size)
+        return cls(tuple(sorted(eos)), limit, text.vocab_size, config.vision is not None)
 
 
 @dataclass
@@ -202,9 +204,11 @@ class TokenizerActor(Actor):
         """input_ids, the preprocessed media and each one's placeholder spans in the ids."""
         if not req.media:
             return await self.encode(req), [], []
+        if not self.facts.vision:  # refused before any decoding work
+            raise RequestInvalid("this model takes no images or videos (it has no vision tower)")
         if req.messages is None or self.tokenizer is None:
             raise RequestInvalid("images and videos need chat messages")
-        if self.vision is None:  # refused before any decoding work
+        if self.vision is None:
             raise RequestInvalid("this model's tokenizer has no image placeholder tokens")
         prepared = await asyncio.to_thread(lambda: [self.media.prepare(b) for b in req.media])
         ids, spans = await self._encode_chat(req, prepared)

@@ -5,6 +5,8 @@ client wrote is not an image."""
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -201,3 +203,28 @@ async def test_a_video_has_one_timestamped_span_per_temporal_patch(wired) -> Non
         assert stamp in text
     pixels = read_array(video.pixels, np.float32)
     assert pixels.size == 3 * 4 * 6 * 1176  # temporal patches x grid, one row per patch
+
+
+async def test_a_model_without_a_vision_config_refuses_media(
+    tiny_checkpoint: Callable[[TinySpec], Path], tmp_path: Path
+) -> None:
+    text_only = tmp_path / "text-only"
+    shutil.copytree(tiny_checkpoint(SPEC), text_only)
+    config = json.loads((text_only / "config.json").read_text())
+    config.pop("vision_config")
+    (text_only / "config.json").write_text(json.dumps(config))
+    api = InProcChannel()
+    actor = TokenizerActor(
+        InProcChannel().inbox(),
+        scheduler=InProcChannel().outbox(),
+        api=api.outbox(),
+        control=None,
+        model_dir=text_only,
+        worker=0,
+        session=new_session_id(),
+    )
+    await actor.on_start()
+    await actor.on_generate(image_request("x", [png(56, 56)]))
+    error = await next_message(api.inbox())
+    assert isinstance(error, Error) and error.code == 400
+    assert "no vision tower" in error.message
