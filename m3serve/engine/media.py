@@ -58,7 +58,9 @@ def parse_part(part: dict[str, Any], param: str) -> MediaPart:
     if not isinstance(body, dict) or not isinstance(body.get("url"), str) or not body["url"]:
         raise MediaRefused(f"a {kind_name} part needs {kind_name}.url (a string)", param)
     cap = body.get("max_long_side_pixel")
-    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 28):
+    if cap is not None and (
+        isinstance(cap, bool) or not isinstance(cap, int) or cap < MIN_LONG_SIDE
+    ):
         raise MediaRefused(
             f"{kind_name}.max_long_side_pixel must be an integer >= {MIN_LONG_SIDE}", param
         )
