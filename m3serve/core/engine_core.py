@@ -31,6 +31,7 @@ Speculative decoding (`spec`, core/spec/engine.py): the draft's KV pool is sized
 target's pages and shares their ids; every step then runs through the runner's `SpecStep`
 (propose, one target forward over each verify row's block, verify, draft KV for the committed
 tokens), the scheduler plans decodes as verify rows, and `overlap_step` runs plain steps.
+The draft KV is allocated with the target's, before the host tier, whose pages then hold it too.
 """
 
 from __future__ import annotations

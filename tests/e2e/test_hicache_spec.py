@@ -131,6 +131,9 @@ def test_a_prefix_evicted_to_host_comes_back_with_its_draft_kv(
         assert_prefix_draft_kv_is_a_fresh_prefills(core)
         metrics = samples(generate_latest(actor.metrics.registry).decode())
         assert_pools_at_baseline(core)
+        assert core.host is not None
+        names = [t.name for t in core.host.pool.layout.tensors]
+        assert names.count("draft_k") == names.count("draft_v") == len(core.spec.kv.k)  # type: ignore[union-attr]
     ids, cached, accept = runs[-1]
     assert (ids, accept) == expected["last"]
     assert cached == len(PREFIX)  # reloaded from host, reported as cached
