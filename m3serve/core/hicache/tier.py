@@ -77,11 +77,12 @@ class HostTier:
             pool.close()
             raise
         log.info(
-            "HiCache host pool: %d pages x %d bytes (%.2f GiB, %.2fx the device pool), %s",
+            "HiCache host pool: %d pages x %d bytes (%.2f GiB, %.2fx the device pool%s), %s",
             host_pages,
             layout.page_bytes,
             pool.nbytes / 2**30,
             host_pages / max(device_pages, 1),
+            ", with the draft KV" if draft is not None else "",
             args.hicache_write_policy,
         )
         return cls(args, pool, copier, call)
