@@ -1,8 +1,9 @@
 """HiCache with speculative decoding (DSpark, random `make-tiny --dspark` draft): the host pool
 and the L3 store hold the draft KV beside the target's. A prefix evicted to host (and, in a
 replica, one only the store has) comes back with exactly the greedy tokens and acceptance of a
-large device pool, reported as cached, and its reloaded draft KV equals the draft KV a fresh
-prefill of the prefix writes — under every write policy; every pool returns to its baseline."""
+large device pool (the draft proposes the same blocks), reported as cached, and its reloaded
+draft KV equals the draft KV a fresh prefill of the prefix writes — under every write policy;
+every pool returns to its baseline. A replica without the draft never reads those pages."""
 
 from __future__ import annotations
 
@@ -53,6 +54,23 @@ def core_of(engine: Engine) -> tuple[SchedulerActor, EngineCore]:
     return actor, actor.core
 
 
+def record_proposals(engine: Engine) -> list[list[list[int]]]:
+    """Every draft block the engine's proposer proposes from now on, in order: equal draft KV
+    gives equal proposals, so equal acceptance whatever the draft."""
+    _, core = core_of(engine)
+    assert core.spec is not None and core.spec.proposer is not None
+    proposer, seen = core.spec.proposer, []
+    propose = proposer.propose
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        proposal = propose(*args, **kwargs)
+        seen.append(proposal.tokens.tolist())
+        return proposal
+
+    proposer.propose = recording  # type: ignore[method-assign]
+    return seen
+
+
 def generate(engine: Engine, prompt: list[int]) -> tuple[list[int], int, float]:
     """Output ids, cached tokens and the acceptance length of one greedy request."""
     out = engine.generate(input_ids=prompt, sampling_params=GREEDY)
@@ -97,16 +115,26 @@ def assert_pools_at_baseline(core: EngineCore) -> None:
     assert (scheduler.pool.num_free, cache.host_pool.num_free + parked) == baseline
 
 
+Expected = dict[str, tuple[list[int], float, list[list[list[int]]]]]
+
+
 @pytest.fixture(scope="module")
-def expected(path: Path) -> dict[str, tuple[list[int], float]]:
-    """Large device pool, speculation on: the last prompt's and the replica's tokens and
-    acceptance."""
+def expected(path: Path) -> Expected:
+    """Large device pool, speculation on: the last prompt's and the replica's tokens,
+    acceptance and draft proposals."""
     with Engine(str(path), single_process=True, max_total_tokens=4096, **DSPARK) as engine:
+        proposals = record_proposals(engine)
         for prompt in PROMPTS[:-1]:
             generate(engine, prompt)
+        proposals.clear()
         last, _, last_accept = generate(engine, PROMPTS[-1])
+        last_proposals = list(proposals)
+        proposals.clear()
         replica, _, replica_accept = generate(engine, REPLICA)
-    return {"last": (last, last_accept), "replica": (replica, replica_accept)}
+    return {
+        "last": (last, last_accept, last_proposals),
+        "replica": (replica, replica_accept, list(proposals)),
+    }
 
 
 def hicache(policy: str, store: Path | None = None) -> dict[str, Any]:
@@ -123,10 +151,13 @@ def hicache(policy: str, store: Path | None = None) -> dict[str, Any]:
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_a_prefix_evicted_to_host_comes_back_with_its_draft_kv(
-    path: Path, expected: dict[str, tuple[list[int], float]], policy: str
+    path: Path, expected: Expected, policy: str
 ) -> None:
     with Engine(str(path), single_process=True, **hicache(policy)) as engine:
-        runs = [generate(engine, prompt) for prompt in PROMPTS]
+        proposals = record_proposals(engine)
+        runs = [generate(engine, prompt) for prompt in PROMPTS[:-1]]
+        proposals.clear()
+        runs.append(generate(engine, PROMPTS[-1]))
         actor, core = core_of(engine)
         assert_prefix_draft_kv_is_a_fresh_prefills(core)
         metrics = samples(generate_latest(actor.metrics.registry).decode())
@@ -135,32 +166,34 @@ def test_a_prefix_evicted_to_host_comes_back_with_its_draft_kv(
         names = [t.name for t in core.host.pool.layout.tensors]
         assert names.count("draft_k") == names.count("draft_v") == len(core.spec.kv.k)  # type: ignore[union-attr]
     ids, cached, accept = runs[-1]
-    assert (ids, accept) == expected["last"]
+    assert (ids, accept, proposals) == expected["last"]
+    assert proposals, "no verify step ran"
     assert cached == len(PREFIX)  # reloaded from host, reported as cached
     assert metrics["m3serve:hicache_host_hit_tokens_total"] == len(PREFIX)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_a_replica_fetches_a_prefix_with_its_draft_kv_from_the_store(
-    path: Path, tmp_path: Path, expected: dict[str, tuple[list[int], float]], policy: str
+    path: Path, tmp_path: Path, expected: Expected, policy: str
 ) -> None:
     store = tmp_path / "l3"
     with Engine(str(path), single_process=True, **hicache(policy, store)) as first:
         for prompt in PROMPTS:
             generate(first, prompt)
     with Engine(str(path), single_process=True, **hicache(policy, store)) as replica:
+        proposals = record_proposals(replica)
         ids, cached, accept = generate(replica, REPLICA)
         actor, core = core_of(replica)
         assert_prefix_draft_kv_is_a_fresh_prefills(core)
         metrics = samples(generate_latest(actor.metrics.registry).decode())
         assert_pools_at_baseline(core)
-    assert (ids, accept) == expected["replica"]
+    assert (ids, accept, proposals) == expected["replica"]
     assert cached == len(PREFIX)
     assert metrics["m3serve:hicache_storage_hit_tokens_total"] == len(PREFIX)
 
 
 def test_a_replica_without_the_draft_never_reads_pages_with_draft_kv(
-    path: Path, tmp_path: Path, expected: dict[str, tuple[list[int], float]]
+    path: Path, tmp_path: Path, expected: Expected
 ) -> None:
     # The store was written with draft KV in its pages; a replica of the same checkpoint
     # without speculation has other page bytes, so other keys: a miss, and its own tokens.
