@@ -61,7 +61,7 @@ from m3serve.core.memory import (
 )
 from m3serve.core.piecewise import DEFAULT_MAX_TOKENS, PiecewiseGraphs
 from m3serve.core.rank_join import agree_on_pages, join_ranks, leave_ranks, rank_device
-from m3serve.core.ranks import LEADER, PlanChannel, TokenShare, follow
+from m3serve.core.ranks import LEADER, MediaShare, PlanChannel, TokenShare, follow
 from m3serve.core.req import Req
 from m3serve.core.sampler import Sampler
 from m3serve.core.scheduler import Outputs, QueueFull, Scheduler
@@ -176,6 +176,8 @@ class EngineCore:
         if self.ranks.size > 1:
             self.plans = PlanChannel(self.ranks, self.device)
             self.runner.share = TokenShare(self.ranks, self.device)
+            hidden = cfg.hidden_size
+            self.runner.media_share = MediaShare(self.ranks, self.device, hidden, self.model.dtype)
         # ------------------------------------------------------------------ warm-up
         if self.device.type == "cuda" and not args.kernel.skip_warmup:
             with self.startup.phase("warm-up"):
@@ -253,8 +255,6 @@ class EngineCore:
                 f"the model at {self.loaded.path} has no vision tower: it takes no image or "
                 "video input"
             )
-        if self.ranks.size > 1:
-            raise ValueError("image and video input is not supported with --tp > 1 yet")
         config = self.loaded.config
         ids = {"image": config.image_token_id, "video": config.video_token_id}
         vision = encoder.cfg
@@ -347,6 +347,13 @@ class EngineCore:
         }
         if media:
             self._step_media[plan.step] = media
+            # How many feature rows the followers of a TP engine receive (core/ranks.py).
+            plan.media_rows = sum(
+                count
+                for seq in plan.seqs
+                for item in media.get(seq.slot, [])
+                for _, _, count in item.rows_in(seq.start, seq.extend)
+            )
 
     def _launch(self, plan: StepPlan) -> Launched:
         return plan.step, asyncio.wrap_future(self.executor.submit(plan))
