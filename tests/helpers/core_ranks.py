@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -105,13 +105,19 @@ def core_args(path: Path, **kwargs: Any) -> ServerArgs:
 
 
 def run_cores(
-    world: int, path: Path, kwargs: dict[str, Any], job: LeaderJob, *args: Any
+    world: int,
+    path: Path,
+    kwargs: dict[str, Any],
+    job: LeaderJob,
+    *args: Any,
+    setup: Callable[[EngineCore, int], None] | None = None,
 ) -> list[tuple[Any, list[Ran], list[int]]]:
     """Per rank: (rank 0's job result | the follower's step count, the steps it ran, the
-    feature rows each plan promised — rank 0 only)."""
+    feature rows each plan promised). `setup(core, rank)` runs on every rank before the job
+    or the following starts (module-level, like `job`)."""
     with tempfile.TemporaryDirectory() as out:
         port = free_port()
-        spawn_args = (world, port, path, kwargs, job, args, out)
+        spawn_args = (world, port, path, kwargs, job, args, setup, out)
         mp.spawn(_core_main, spawn_args, nprocs=world, join=True)
         # weights_only=False: the files are our own ranks' results.
         return [torch.load(Path(out) / f"{r}.pt", weights_only=False) for r in range(world)]
@@ -125,6 +131,7 @@ def _core_main(
     kwargs: dict[str, Any],
     job: LeaderJob,
     args: tuple[Any, ...],
+    setup: Callable[[EngineCore, int], None] | None,
     out: str,
 ) -> None:
     torch.set_num_threads(1)  # the ranks share the few cores
@@ -134,6 +141,8 @@ def _core_main(
     ran: list[Ran] = []
     media_rows: list[int] = []
     _record(core, ran, media_rows)
+    if setup is not None:
+        setup(core, rank)
     try:
         result = job(core, *args) if rank == 0 else core.follow()
     finally:
@@ -158,3 +167,37 @@ def waves_job(core: EngineCore, waves: list[list[ReqSpec]]) -> tuple[list[Run], 
     pages were back at the baseline after the last."""
     runs = [drive(core, wave) for wave in waves]
     return runs, pages_at_baseline(core)
+
+
+class _ScrambledDraft:
+    """A follower's proposer whose drafts differ from rank 0's (its draft network still runs:
+    its collectives need every rank)."""
+
+    def __init__(self, inner: Any, vocab: int) -> None:
+        self.inner, self.vocab = inner, vocab
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return self.inner.layer_ids
+
+    def propose(self, *args: Any) -> Any:
+        proposal = self.inner.propose(*args)
+        return replace(proposal, tokens=(proposal.tokens + 1) % self.vocab)
+
+    def commit(self, *args: Any) -> None:
+        self.inner.commit(*args)
+
+
+def agreeing_draft_scrambled_on_followers(core: EngineCore, rank: int) -> None:
+    """A setup: every rank drafts with a proposer that agrees with the target (blocks get
+    accepted), and the followers' drafts then differ from rank 0's."""
+    from unit.core.spec.agreeing import TargetProposer
+
+    spec = core.spec
+    assert spec is not None and spec.proposer is not None
+    block, layers = spec.settings.block_size, spec.proposer.layer_ids
+    proposer: Any = TargetProposer(core.model, core.kv, block, layers)
+    if rank != 0:
+        proposer = _ScrambledDraft(proposer, core.model.cfg.vocab_size)
+    dtype = core.kv.layers[0].k.dtype
+    spec.attach(core.runner, core.model, core.backend, core.budget, dtype, proposer=proposer)
