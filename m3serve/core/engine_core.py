@@ -23,8 +23,9 @@ Tensor parallelism (`rank`, one engine process per rank): each rank builds its m
 KV pool of its own KV heads and a StepRunner; the ranks agree on the smallest page count any
 rank planned. Rank 0 schedules, and `run()` broadcasts each plan before running it; followers
 (engine/ranks.py) build the same core, run no scheduler and `follow()` rank 0's plans through
-the same StepRunner, which hands rank 0's sampled tokens to every rank (core/ranks.py). Ranks
-run in lockstep, so with more than one a failed step is fatal to the engine (raised, not failed
+the same StepRunner, which hands rank 0's sampled tokens to every rank (core/ranks.py), and
+so rank 0's speculative drafts and verdicts and the image features only rank 0 encodes (the
+plan says how many feature rows come: `_keep_media`). Ranks run in lockstep, so with more than one a failed step is fatal to the engine (raised, not failed
 request by request), and so is a lost rank.
 
 Speculative decoding (`spec`, core/spec/engine.py): the draft's KV pool is sized with the
