@@ -25,8 +25,9 @@ rank planned. Rank 0 schedules, and `run()` broadcasts each plan before running 
 (engine/ranks.py) build the same core, run no scheduler and `follow()` rank 0's plans through
 the same StepRunner, which hands rank 0's sampled tokens to every rank (core/ranks.py), and
 so rank 0's speculative drafts and verdicts and the image features only rank 0 encodes (the
-plan says how many feature rows come: `_keep_media`). Ranks run in lockstep, so with more than one a failed step is fatal to the engine (raised, not failed
-request by request), and so is a lost rank.
+plan says how many feature rows come: `_keep_media`). Ranks run in lockstep, so with more
+than one a failed step is fatal to the engine (raised, not failed request by request), and so
+is a lost rank.
 
 Speculative decoding (`spec`, core/spec/engine.py): the draft's KV pool is sized with the
 target's pages and shares their ids; every step then runs through the runner's `SpecStep`
