@@ -114,9 +114,15 @@ class EngineCore:
             self.backend = create_backend(
                 args.backend.backend, self.device, args.kernel.moe_runner_backend
             )
-            # Progress goes to the server's log: the engine process has no terminal.
+            # Progress goes to the server's log: the engine process has no terminal. Only rank
+            # 0 encodes images (the followers take its features: core/ranks.py MediaShare).
             self.loaded = load_model(
-                model_path, self.backend, args.model.dtype, progress=log, parallel=parallel
+                model_path,
+                self.backend,
+                args.model.dtype,
+                progress=log,
+                parallel=parallel,
+                vision=self.ranks.rank == LEADER,
             )
             self.model = self.loaded.model
         cfg = self.model.cfg

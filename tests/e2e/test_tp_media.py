@@ -1,7 +1,8 @@
 """Image input under --tp 2 (gloo ranks, one engine core per rank; only rank 0 encodes, the
 followers take its features): greedy tokens equal --tp 1's for prompts with one and two images,
 with chunked prefill splitting an image's placeholder span and with --ep 2; every follower
-runs exactly rank 0's steps, and rank 0's pages return to the baseline."""
+runs exactly rank 0's steps without a vision tower of its own, and rank 0's pages return to the
+baseline."""
 
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ def test_tp_2_with_images_gives_tp_1_greedy_tokens(path: Path, ep: int) -> None:
     with_media = [n for n in media_rows if n]
     assert sum(with_media) == 6 + 1 + 4
     assert len(with_media) >= 2
-    steps, follower_ran, _ = per_rank[1]
+    followed, follower_ran, _ = per_rank[1]
     assert follower_ran == leader_ran
-    assert steps == len(leader_ran)
+    assert followed.steps == len(leader_ran)
+    assert not followed.has_vision, "a follower loaded the vision tower it never runs"

@@ -102,7 +102,7 @@ def test_tp_2_speculation_gives_tp_1_greedy_tokens(
     assert seeded.accepted["seeded"], "the sampled request ran no verify step"
     assert again.outputs == seeded.outputs
     assert baseline, "rank 0's pages did not come back"
-    steps, follower_ran, _ = per_rank[1]
+    followed, follower_ran, _ = per_rank[1]
     assert follower_ran == leader_ran
-    assert steps == len(leader_ran)
+    assert followed.steps == len(leader_ran)
     assert any(blocks for _, _, blocks in leader_ran), "no step committed a verify block"

@@ -33,6 +33,14 @@ LeaderJob = Callable[..., Any]  # job(core: EngineCore, *args) -> a torch.save-a
 
 
 @dataclass(frozen=True)
+class Followed:
+    """What a follower rank reports: the plans it ran, and whether it loaded a vision tower."""
+
+    steps: int
+    has_vision: bool
+
+
+@dataclass(frozen=True)
 class ReqSpec:
     """One request: a text prompt, or (with `grids`) random text around images of those grids
     made by `helpers.vision.image_prompt` from `seed`."""
@@ -112,7 +120,7 @@ def run_cores(
     *args: Any,
     setup: Callable[[EngineCore, int], None] | None = None,
 ) -> list[tuple[Any, list[Ran], list[int]]]:
-    """Per rank: (rank 0's job result | the follower's step count, the steps it ran, the
+    """Per rank: (rank 0's job result | a follower's `Followed`, the steps it ran, the
     feature rows each plan promised). `setup(core, rank)` runs on every rank before the job
     or the following starts (module-level, like `job`)."""
     with tempfile.TemporaryDirectory() as out:
@@ -144,10 +152,15 @@ def _core_main(
     if setup is not None:
         setup(core, rank)
     try:
-        result = job(core, *args) if rank == 0 else core.follow()
+        result = job(core, *args) if rank == 0 else _follow(core)
     finally:
         core.close()  # rank 0: tells the followers to stop
     torch.save((result, ran, media_rows), Path(out) / f"{rank}.pt")
+
+
+def _follow(core: EngineCore) -> Followed:
+    has_vision = core.model.vision is not None  # before close() drops the model
+    return Followed(core.follow(), has_vision)
 
 
 def _record(core: EngineCore, ran: list[Ran], media_rows: list[int]) -> None:
