@@ -23,9 +23,11 @@ Tensor parallelism (`rank`, one engine process per rank): each rank builds its m
 KV pool of its own KV heads and a StepRunner; the ranks agree on the smallest page count any
 rank planned. Rank 0 schedules, and `run()` broadcasts each plan before running it; followers
 (engine/ranks.py) build the same core, run no scheduler and `follow()` rank 0's plans through
-the same StepRunner, which hands rank 0's sampled tokens to every rank (core/ranks.py). Ranks
-run in lockstep, so with more than one a failed step is fatal to the engine (raised, not failed
-request by request), and so is a lost rank.
+the same StepRunner, which hands rank 0's sampled tokens to every rank (core/ranks.py), and
+so rank 0's speculative drafts and verdicts and the image features only rank 0 encodes (the
+plan says how many feature rows come: `_keep_media`). Ranks run in lockstep, so with more
+than one a failed step is fatal to the engine (raised, not failed request by request), and so
+is a lost rank.
 
 Speculative decoding (`spec`, core/spec/engine.py): the draft's KV pool is sized with the
 target's pages and shares their ids; every step then runs through the runner's `SpecStep`
@@ -62,7 +64,7 @@ from m3serve.core.memory import (
 )
 from m3serve.core.piecewise import DEFAULT_MAX_TOKENS, PiecewiseGraphs
 from m3serve.core.rank_join import agree_on_pages, join_ranks, leave_ranks, rank_device
-from m3serve.core.ranks import LEADER, PlanChannel, TokenShare, follow
+from m3serve.core.ranks import LEADER, MediaShare, PlanChannel, TokenShare, follow
 from m3serve.core.req import Req
 from m3serve.core.sampler import Sampler
 from m3serve.core.scheduler import Outputs, QueueFull, Scheduler
@@ -113,9 +115,15 @@ class EngineCore:
             self.backend = create_backend(
                 args.backend.backend, self.device, args.kernel.moe_runner_backend
             )
-            # Progress goes to the server's log: the engine process has no terminal.
+            # Progress goes to the server's log: the engine process has no terminal. Only rank
+            # 0 encodes images (the followers take its features: core/ranks.py MediaShare).
             self.loaded = load_model(
-                model_path, self.backend, args.model.dtype, progress=log, parallel=parallel
+                model_path,
+                self.backend,
+                args.model.dtype,
+                progress=log,
+                parallel=parallel,
+                vision=self.ranks.rank == LEADER,
             )
             self.model = self.loaded.model
         cfg = self.model.cfg
@@ -184,6 +192,8 @@ class EngineCore:
         if self.ranks.size > 1:
             self.plans = PlanChannel(self.ranks, self.device)
             self.runner.share = TokenShare(self.ranks, self.device)
+            hidden = cfg.hidden_size
+            self.runner.media_share = MediaShare(self.ranks, self.device, hidden, self.model.dtype)
         # ------------------------------------------------------------------ warm-up
         if self.device.type == "cuda" and not args.kernel.skip_warmup:
             with self.startup.phase("warm-up"):
@@ -261,8 +271,6 @@ class EngineCore:
                 f"the model at {self.loaded.path} has no vision tower: it takes no image or "
                 "video input"
             )
-        if self.ranks.size > 1:
-            raise ValueError("image and video input is not supported with --tp > 1 yet")
         config = self.loaded.config
         ids = {"image": config.image_token_id, "video": config.video_token_id}
         vision = encoder.cfg
@@ -355,6 +363,13 @@ class EngineCore:
         }
         if media:
             self._step_media[plan.step] = media
+            # How many feature rows the followers of a TP engine receive (core/ranks.py).
+            plan.media_rows = sum(
+                count
+                for seq in plan.seqs
+                for item in media.get(seq.slot, [])
+                for _, _, count in item.rows_in(seq.start, seq.extend)
+            )
 
     def _launch(self, plan: StepPlan) -> Launched:
         return plan.step, asyncio.wrap_future(self.executor.submit(plan))

@@ -7,7 +7,9 @@ rank (gloo: the peer's socket closes; NCCL: the communicator's timeout), so `fol
 instead of waiting forever; the supervisor then fails the requests and ends the rest.
 
 After each sampled step, `TokenShare` hands rank 0's tokens to the followers (its docstring says
-why). `EngineCore` sends (rank 0) and `engine/ranks.py` follows (ranks 1..N-1).
+why); with speculative decoding also each verify step's drafts and verdicts. `MediaShare` hands
+them the image/video features of a step's prefill rows, which only rank 0 encodes. `EngineCore`
+sends (rank 0) and `engine/ranks.py` follows (ranks 1..N-1).
 """
 
 from __future__ import annotations
@@ -103,3 +105,61 @@ class TokenShare:
             raise RankLost(f"rank {self.ranks.rank}: the token broadcast failed: {exc}") from exc
         shared, flags = both.tolist()
         return shared, [bool(f) for f in flags] if any(flags) else []
+
+    @property
+    def leader(self) -> bool:
+        return self.ranks.rank == LEADER
+
+    def share_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rank 0's int64 `ids` (any shape; a follower's must have rank 0's shape), on every
+        rank: a verify step's drafts, and its verdicts (core/spec/verify_step.py)."""
+        shared = ids.to(self.device, torch.int64).contiguous()
+        _broadcast(shared, self.ranks, "token")
+        return shared.to(ids.device)
+
+
+class MediaShare:
+    """The image/video features of a step's prefill rows, from rank 0 to every rank.
+
+    Rank 0 holds the requests' pixels (they arrive with the request) and encodes them; the
+    followers receive the features instead of pixels: after the patch merge a feature row in the
+    model dtype is smaller than the four fp32 patches of 1176 values it came from, the vision
+    tower is not split over the ranks (each would run all of it), and every rank then scatters
+    bit-identical rows. The plan says how many rows come (`StepPlan.media_rows`), so a step
+    without media costs no collective.
+    """
+
+    def __init__(
+        self, ranks: RankGroup, device: torch.device | str, hidden: int, dtype: torch.dtype
+    ) -> None:
+        self.ranks, self.device = ranks, torch.device(device)
+        self.hidden, self.dtype = hidden, dtype
+
+    def share(
+        self, count: int, embeds: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Rank 0: its (batch rows [count], features [count, hidden]), sent; a follower: rank
+        0's (`embeds` None). None when the step has no feature rows."""
+        leader = self.ranks.rank == LEADER
+        if leader and (0 if embeds is None else embeds[0].numel()) != count:
+            have = 0 if embeds is None else embeds[0].numel()
+            raise RuntimeError(f"the plan promised {count} feature rows; the step has {have}")
+        if count == 0:
+            return None
+        if leader:
+            assert embeds is not None
+            rows = embeds[0].to(self.device, torch.int64).contiguous()
+            features = embeds[1].to(self.device, self.dtype).contiguous()
+        else:
+            rows = torch.empty(count, dtype=torch.int64, device=self.device)
+            features = torch.empty(count, self.hidden, dtype=self.dtype, device=self.device)
+        _broadcast(rows, self.ranks, "media row")
+        _broadcast(features, self.ranks, "media feature")
+        return rows, features
+
+
+def _broadcast(tensor: torch.Tensor, ranks: RankGroup, what: str) -> None:
+    try:
+        dist.broadcast(tensor, src=LEADER, group=ranks.group)
+    except RuntimeError as exc:
+        raise RankLost(f"rank {ranks.rank}: the {what} broadcast failed: {exc}") from exc

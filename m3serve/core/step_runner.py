@@ -8,7 +8,8 @@ input, before the CPU has seen it) and which slots just sampled the token that e
 request. Everything here runs on the executor thread; the engine core plans on its event loop.
 
 With tensor parallelism every rank runs the same plans through its own StepRunner, and `share`
-makes each sampled step's tokens rank 0's on every rank (core/ranks.py `TokenShare`).
+makes each sampled step's tokens rank 0's on every rank (core/ranks.py `TokenShare`); only rank
+0 encodes images, and `media_share` hands their features to the other ranks (`MediaShare`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from m3serve.core.hicache.tier import HostTier
 from m3serve.core.matchers import GrammarMatchers
 from m3serve.core.media import ReqMedia, step_embeds
 from m3serve.core.piecewise import PiecewiseGraphs
-from m3serve.core.ranks import TokenShare
+from m3serve.core.ranks import MediaShare, TokenShare
 from m3serve.core.sampler import Sampler
 from m3serve.model.batch import ForwardBatch
 from m3serve.model.kv_cache import KVCache
@@ -69,7 +70,9 @@ class StepRunner:
         self.step_media = step_media if step_media is not None else {}
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
-        self.share: TokenShare | None = None  # set by a tensor-parallel engine core
+        # Set by a tensor-parallel engine core.
+        self.share: TokenShare | None = None
+        self.media_share: MediaShare | None = None
         # Speculative decoding (set by the engine core): every step runs through it.
         self.spec: SpecStep | None = None
         self.last_tokens = torch.zeros(sampler.num_slots, dtype=torch.int64, device=self.device)
@@ -131,7 +134,7 @@ class StepRunner:
             return _result(plan.step, sampled, [], [], [], [])
         batch = ForwardBatch.build(seqs, self.page_size, self.device)
         self._fill_slot_tokens(seqs, batch)
-        batch = self._with_media(plan.step, seqs, batch)
+        batch = self._with_media(plan, seqs, batch)
         if self.spec is not None and layers is None:
             if len(seqs) != len(plan.seqs):
                 raise RuntimeError("speculative steps run without overlap: no row is dropped")
@@ -173,13 +176,16 @@ class StepRunner:
         else:
             self._ended.discard(slot)
 
-    def _with_media(self, step: int, seqs: list[SeqStep], batch: ForwardBatch) -> ForwardBatch:
-        """The batch with image/video features in place of the placeholder rows it carries."""
-        media = self.step_media.pop(step, None)
+    def _with_media(self, plan: StepPlan, seqs: list[SeqStep], batch: ForwardBatch) -> ForwardBatch:
+        """The batch with image/video features in place of the placeholder rows it carries
+        (a follower rank has no media of its own: it takes rank 0's features)."""
+        media = self.step_media.pop(plan.step, None)
         encoder = self.model.vision
-        if not media or encoder is None:
-            return batch
-        embeds = step_embeds(encoder, seqs, media)
+        embeds = None
+        if media and encoder is not None:
+            embeds = step_embeds(encoder, seqs, media)
+        if self.media_share is not None:
+            embeds = self.media_share.share(plan.media_rows, embeds)
         return batch if embeds is None else batch.with_embeds(*embeds)
 
     def _start_new_requests(self, plan: StepPlan) -> None:

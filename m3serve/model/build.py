@@ -56,9 +56,12 @@ def load_model(
     dtype: str = "auto",
     progress: bool | logging.Logger = True,
     parallel: Parallel = SINGLE,
+    vision: bool = True,
 ) -> LoadedModel:
     """The model at `model_path` (None: the built-in tiny checkpoint) on `backend`'s device;
-    `progress` as `load_weights` takes it; `parallel`: this rank's share of a TP group."""
+    `progress` as `load_weights` takes it; `parallel`: this rank's share of a TP group;
+    `vision` False: without the vision tower even if the checkpoint has one (the follower
+    ranks of a TP engine, which take rank 0's image features)."""
     if model_path is None:
         from m3serve.model.tiny.default import default_model_path
 
@@ -70,8 +73,8 @@ def load_model(
     started = time.monotonic()
     formats = WeightFormats(config.quant, backend.weight_formats)
     # The vision tower is built when the checkpoint has one; text-only exports run without it.
-    vision = vision_config(config) if has_vision_weights(path) else None
-    model = M3ForCausalLM(config.text, backend, torch_dtype, device, formats, parallel, vision)
+    tower = vision_config(config) if vision and has_vision_weights(path) else None
+    model = M3ForCausalLM(config.text, backend, torch_dtype, device, formats, parallel, tower)
     load_weights(model, path, config, progress=progress, parallel=parallel)
     model.eval()
     log.info(

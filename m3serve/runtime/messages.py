@@ -324,6 +324,9 @@ class StepPlan(msgspec.Struct, tag=True, kw_only=True, array_like=True):
     # The token ids that end each starting slot's request (so the engine core can drop its
     # decode row from a step planned before the CPU saw the stop token).
     stop_ids: dict[int, list[int]] = msgspec.field(default_factory=dict)
+    # Rows of this step's prefill chunks that take image/video features (the follower ranks of
+    # a tensor-parallel engine receive that many from rank 0: core/ranks.py MediaShare).
+    media_rows: int = 0
 
 
 # A sampled row the engine core dropped: its request had ended on the step before (overlap).

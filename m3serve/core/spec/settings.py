@@ -84,8 +84,6 @@ def engine_problems(args: ServerArgs) -> list[str]:
     if args.spec.speculative_algorithm is None:
         return []
     problems = []
-    if args.parallel.tp_size > 1:
-        problems.append("--tp > 1 with speculative decoding (not built yet)")
     return problems
 
 

@@ -17,6 +17,15 @@ where it was written; the scheduler frees the pages past the kept length.
 A seeded sampled request draws its drafts and acceptance coins from a stream of its own, which
 restarts when the request does: after a retraction its continuation is a valid sample, but not
 the one it would have drawn without the retraction (a verify step's draw count varies).
+
+Tensor parallelism: the draft is replicated, and every rank runs it (its embedding and logits
+are the target's vocab-parallel ones, whose collectives need every rank) on the same target
+features, which are full-width on every rank after the target's all-reduces. Rank 0 decides,
+the others follow (`runner.share`, core/ranks.py `TokenShare`): its drafts replace theirs
+before the target pass (a sampled draft's draw, or an argmax tie under a different reduction
+order, need not agree), and its verdicts replace the verification they skip. So every rank
+writes the same tokens' KV and draft KV, and the pages past the kept length are rank 0's
+scheduler's to free, as for any step.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ from m3serve.runtime.messages import SamplingParams, SeqStep, StepResult, TokenL
 
 if TYPE_CHECKING:
     from m3serve.core.hicache.copier import LayerLoad
+    from m3serve.core.ranks import TokenShare
     from m3serve.core.step_runner import StepRunner
 
 _SEED_MASK = (1 << 64) - 1
@@ -92,7 +102,8 @@ class SpecStep:
                 raise ValueError(
                     f"a verify row of {seqs[i].draft} drafts; this engine drafts {self.gamma}"
                 )
-        drafts, draft_logits = self._propose(seqs, verify, starts, batch)
+        share = runner.share
+        drafts, draft_logits = self._propose(seqs, verify, starts, batch, share)
         plain = [i for i, seq in enumerate(seqs) if seq.sample and not seq.draft]
         rows = [starts[i] + seqs[i].extend - 1 for i in plain]
         rows += [starts[i] + k for i in verify for k in range(self.gamma + 1)]
@@ -108,17 +119,26 @@ class SpecStep:
         if verify:
             target = logits[len(plain) :].view(len(verify), self.gamma + 1, -1)
             slots = [seqs[i].slot for i in verify]
-            verdict = self._verify(drafts, draft_logits, target, slots)
+            if share is None or share.leader:
+                verdict = self._verify(drafts, draft_logits, target, slots)
+            if share is not None:
+                verdict = self._shared_verdict(verdict, len(verify), share)
         self._commit_features(seqs, starts, verify, verdict, batch, features)
         return self._result(step, seqs, plain, verify, sampled, verdict, runner)
 
     # ------------------------------------------------------------------ propose
 
     def _propose(
-        self, seqs: list[SeqStep], verify: list[int], starts: list[int], batch: ForwardBatch
+        self,
+        seqs: list[SeqStep],
+        verify: list[int],
+        starts: list[int],
+        batch: ForwardBatch,
+        share: TokenShare | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Draft tokens [R, γ] for the verify rows, written into the batch after each anchor;
-        and the draft logits [R, γ, V] (None when the proposer has none)."""
+        """Draft tokens [R, γ] for the verify rows (rank 0's with `share`), written into the
+        batch after each anchor; and the draft logits [R, γ, V] (None when the proposer has
+        none; a follower's own, which it never uses)."""
         device = batch.input_ids.device
         if not verify:
             return torch.empty(0, self.gamma, dtype=torch.int64, device=device), None
@@ -132,9 +152,10 @@ class SpecStep:
             temperatures,
             [self._generators[slot] for slot in slots],
         )
+        tokens = proposal.tokens if share is None else share.share_ids(proposal.tokens)
         offsets = torch.arange(1, self.gamma + 1, device=device)
-        batch.input_ids[anchor_rows[:, None] + offsets] = proposal.tokens
-        return proposal.tokens, proposal.logits
+        batch.input_ids[anchor_rows[:, None] + offsets] = tokens
+        return tokens, proposal.logits
 
     def _temperature(self, slot: int) -> float:
         params = self._params[slot]
@@ -173,6 +194,16 @@ class SpecStep:
             )
             accept[r], tokens[r] = verdict.accept_len[0], verdict.tokens[0]
         return Verdict(accept, tokens)
+
+    def _shared_verdict(self, verdict: Verdict | None, rows: int, share: TokenShare) -> Verdict:
+        """Rank 0's `verdict` on every rank (a follower passes None): accept lengths and
+        tokens in one broadcast of [rows, 1 + γ + 1]."""
+        if verdict is not None:
+            packed = torch.cat((verdict.accept_len[:, None], verdict.tokens), dim=1)
+        else:
+            packed = torch.empty(rows, self.gamma + 2, dtype=torch.int64, device=self.model.device)
+        packed = share.share_ids(packed)
+        return Verdict(packed[:, 0].contiguous(), packed[:, 1:].contiguous())
 
     def _target_probs(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         """[γ+1, V]: the target's distribution at each block position, as the sampler draws:

@@ -1,6 +1,7 @@
 """The step-plan broadcast between real ranks (gloo, spawned processes): followers run exactly
 rank 0's plans, in order, until it says stop; and when rank 0 dies mid-stream a follower
-notices within 5 s instead of hanging."""
+notices within 5 s instead of hanging. The media-feature share checks rank 0's rows against the
+plan's count before any collective, and a step without feature rows broadcasts nothing."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from helpers.plan_jobs import leader_dies, plans, relay
 from helpers.ranks import run_on_ranks, start_ranks
 
-from m3serve.core.ranks import PlanChannel, RankLost
+from m3serve.core.ranks import MediaShare, PlanChannel, RankLost
 from m3serve.model.parallel import RankGroup
 
 
@@ -44,3 +46,20 @@ def test_a_follower_cannot_send() -> None:
     with pytest.raises(RuntimeError, match="only rank 0"):
         PlanChannel(RankGroup(1, 2)).send(None)
     assert issubclass(RankLost, RuntimeError)
+
+
+def test_rank_0_refuses_feature_rows_the_plan_did_not_promise() -> None:
+    share = MediaShare(RankGroup(0, 2), "cpu", hidden=8, dtype=torch.float32)
+    rows, features = torch.arange(3), torch.zeros(3, 8)
+    with pytest.raises(RuntimeError, match="promised 2 feature rows; the step has 3"):
+        share.share(2, (rows, features))
+    with pytest.raises(RuntimeError, match="promised 0 feature rows; the step has 3"):
+        share.share(0, (rows, features))
+    with pytest.raises(RuntimeError, match="promised 3 feature rows; the step has 0"):
+        share.share(3, None)
+
+
+def test_a_step_without_feature_rows_shares_nothing() -> None:
+    # No process group exists here: a collective would raise.
+    assert MediaShare(RankGroup(0, 2), "cpu", 8, torch.float32).share(0, None) is None
+    assert MediaShare(RankGroup(1, 2), "cpu", 8, torch.float32).share(0, None) is None

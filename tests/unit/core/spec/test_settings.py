@@ -60,6 +60,16 @@ def test_a_draft_directory_can_be_given(tiny_checkpoint: Callable[[TinySpec], Pa
     assert settings is not None and settings.draft_path == draft
 
 
+@pytest.mark.parametrize("ep", [1, 2])
+def test_tensor_parallel_speculation_is_accepted(
+    tiny_checkpoint: Callable[[TinySpec], Path], ep: int
+) -> None:
+    path = tiny_checkpoint(WITH_DRAFT)
+    args = _args(speculative_algorithm="DSPARK", tp_size=2, ep_size=ep)
+    settings = resolve_spec(args, path, quiet=True)
+    assert settings is not None and settings.draft_path == path
+
+
 def test_a_checkpoint_without_a_draft_is_refused(
     tiny_checkpoint: Callable[[TinySpec], Path],
 ) -> None:
@@ -77,7 +87,6 @@ def test_a_checkpoint_without_a_draft_is_refused(
         ({"speculative_dspark_block_size": 3}, "--speculative-dspark-block-size 3"),
         ({"speculative_num_steps": 3}, "--speculative-num-steps 3"),
         ({"speculative_accept_length_override": 9}, "--speculative-accept-length-override 9"),
-        ({"tp_size": 2}, "--tp > 1"),
     ],
 )
 def test_what_cannot_run_is_refused_by_flag(kwargs: dict[str, object], fragment: str) -> None:
