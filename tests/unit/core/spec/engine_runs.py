@@ -78,7 +78,7 @@ def generate(
                     if accepted:
                         run.accepted[rid].append(accepted)
             for rid, after in (abort_after or {}).items():
-                if len(run.outputs[rid]) >= after:
+                if len(run.outputs.get(rid, ())) >= after:
                     core.abort(rid)
 
     asyncio.run(go())
