@@ -131,9 +131,12 @@ def _drive(
     model: VerifyingModel,
     aborts: dict[int, str] | None = None,
     overlap: bool = False,
+    aborts_mid: dict[int, str] | None = None,
 ) -> dict[str, list[int]]:
     """Run the workload; with `overlap`, as the engine core's overlap loop: step N+1 is planned
-    and run (the executor runs steps in order) before step N's result is processed."""
+    and run (the executor runs steps in order) before step N's result is processed. `aborts`
+    land before a tick plans, `aborts_mid` after it launched and before it processes (with
+    overlap, while two steps of the request are unprocessed)."""
     outputs: dict[str, list[int]] = {}
     in_flight: StepResult | None = None
     for tick in range(10_000):
@@ -149,6 +152,8 @@ def _drive(
         previous = launched
         if overlap:
             previous, in_flight = in_flight, launched
+        if aborts_mid and tick in aborts_mid:
+            scheduler.abort(aborts_mid[tick])
         if previous is not None:
             out = scheduler.process(previous)
             for batch in out.batches.values():
@@ -207,13 +212,14 @@ def test_verify_rows_under_retraction_prefix_hits_and_aborts(overlap: bool) -> N
     reqs = [_request(f"r{i}", prefix + p, 24) for i, p in enumerate(_prompts(2, 6, 2, 10))]
     for req in reqs:
         scheduler.add(req)
-    outputs = _drive(scheduler, model, aborts={6: "r1"}, overlap=overlap)
+    outputs = _drive(scheduler, model, {6: "r1"}, overlap, aborts_mid={9: "r3"})
     assert scheduler.retracted > 0, "the workload was meant to force retraction"
     assert sum(req.cached_tokens for req in reqs) > 0
     for req in reqs:
         want = reference_output(req.prompt, 24, STOP)
         got = outputs.get(req.rid, [])
-        assert got == want if req.rid != "r1" else got == want[: len(got)]
+        assert got == want if req.rid not in ("r1", "r3") else got == want[: len(got)]
+    assert 0 < len(outputs["r3"]) < 24, "r3 was meant to be aborted while it decoded"
     _all_pages_back(scheduler)
 
 

@@ -10,7 +10,9 @@ from collections.abc import Sequence
 
 import pytest
 
-from m3serve.core.scheduler import Scheduler
+from m3serve.core.engine_core import EngineCore
+from m3serve.core.req import Req
+from m3serve.core.scheduler import Outputs, Scheduler
 from m3serve.core.spec.lengths import SlotLengths
 from m3serve.runtime.messages import SKIPPED_TOKEN, SamplingParams, SeqStep, StepResult
 
@@ -37,7 +39,7 @@ def _spy_results(monkeypatch: pytest.MonkeyPatch) -> list[StepResult]:
     results: list[StepResult] = []
     process = Scheduler.process
 
-    def spy(self: Scheduler, result: StepResult):  # type: ignore[no-untyped-def]
+    def spy(self: Scheduler, result: StepResult) -> Outputs:
         results.append(result)
         return process(self, result)
 
@@ -105,7 +107,7 @@ def test_mixed_batches_with_chunks_prefix_hits_retraction_and_aborts_match(cores
     logprobs = SamplingParams(max_new_tokens=10, temperature=0.0, logprobs=True)
     sampled = SamplingParams(max_new_tokens=10, temperature=0.8, top_k=40, seed=3)
 
-    def waves() -> list[list]:
+    def waves() -> list[list[Req]]:
         first = [request(f"g{i}", p, greedy) for i, p in enumerate(prompts)]
         first += [
             request("pen", prompts[1], penalized),
@@ -115,7 +117,7 @@ def test_mixed_batches_with_chunks_prefix_hits_retraction_and_aborts_match(cores
         second = [request(f"h{i}", [*p, 300 + i], greedy) for i, p in enumerate(prompts)]
         return [first, second]
 
-    def run(core, overlap: bool) -> dict[str, list[int]]:  # type: ignore[no-untyped-def]
+    def run(core: EngineCore, overlap: bool) -> dict[str, list[int]]:
         outputs: dict[str, list[int]] = {}
         for wave in waves():
             got = generate(core, wave, abort_after={"g1": 5}, overlap=overlap)
