@@ -28,9 +28,6 @@ class SlotLengths:
         # Tokens of the slot's request whose KV is final (committed), after the last step run.
         self._lengths = [0] * num_slots
 
-    def __getitem__(self, slot: int) -> int:
-        return self._lengths[slot]
-
     def resolve(self, seqs: Sequence[SeqStep]) -> list[SeqStep]:
         """The seqs with each decode or verify row starting at its slot's committed length."""
         resolved = []

@@ -119,7 +119,7 @@ class SpecStep:
             target = logits[len(plain) :].view(len(verify), self.gamma + 1, -1)
             slots = [seqs[i].slot for i in verify]
             verdict = self._verify(drafts, draft_logits, target, slots)
-        committed = self._committed(seqs, verify, verdict)
+        committed = self._advance_lengths(seqs, verify, verdict)
         self._commit_features(seqs, starts, committed, batch, features)
         return self._result(step, seqs, plain, verify, sampled_rows, verdict, runner, sampled)
 
@@ -204,7 +204,7 @@ class SpecStep:
 
     # ------------------------------------------------------------------ commit
 
-    def _committed(
+    def _advance_lengths(
         self, seqs: list[SeqStep], verify: list[int], verdict: Verdict | None
     ) -> list[int]:
         """Per seq, the tokens whose KV this step keeps (prompt chunks and plain decode inputs
