@@ -32,8 +32,10 @@ is a lost rank.
 Speculative decoding (`spec`, core/spec/engine.py): the draft's KV pool is sized with the
 target's pages and shares their ids; every step then runs through the runner's `SpecStep`
 (propose, one target forward over each verify row's block, verify, draft KV for the committed
-tokens), the scheduler plans decodes as verify rows, and `overlap_step` runs plain steps.
-The draft KV is allocated with the target's, before the host tier, whose pages then hold it too.
+tokens), the scheduler plans decodes as verify rows. `overlap_step` runs them too: the executor
+thread starts each decode or verify row at its slot's committed length (core/spec/lengths.py),
+which the scheduler, one verdict behind, only bounds. The draft KV is allocated with the
+target's, before the host tier, whose pages then hold it too.
 """
 
 from __future__ import annotations
@@ -312,8 +314,6 @@ class EngineCore:
         """Schedule and launch step N+1, then process step N, whose tokens the plan of step N+1
         never needed (decode inputs come from the slot table). None when nothing was planned
         and nothing was in flight."""
-        if self.spec is not None:
-            return await self.step()  # verify steps run without overlap (SpecPlugin says so)
         plan = self._schedule()
         previous = self._in_flight
         self._in_flight = self._launch(plan) if plan is not None else None

@@ -44,6 +44,9 @@ class Req:
     # acceptance length is made of).
     spec_steps: int = 0
     spec_tokens: int = 0
+    # Drafts of its verify rows in flight: positions past kv_len that those steps may still keep
+    # (overlap plans the next step before the verdict is in, so pages are held for all of them).
+    spec_unseen: int = 0
     finish: Finish | None = None
     grammar: Grammar | None = None  # its constraint, compiled (set before it is queued)
     # HiCache L3: its prefix being fetched into host memory. Admission passes over the request

@@ -11,6 +11,9 @@ be recomputed.
 
 `schedule` may run before the previous step's result is processed (overlap): a plan never
 depends on tokens the CPU has not seen — decode inputs come from the engine core's slot table.
+Speculative verify rows too: a row planned while an earlier verify step of its request is in
+flight starts where the executor says (core/spec/lengths.py), and its pages cover the worst case,
+every draft in flight accepted (`Req.spec_unseen`); processing gives back the surplus.
 
 HiCache's storage tier (`storage`, core/hicache/storage_tier.py), when the host-cache actor
 runs: a queued request may start an L3 fetch of its prefix (admission passes over it until that
@@ -115,6 +118,7 @@ class Scheduler:
         self.by_rid: dict[str, Req] = {}
         self.step = 0
         self.inflight: dict[int, list[Req | None]] = {}  # step -> request per sampled row
+        self.inflight_drafts: dict[int, list[int]] = {}  # step -> drafts per sampled row
         self.new_token_ratio = args.init_new_token_ratio
         self.pending_errors = Outputs()
         self.retracted = 0  # requests retracted so far (a metric)
@@ -142,8 +146,9 @@ class Scheduler:
         """Refuse a request the queue or the KV pool cannot take (what `add` checks first)."""
         if len(self.waiting) >= self.args.max_queued_requests:
             raise QueueFull(f"the waiting queue is full ({self.args.max_queued_requests})")
-        # A verify step writes a block past the last token the request may keep.
-        capacity = self.pool.num_pages * self.page_size - self.spec_draft
+        # A verify step writes a block past the last token the request may keep, and with
+        # overlap it is planned while the previous block may still be kept whole.
+        capacity = self.pool.num_pages * self.page_size - 2 * self.spec_draft
         if fit_to_pool:
             req.max_new = min(req.max_new, capacity - len(req.prompt))
         needed = len(req.prompt) + max(req.max_new, 1)
@@ -197,6 +202,8 @@ class Scheduler:
             if seq.sample:
                 rows.append(req)
         self.inflight[self.step] = rows
+        if self.spec_draft:
+            self.inflight_drafts[self.step] = [seq.draft for seq in plan.seqs if seq.sample]
         self.new_token_ratio = max(
             self.new_token_ratio - self.args.new_token_ratio_decay, self.args.min_new_token_ratio
         )
@@ -208,7 +215,7 @@ class Scheduler:
         # Newest first out: retract from the back until every decode token has a page.
         while decode:
             ps = self.page_size
-            short = [(r, -(-(r.kv_len + self._width(r)) // ps) - len(r.pages)) for r in decode]
+            short = [(r, -(-self._decode_end(r) // ps) - len(r.pages)) for r in decode]
             short = [(r, n) for r, n in short if n > 0]
             if not short:
                 return decode
@@ -230,9 +237,10 @@ class Scheduler:
         # A whole block even near the end: the scheduler cuts what passes max_new_tokens.
         return self.spec_draft
 
-    def _width(self, req: Req) -> int:
-        """KV positions its next decode writes."""
-        return 1 + self._drafts(req)
+    def _decode_end(self, req: Req) -> int:
+        """The KV position past the last one its next decode may write: its block, after every
+        draft of its verify steps in flight (their verdict may not be in yet)."""
+        return req.kv_len + req.spec_unseen + 1 + self._drafts(req)
 
     def _plan_prefill(self, decodes: int) -> list[tuple[Req, int]]:
         budget = self.args.max_prefill_tokens
@@ -326,9 +334,11 @@ class Scheduler:
 
     def _decode_seq(self, req: Req) -> SeqStep:
         # A verify row's anchor is committed now; its accepted drafts when the step is processed.
+        # With a verify step of it in flight, `start` is a lower bound the executor corrects.
         seq = SeqStep(None, req.kv_len, list(req.pages), slot=req.slot, draft=self._drafts(req))
         req.kv_len += 1
         req.inflight += 1
+        req.spec_unseen += seq.draft
         return seq
 
     def _prefill_seq(self, req: Req, chunk: int, plan: StepPlan) -> SeqStep:
@@ -381,15 +391,17 @@ class Scheduler:
     def process(self, result: StepResult) -> Outputs:
         out, self.pending_errors = self.pending_errors, Outputs()
         rows = self.inflight.pop(result.step, [])
+        drafts = self.inflight_drafts.pop(result.step, None) or [0] * len(rows)
         logprobs = result.logprobs or [None] * len(result.tokens)
         ended = result.grammar_ended or [False] * len(result.tokens)
         spec = result.spec_tokens or [[] for _ in result.tokens]
-        for req, token, logprob, done, block in zip(
-            rows, result.tokens, logprobs, ended, spec, strict=True
+        for req, token, logprob, done, block, draft in zip(
+            rows, result.tokens, logprobs, ended, spec, drafts, strict=True
         ):
             if req is None:
                 continue
             req.inflight -= 1
+            req.spec_unseen -= draft
             if req.phase is Phase.DONE:
                 continue  # finished or aborted while this step was in flight
             if token == SKIPPED_TOKEN:
@@ -402,13 +414,21 @@ class Scheduler:
             req.finish = Finish("stop", token) if done else self._finish_reason(req, token)
             out.add(req, [token], logprob)
             if req.finish is not None:
-                self._finish(req)
+                self._ends_here(req)
         return out
+
+    def _ends_here(self, req: Req) -> None:
+        """A request that just finished. With a stop token the executor drops its rows still in
+        flight (core/step_runner.py), so the last token's KV is never written: only the tokens
+        before it are cached. Without overlap that is already all kv_len covers."""
+        if req.inflight and req.finish is not None and req.finish.reason == "stop":
+            req.kv_len = min(req.kv_len, len(req.key_tokens) - 1)
+        self._finish(req)
 
     def _commit_block(self, req: Req, block: list[int], out: Outputs) -> None:
         """A verify row's tokens: the accepted drafts (their KV is kept) and the correction or
         bonus token, cut at the first one that ends the request; the KV pages past the kept
-        positions go back to the pool."""
+        positions — and past the blocks of its verify steps still in flight — go back."""
         req.kv_len += len(block) - 1
         emitted: list[int] = []
         for token in block:
@@ -422,9 +442,10 @@ class Scheduler:
         req.spec_tokens += len(block)
         out.add(req, emitted, None, accepted=len(block))
         if req.finish is not None:
-            self._finish(req)
+            self._ends_here(req)
             return
-        keep = max(-(-req.kv_len // self.page_size), len(req.match.pages) if req.match else 0)
+        held = req.kv_len + req.spec_unseen
+        keep = max(-(-held // self.page_size), len(req.match.pages) if req.match else 0)
         if len(req.pages) > keep:
             self.cache.free_tail(req.pages[keep:])
             del req.pages[keep:]
@@ -439,6 +460,7 @@ class Scheduler:
     def fail_step(self, step: int, message: str) -> Outputs:
         """A step raised: fail the requests it carried."""
         out, self.pending_errors = self.pending_errors, Outputs()
+        self.inflight_drafts.pop(step, None)
         for req in self.inflight.pop(step, []):
             if req is not None and req.phase is not Phase.DONE:
                 out.fail(req, f"engine step failed: {message}", 500)

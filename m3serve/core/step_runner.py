@@ -132,13 +132,15 @@ class StepRunner:
         seqs = self._live_seqs(plan.seqs)
         if not seqs:  # load-backs only, or every row's request ended on the step before
             return _result(plan.step, sampled, [], [], [], [])
+        spec = self.spec if layers is None else None
+        if spec is not None:
+            # Overlap: a decode's planned start lags by the drafts accepted since it was planned.
+            seqs = spec.lengths.resolve(seqs)
         batch = ForwardBatch.build(seqs, self.page_size, self.device)
         self._fill_slot_tokens(seqs, batch)
         batch = self._with_media(plan, seqs, batch)
-        if self.spec is not None and layers is None:
-            if len(seqs) != len(plan.seqs):
-                raise RuntimeError("speculative steps run without overlap: no row is dropped")
-            return self.spec.run(plan.step, seqs, batch, self, load)
+        if spec is not None:
+            return spec.run(plan.step, seqs, batch, self, sampled, load)
         slots = [seq.slot for seq in seqs if seq.sample]
         if layers is not None:
             logits = self.model(batch, self.kv, layers)

@@ -31,14 +31,14 @@ VOCAB = SPEC.vocab_size - 64
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8}
 PREFIX = random_prompt(700, 40, VOCAB)  # 10 pages of the tiny model's 4-token pages
 # Three turns on the prefix (a selective backup needs two hits), one unrelated prompt that
-# takes nearly the whole 16-page device pool, then the prefix again.
+# takes nearly the whole 18-page device pool, then the prefix again.
 PROMPTS = [
     *[[*PREFIX, *random_prompt(710 + i, 4, VOCAB)] for i in range(3)],
     random_prompt(720, 48, VOCAB),
     [*PREFIX, *random_prompt(730, 6, VOCAB)],
 ]
 REPLICA = [*PREFIX, *random_prompt(740, 6, VOCAB)]  # a tail the first server never saw
-SMALL_POOL = 64  # tokens: the unrelated prompt evicts the prefix from the device
+SMALL_POOL = 72  # tokens: the unrelated prompt (+ two blocks of drafts in flight) evicts the prefix
 DSPARK = {"speculative_algorithm": "DSPARK", "skip_warmup": True}
 POLICIES = ["write_through", "write_back", "write_through_selective"]
 

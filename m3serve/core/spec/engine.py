@@ -7,8 +7,9 @@ the HiCache host tier can hold it too; `attach` loads the draft onto that pool a
 runner the `SpecStep` that every step then runs through.
 
 What this build does not do yet, said at start: the verify steps run eagerly (no CUDA graph for
-the draft or the verify forward) and without the overlap scheduler (each step is processed
-before the next is planned).
+the draft or the verify forward). They run under the overlap scheduler (unless
+--disable-overlap-schedule): the plan of step N+1 is made before step N's verdict is known, and
+the executor thread resolves what depends on it (core/spec/lengths.py).
 """
 
 from __future__ import annotations
@@ -52,11 +53,6 @@ class SpecPlugin:
         if settings is None:
             return None
         draft_dir = find_dspark_dir(settings.draft_path) or settings.draft_path
-        if not args.sched.disable_overlap_schedule:
-            log.info(
-                "speculative decoding: the overlap scheduler is off (verify steps run one "
-                "after another)"
-            )
         log.info("speculative decoding: verify steps run eagerly (no CUDA graphs for them yet)")
         if settings.accept_length_override:
             log.warning(

@@ -14,6 +14,12 @@ rejection or block verification on the target's processed probabilities against 
 one token are sampled as without speculation, by the runner. The KV of rejected drafts stays
 where it was written; the scheduler frees the pages past the kept length.
 
+Overlap: the scheduler plans step N+1 before it has seen step N's verdict, so a decode or
+verify row's planned start may lag by the drafts step N accepted; `lengths` (core/spec/lengths.py)
+holds each slot's committed length on this thread and the runner starts every such row there.
+A row whose request ended inside step N's block (a stop token among the committed tokens) is
+dropped by the runner and comes back as SKIPPED_TOKEN, as without speculation.
+
 A seeded sampled request draws its drafts and acceptance coins from a stream of its own, which
 restarts when the request does: after a retraction its continuation is a valid sample, but not
 the one it would have drawn without the retraction (a verify step's draw count varies).
@@ -34,6 +40,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from m3serve.core.spec.lengths import SlotLengths
 from m3serve.core.spec.proposer import Proposer
 from m3serve.core.spec.settings import SpecSettings
 from m3serve.core.spec.verify import (
@@ -47,7 +54,13 @@ from m3serve.model.batch import ForwardBatch
 from m3serve.model.dspark_paged import target_pass
 from m3serve.model.kv_cache import KVCache
 from m3serve.model.m3 import M3ForCausalLM
-from m3serve.runtime.messages import SamplingParams, SeqStep, StepResult, TokenLogprob
+from m3serve.runtime.messages import (
+    SKIPPED_TOKEN,
+    SamplingParams,
+    SeqStep,
+    StepResult,
+    TokenLogprob,
+)
 
 if TYPE_CHECKING:
     from m3serve.core.hicache.copier import LayerLoad
@@ -73,6 +86,8 @@ class SpecStep:
         self.gamma = settings.block_size
         self._params: list[SamplingParams] = [SamplingParams()] * num_slots
         self._generators: list[torch.Generator | None] = [None] * num_slots
+        # Each slot's committed KV length: the start of its next decode or verify row.
+        self.lengths = SlotLengths(num_slots)
 
     def start(self, slot: int, params: SamplingParams) -> None:
         """A request starts in `slot`: its sampling settings and, if seeded, its own stream."""
@@ -90,9 +105,12 @@ class SpecStep:
         seqs: list[SeqStep],
         batch: ForwardBatch,
         runner: StepRunner,
+        sampled: list[int],
         load: LayerLoad | None = None,
     ) -> StepResult:
-        """`load`: the step's HiCache load-backs, copied layer by layer as the target pass
+        """One step over `seqs` (the plan's live rows, starts resolved by `lengths`); the
+        result covers `sampled`, the slots of every row the plan samples, dropped ones too.
+        `load`: the step's HiCache load-backs, copied layer by layer as the target pass
         reaches each layer; the draft's layers come last, after the pass (no verify row of
         this step reads them: loaded pages belong to requests that start prefilling now)."""
         starts = _row_starts(seqs)
@@ -114,7 +132,7 @@ class SpecStep:
         index = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
         logits = self.model.compute_logits(hidden[index])
         plain_slots = [seqs[i].slot for i in plain]
-        sampled = runner.sample_rows(logits[: len(plain)], plain_slots) if plain else None
+        sampled_rows = runner.sample_rows(logits[: len(plain)], plain_slots) if plain else None
         verdict = None
         if verify:
             target = logits[len(plain) :].view(len(verify), self.gamma + 1, -1)
@@ -123,8 +141,9 @@ class SpecStep:
                 verdict = self._verify(drafts, draft_logits, target, slots)
             if share is not None:
                 verdict = self._shared_verdict(verdict, len(verify), share)
-        self._commit_features(seqs, starts, verify, verdict, batch, features)
-        return self._result(step, seqs, plain, verify, sampled, verdict, runner)
+        committed = self._advance_lengths(seqs, verify, verdict)
+        self._commit_features(seqs, starts, committed, batch, features)
+        return self._result(step, seqs, plain, verify, sampled_rows, verdict, runner, sampled)
 
     # ------------------------------------------------------------------ propose
 
@@ -224,24 +243,32 @@ class SpecStep:
 
     # ------------------------------------------------------------------ commit
 
+    def _advance_lengths(
+        self, seqs: list[SeqStep], verify: list[int], verdict: Verdict | None
+    ) -> list[int]:
+        """Per seq, the tokens whose KV this step keeps (prompt chunks and plain decode inputs
+        all of theirs, a verify row its anchor and accepted drafts); each slot's committed length
+        moves on by as many."""
+        committed = [seq.extend for seq in seqs]
+        if verdict is not None:
+            for i, accepted in zip(verify, verdict.accept_len.tolist(), strict=True):
+                committed[i] = 1 + accepted
+        for seq, count in zip(seqs, committed, strict=True):
+            self.lengths.advance(seq, count)
+        return committed
+
     def _commit_features(
         self,
         seqs: list[SeqStep],
         starts: list[int],
-        verify: list[int],
-        verdict: Verdict | None,
+        committed: list[int],
         batch: ForwardBatch,
         features: torch.Tensor,
     ) -> None:
-        """Draft KV for the tokens this step committed: every prompt token and plain decode
-        input, and a verify row's anchor with its accepted drafts (rejected ones never)."""
-        kept = {}
-        if verdict is not None:
-            kept = dict(zip(verify, verdict.accept_len.tolist(), strict=True))
+        """Draft KV for the tokens this step committed (rejected drafts never)."""
         rows: list[int] = []
-        for i, seq in enumerate(seqs):
-            count = 1 + kept[i] if i in kept else seq.extend
-            rows.extend(range(starts[i], starts[i] + count))
+        for start, count in zip(starts, committed, strict=True):
+            rows.extend(range(start, start + count))
         index = torch.tensor(rows, dtype=torch.int64, device=features.device)
         self.proposer.commit(features[index], batch.positions[index], batch.out_slots[index])
 
@@ -251,32 +278,30 @@ class SpecStep:
         seqs: list[SeqStep],
         plain: list[int],
         verify: list[int],
-        sampled: tuple[list[int], list[TokenLogprob | None], list[bool]] | None,
+        sampled_rows: tuple[list[int], list[TokenLogprob | None], list[bool]] | None,
         verdict: Verdict | None,
         runner: StepRunner,
+        sampled: list[int],
     ) -> StepResult:
         """The rows in plan order (the scheduler's): plain rows' tokens from the runner, verify
-        rows' committed tokens, the last of which is the slot's next anchor."""
-        by_seq: dict[int, tuple[int, TokenLogprob | None, bool, list[int]]] = {}
-        if sampled is not None:
+        rows' committed tokens, the last of which is the slot's next anchor; SKIPPED_TOKEN for
+        the rows the runner dropped."""
+        by_slot: dict[int, tuple[int, TokenLogprob | None, bool, list[int]]] = {}
+        if sampled_rows is not None:
+            ids, logprobs, ended = sampled_rows
             for n, i in enumerate(plain):
-                by_seq[i] = (
-                    sampled[0][n],
-                    sampled[1][n],
-                    sampled[2][n] if sampled[2] else False,
-                    [],
-                )
+                by_slot[seqs[i].slot] = (ids[n], logprobs[n], ended[n] if ended else False, [])
         if verdict is not None:
             accepted = verdict.accept_len.tolist()
             for n, (i, row) in enumerate(zip(verify, verdict.tokens.tolist(), strict=True)):
                 block = row[: accepted[n] + 1]
-                by_seq[i] = (block[-1], None, False, block)
+                by_slot[seqs[i].slot] = (block[-1], None, False, block)
                 runner.note_committed(seqs[i].slot, block)
-        order = [i for i, seq in enumerate(seqs) if seq.sample]
-        rows = [by_seq[i] for i in order]
+        dropped = (SKIPPED_TOKEN, None, False, [])
+        rows = [by_slot.get(slot, dropped) for slot in sampled]
         return StepResult(
             step=step,
-            slots=[seqs[i].slot for i in order],
+            slots=sampled,
             tokens=[r[0] for r in rows],
             logprobs=[r[1] for r in rows],
             grammar_ended=[r[2] for r in rows],

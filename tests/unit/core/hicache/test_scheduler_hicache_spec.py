@@ -45,7 +45,8 @@ def test_verify_rows_over_a_tiered_cache_are_correct_and_leak_nothing(
     reqs = []
     for s, turns in enumerate(sessions(seed, count, turns=3)):
         for t, prompt in enumerate(turns):
-            if len(prompt) + MAX_NEW + DRAFTS + 1 <= num_pages * PAGE:
+            # What Scheduler.check admits: room for two blocks of drafts (one in flight).
+            if len(prompt) + MAX_NEW + 2 * DRAFTS <= num_pages * PAGE:
                 sampling = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW)
                 reqs.append(Req(f"s{s}t{t}", prompt, sampling, STOP, worker=0))
     # Turn by turn, so that later turns find earlier ones' prefixes on device, host or gone.
