@@ -61,6 +61,7 @@ class HopperBackend(ReferenceBackend):
             check_hopper(device)
         from m3serve.kernels.triton import (
             attention,
+            draft_attention,
             indexer,
             mxfp8_linear,
             norm,
@@ -71,6 +72,7 @@ class HopperBackend(ReferenceBackend):
 
         super().__init__(device)
         self._attention = attention
+        self._draft_attention = draft_attention
         self._indexer = indexer
         self._norm = norm
         self._rope_kv = rope_kv
@@ -193,6 +195,23 @@ class HopperBackend(ReferenceBackend):
             scale,
             block_ids,
             batch.max_extend,
+        )
+
+    def draft_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        page_table: torch.Tensor,
+        anchor_pos: torch.Tensor,
+        page_size: int,
+        window: int,
+        scale: float,
+    ) -> torch.Tensor:
+        return self._draft_attention.draft_attention(
+            q, k, v, k_pool, v_pool, page_table, anchor_pos, page_size, window, scale
         )
 
     def moe(
