@@ -183,6 +183,9 @@ class EngineCore:
         # ------------------------------------------------------------------ CUDA graphs
         with self.startup.phase("CUDA graphs"):
             self.runner.graphs = self._capture_graphs(args, context, slots)
+            if self.spec is not None and self.runner.graphs is not None:
+                graphs = self.runner.graphs
+                self.spec.capture_graphs(graphs.sizes, graphs.max_pages, self.budget.num_pages)
             self.runner.piecewise = self._capture_piecewise(args, slots)
         # ------------------------------------------------------------------ scheduler
         radix = not args.cache.disable_radix_cache

@@ -5,21 +5,27 @@ pool is sized, so each page is budgeted with its draft KV; `attach` loads the dr
 its KV over the same page ids as the target's (plus the scratch page) and hands the runner the
 `SpecStep` that every step then runs through.
 
-What this build does not do yet, said at start: the verify steps run eagerly (no CUDA graph for
-the draft or the verify forward) and without the overlap scheduler (each step is processed
+`capture_graphs` (after the decode graphs, so only on a capturable backend with graphs on)
+captures the greedy draft proposal and the verify-only target forward per batch-size bucket
+(draft_graphs.py, verify_graphs.py); steps that fit neither run eagerly.
+
+What this build does not do yet, said at start: the overlap scheduler (each step is processed
 before the next is planned).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from m3serve.core.memory import KVBudget
+from m3serve.core.spec.draft_graphs import DraftGraphs
 from m3serve.core.spec.proposer import DSparkProposer, Proposer
 from m3serve.core.spec.settings import SpecSettings, resolve_spec
+from m3serve.core.spec.verify_graphs import VerifyGraphs
 from m3serve.core.spec.verify_step import SpecStep
 from m3serve.core.step_runner import StepRunner
 from m3serve.model.backend import Backend
@@ -55,7 +61,6 @@ class SpecPlugin:
                 "speculative decoding: the overlap scheduler is off (verify steps run one "
                 "after another)"
             )
-        log.info("speculative decoding: verify steps run eagerly (no CUDA graphs for them yet)")
         if settings.accept_length_override:
             log.warning(
                 "--speculative-accept-length-override %d: every verify step commits exactly %d "
@@ -93,3 +98,27 @@ class SpecPlugin:
         self.proposer = proposer
         self.step = SpecStep(model, runner.kv, proposer, self.settings, runner.sampler.num_slots)
         runner.spec = self.step
+
+    def capture_graphs(
+        self, sizes: Sequence[int], max_pages: int, scratch_page: int, capture: bool = True
+    ) -> None:
+        """CUDA graphs for the batch-size buckets `sizes`: the verify forward, and the greedy
+        proposal when the draft is DSpark's. `capture=False` (tests): the same static buffers,
+        run eagerly."""
+        assert self.step is not None, "attach first"
+        step = self.step
+        verify = VerifyGraphs(
+            step.model, step.kv, step.layer_ids, step.gamma, scratch_page, sizes, max_pages,
+            capture,
+        )  # fmt: skip
+        verify.capture()
+        step.graphs = verify
+        proposer = self.proposer
+        if isinstance(proposer, DSparkProposer):
+            draft = DraftGraphs(proposer.draft, proposer.kv, sizes, max_pages, capture)
+            draft.capture()
+            proposer.graphs = draft
+        log.info(
+            "speculative decoding: captured draft and verify CUDA graphs for batch sizes %s",
+            list(sizes),
+        )

@@ -33,6 +33,7 @@ from m3serve.core.spec.verify import (
     verify_greedy,
     verify_sampled,
 )
+from m3serve.core.spec.verify_graphs import VerifyGraphs
 from m3serve.kernels.sampling import MIN_TEMPERATURE, filter_probs_batch
 from m3serve.model.batch import ForwardBatch
 from m3serve.model.dspark_paged import target_pass
@@ -62,6 +63,8 @@ class SpecStep:
         self.gamma = settings.block_size
         self._params: list[SamplingParams] = [SamplingParams()] * num_slots
         self._generators: list[torch.Generator | None] = [None] * num_slots
+        # CUDA graphs of verify-only steps (SpecPlugin.capture_graphs, hopper); None: eager.
+        self.graphs: VerifyGraphs | None = None
 
     def start(self, slot: int, params: SamplingParams) -> None:
         """A request starts in `slot`: its sampling settings and, if seeded, its own stream."""
@@ -87,9 +90,13 @@ class SpecStep:
         plain = [i for i, seq in enumerate(seqs) if seq.sample and not seq.draft]
         rows = [starts[i] + seqs[i].extend - 1 for i in plain]
         rows += [starts[i] + k for i in verify for k in range(self.gamma + 1)]
-        hidden, features = target_pass(self.model, batch, self.kv, self.layer_ids)
-        index = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
-        logits = self.model.compute_logits(hidden[index])
+        if self.graphs is not None and self.graphs.fits(seqs, batch):
+            # Verify rows only: `rows` is every row in order, as the graph's logits are.
+            logits, features = self.graphs.run(batch)
+        else:
+            hidden, features = target_pass(self.model, batch, self.kv, self.layer_ids)
+            index = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
+            logits = self.model.compute_logits(hidden[index])
         plain_slots = [seqs[i].slot for i in plain]
         sampled = runner.sample_rows(logits[: len(plain)], plain_slots) if plain else None
         verdict = None
