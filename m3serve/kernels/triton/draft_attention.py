@@ -182,6 +182,8 @@ def draft_attention(
     block_s = max(next_pow2(block), -(-16 // group_pad))
     block_n = page_chunk(page_size, BLOCK_N)
     dot_f32 = q.dtype == torch.float32 or interpreted(q)
+    # A [128, D] fp32 accumulator (the real model's 8 slots × 16 heads) needs 8 warps' registers.
+    warps = 8 if block_s * group_pad >= 128 else 4
     _draft_attention_kernel[(batch, num_kv)](
         q, k, v, k_pool, v_pool, table, anchor_pos, out, window, float(scale) * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -189,6 +191,6 @@ def draft_attention(
         out.stride(0), out.stride(1),
         S=block, G=group, G_PAD=group_pad, BLOCK_S=block_s, BLOCK_SB=max(16, next_pow2(block)),
         D=head_dim, PAGE=page_size, BLOCK_N=block_n, CPP=-(-page_size // block_n),
-        DOT_F32=dot_f32, PREC="ieee" if dot_f32 else "tf32", num_warps=4, num_stages=2,
+        DOT_F32=dot_f32, PREC="ieee" if dot_f32 else "tf32", num_warps=warps, num_stages=2,
     )  # fmt: skip
     return out

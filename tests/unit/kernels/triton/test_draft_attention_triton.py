@@ -64,3 +64,8 @@ def test_strided_q() -> None:
         rtol=1e-4,
         atol=1e-4,
     )
+
+
+def test_pages_wider_than_a_key_chunk() -> None:
+    # Page 128 walks each page in two 64-key chunks; the 200-key window starts mid-chunk.
+    check(make_draft_batch([0, 130, 255, 260], page_size=128, window=200, seed=6))
