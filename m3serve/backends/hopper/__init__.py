@@ -1,6 +1,7 @@
 """The Hopper (sm_90) backend: Triton kernels for the norms, fused norm/RoPE/KV writes, the
-lightning indexer, sparse paged attention, the router, W8A16 MXFP8 projections and the W4A16
-NVFP4 fused MoE; the shared expert runs on a side stream beside the routed experts.
+lightning indexer, sparse paged attention, the DSpark draft's block attention, the router,
+W8A16 MXFP8 projections and the W4A16 NVFP4 fused MoE; the shared expert runs on a side stream
+beside the routed experts.
 
 Weights stay in the checkpoint's formats (`weight_formats`); dense (bf16) projections run as
 torch matmuls and dense experts as grouped bf16 matmuls (`--moe-runner-backend torch`, or a

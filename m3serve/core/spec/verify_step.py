@@ -12,7 +12,8 @@ verified (core/spec/verify.py): greedy rows by argmax matching, sampled rows by 
 rejection or block verification on the target's processed probabilities against the draft's
 (its Markov-corrected logits at the request's temperature). Rows that only prefill or decode
 one token are sampled as without speculation, by the runner. The KV of rejected drafts stays
-where it was written; the scheduler frees the pages past the kept length.
+where it was written; the scheduler frees the pages past the kept length. A step of verify rows
+only replays a CUDA graph of the target forward when one was captured (verify_graphs.py).
 
 A seeded sampled request draws its drafts and acceptance coins from a stream of its own, which
 restarts when the request does: after a retraction its continuation is a valid sample, but not
