@@ -185,7 +185,8 @@ class EngineCore:
             self.runner.graphs = self._capture_graphs(args, context, slots)
             if self.spec is not None and self.runner.graphs is not None:
                 graphs = self.runner.graphs
-                self.spec.capture_graphs(graphs.sizes, graphs.max_pages, self.budget.num_pages)
+                pages = self.budget.num_pages  # the scratch page
+                self.spec.capture_graphs(graphs.sizes, graphs.max_pages, pages, graphs.pool)
             self.runner.piecewise = self._capture_piecewise(args, slots)
         # ------------------------------------------------------------------ scheduler
         radix = not args.cache.disable_radix_cache

@@ -44,8 +44,8 @@ class DraftGraphs:
     def sizes(self) -> list[int]:
         return self.graphs.sizes
 
-    def capture(self) -> None:
-        self.graphs.capture()
+    def capture(self, pool: object | None = None) -> object | None:
+        return self.graphs.capture(pool)
 
     def fits(self, rows: int, page_table: torch.Tensor, temperatures: Sequence[float]) -> bool:
         return (

@@ -100,23 +100,29 @@ class SpecPlugin:
         runner.spec = self.step
 
     def capture_graphs(
-        self, sizes: Sequence[int], max_pages: int, scratch_page: int, capture: bool = True
+        self,
+        sizes: Sequence[int],
+        max_pages: int,
+        scratch_page: int,
+        pool: object | None = None,
+        capture: bool = True,
     ) -> None:
         """CUDA graphs for the batch-size buckets `sizes`: the verify forward, and the greedy
-        proposal when the draft is DSpark's. `capture=False` (tests): the same static buffers,
-        run eagerly."""
+        proposal when the draft is DSpark's, in memory `pool` (the decode graphs'). Padding
+        rows write `scratch_page`. `capture=False` (tests): the same static buffers, run
+        eagerly."""
         assert self.step is not None, "attach first"
         step = self.step
         verify = VerifyGraphs(
             step.model, step.kv, step.layer_ids, step.gamma, scratch_page, sizes, max_pages,
             capture,
         )  # fmt: skip
-        verify.capture()
+        pool = verify.capture(pool)
         step.graphs = verify
         proposer = self.proposer
         if isinstance(proposer, DSparkProposer):
             draft = DraftGraphs(proposer.draft, proposer.kv, sizes, max_pages, capture)
-            draft.capture()
+            draft.capture(pool)
             proposer.graphs = draft
         log.info(
             "speculative decoding: captured draft and verify CUDA graphs for batch sizes %s",

@@ -4,8 +4,9 @@ the draft proposal (draft_graphs.py) and the verify forward (verify_graphs.py) s
 `make_inputs(bs)` builds a bucket's static inputs, already valid padding (the caller loads a
 step's rows over the first ones before each replay); `forward(inputs)` must run device ops
 only — no host sync, no data-dependent shape — and returns the bucket's outputs, which the
-graph rewrites on every replay. Buckets are captured largest first, sharing one memory pool,
-each after an eager run that compiles and autotunes its kernels outside the capture.
+graph rewrites on every replay. Buckets are captured largest first, sharing one memory pool
+(which may be another graph set's), each after an eager run that compiles and autotunes its
+kernels outside the capture.
 
 Without CUDA (`capture=False`, tests) `replay` runs `forward` eagerly over the same static
 buffers, so the loading and padding are checked on the CPU.
@@ -56,12 +57,13 @@ class GraphSet(Generic[In, Out]):
     def inputs(self, bs: int) -> In:
         return self.buckets[bs].inputs
 
-    def capture(self) -> None:
+    def capture(self, pool: object | None = None) -> object | None:
+        """Capture every bucket into `pool` (another graph set's, to share its memory: graphs
+        replayed one after another never need their intermediates at once); the pool used."""
         if not self.captured:
-            return
+            return pool
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        pool = None
         with torch.cuda.stream(stream), torch.inference_mode():
             for bs in reversed(self.sizes):
                 bucket = self.buckets[bs]
@@ -73,6 +75,7 @@ class GraphSet(Generic[In, Out]):
                 pool = graph.pool()
                 bucket.graph = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        return pool
 
     def replay(self, bs: int) -> Out:
         """The outputs of bucket `bs` over what its static inputs hold now."""

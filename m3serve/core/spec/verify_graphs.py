@@ -53,8 +53,8 @@ class VerifyGraphs:
     def sizes(self) -> list[int]:
         return self.graphs.sizes
 
-    def capture(self) -> None:
-        self.graphs.capture()
+    def capture(self, pool: object | None = None) -> object | None:
+        return self.graphs.capture(pool)
 
     def fits(self, seqs: Sequence[SeqStep], batch: ForwardBatch) -> bool:
         return (
