@@ -14,7 +14,7 @@ from helpers.devices import DEVICE
 from helpers.draft_batch import DraftBatch, make_draft_batch
 
 from m3serve.kernels.draft_attention import draft_attention as reference
-from m3serve.kernels.triton.draft_attention import draft_attention
+from m3serve.kernels.triton.draft_attention import draft_attention, draft_num_splits
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
@@ -69,3 +69,22 @@ def test_strided_q() -> None:
 def test_pages_wider_than_a_key_chunk() -> None:
     # Page 128 walks each page in two 64-key chunks; the 200-key window starts mid-chunk.
     check(make_draft_batch([0, 130, 255, 260], page_size=128, window=200, seed=6))
+
+
+@pytest.mark.parametrize("splits", [2, 3, 8])
+def test_context_splits_merge_to_the_same_result(splits: int) -> None:
+    # 3 does not divide the chunks; 8 leaves some splits empty (the empty context too).
+    batch = make_draft_batch([0, 9, 23, 14], seed=7 + splits)
+    want = reference(*batch.args())
+    got = draft_attention(*batch.to(DEVICE).args(), num_splits=splits)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_split_count_is_a_power_of_two_bounded_by_the_work() -> None:
+    cpu = torch.device("cpu")
+    assert draft_num_splits(1, 4, 64, cpu) == 1  # the interpreter: one program per head
+    if torch.cuda.is_available():
+        gpu = torch.device("cuda")
+        few, many = draft_num_splits(1, 4, 128, gpu), draft_num_splits(64, 4, 128, gpu)
+        assert few >= many >= 1 and few & (few - 1) == 0
+        assert draft_num_splits(1, 4, 3, gpu) <= 3
