@@ -6,7 +6,9 @@ One or more worker processes (`--tokenizer-worker-num`); the API routes a reques
 Long prompts go to the scheduler as shared-memory segments, never inline. A prompt longer than
 `--max-prompt-chars` is refused before the tokenizer sees it; a long one is encoded on a thread
 (the tokenizer's batch call releases the GIL), so an event loop shared with the API (single
-process) keeps serving meanwhile.
+process) keeps serving meanwhile. A chat request's images and videos are preprocessed here too
+(`actors/media.py`): their placeholders expanded in the prompt, their patches sent as
+`MediaInput`s in shared memory.
 """
 
 from __future__ import annotations
@@ -19,10 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from m3serve.actors.detokenize import IncrementalDetokenizer
+from m3serve.actors.media import MediaPreprocessor, Prepared, write_media
 from m3serve.model.chat_template import ChatTemplateError, load_chat_template, render_chat
 from m3serve.model.config import load_generation_config, load_model_config
 from m3serve.model.special_tokens import THINK_END, THINK_START
 from m3serve.model.thinking import ThinkingInvalid, resolve_thinking
+from m3serve.model.vision.processor import DEFAULT_MAX_IMAGE_PIXELS, MediaDecodeError
+from m3serve.model.vision.prompt import MARKERS, Escaper, PromptMediaError, VisionTokens, expand
 from m3serve.runtime.actor import Actor, handles
 from m3serve.runtime.messages import (
     Abort,
@@ -67,13 +72,15 @@ class ModelFacts:
     eos_ids: tuple[int, ...]
     context_length: int
     vocab_size: int
+    vision: bool = False  # the config has a vision tower: images and videos may come
 
     @classmethod
     def read(cls, model_dir: Path, context_length: int | None) -> ModelFacts:
-        text = load_model_config(model_dir).text
+        config = load_model_config(model_dir)
+        text = config.text
         eos = set(text.eos_token_ids) | set(load_generation_config(model_dir).eos_token_ids)
         limit = context_length or text.max_position_embeddings
-        return cls(tuple(sorted(eos)), limit, text.vocab_size)
+        return cls(tuple(sorted(eos)), limit, text.vocab_size, config.vision is not None)
 
 
 @dataclass
@@ -104,6 +111,7 @@ class TokenizerActor(Actor):
         skip_tokenizer_init: bool = False,
         context_length: int | None = None,
         max_prompt_chars: int | None = None,
+        max_image_pixels: int | None = None,
     ) -> None:
         super().__init__(inbox, control)
         self.name = f"tokenizer{worker}"
@@ -118,6 +126,10 @@ class TokenizerActor(Actor):
             max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.facts.context_length
         )
         self.tokenizer: Any = None
+        # Encodes marker text a client wrote as plain text, never as the placeholder token.
+        self.literal_tokenizer: Any = None
+        self.vision: VisionTokens | None = None
+        self.media = MediaPreprocessor(self.model_dir, max_image_pixels or DEFAULT_MAX_IMAGE_PIXELS)
         self.template: str | None = None
         self.pending: dict[str, Pending] = {}
 
@@ -132,6 +144,7 @@ class TokenizerActor(Actor):
                     "(use skip_tokenizer_init=True to serve token ids only)"
                 )
             self.tokenizer = Tokenizer.from_file(str(path))
+            self.vision = VisionTokens.lookup(self.tokenizer.token_to_id)
             self.template = load_chat_template(self.model_dir)
         info: dict[str, Any] = {
             "context_length": self.facts.context_length,
@@ -149,9 +162,10 @@ class TokenizerActor(Actor):
     @handles(GenerateReq)
     async def on_generate(self, req: GenerateReq) -> None:
         try:
-            ids = await self.encode(req)
+            ids, prepared, spans = await self.encode_with_media(req)
             max_new = self.check(req.sampling, len(ids))
-        except (RequestInvalid, ChatTemplateError) as exc:
+            media = write_media(prepared, spans, self.session)
+        except (RequestInvalid, ChatTemplateError, MediaDecodeError, PromptMediaError) as exc:
             await self.api.send(Error(req.rid, str(exc), 400))
             return
         except Exception as exc:
@@ -175,6 +189,7 @@ class TokenizerActor(Actor):
                 max_new_tokens=max_new,
                 fit_to_pool=req.sampling.max_new_tokens is None,
                 worker=self.worker,
+                media=media,
             )
         )
 
@@ -183,31 +198,91 @@ class TokenizerActor(Actor):
         if self.pending.pop(abort.rid, None) is not None:
             await self.scheduler.send(abort)
 
+    async def encode_with_media(
+        self, req: GenerateReq
+    ) -> tuple[list[int], list[Prepared], list[list[tuple[int, int]]]]:
+        """input_ids, the preprocessed media and each one's placeholder spans in the ids."""
+        if not req.media:
+            return await self.encode(req), [], []
+        if not self.facts.vision:  # refused before any decoding work
+            raise RequestInvalid("this model takes no images or videos (it has no vision tower)")
+        if req.messages is None or self.tokenizer is None:
+            raise RequestInvalid("images and videos need chat messages")
+        if self.vision is None:
+            raise RequestInvalid("this model's tokenizer has no image placeholder tokens")
+        prepared = await asyncio.to_thread(lambda: [self.media.prepare(b) for b in req.media])
+        ids, spans = await self._encode_chat(req, prepared)
+        self._check_ids(ids)
+        return ids, prepared, spans
+
+    async def _encode_chat(
+        self, req: GenerateReq, prepared: list[Prepared]
+    ) -> tuple[list[int], list[list[tuple[int, int]]]]:
+        vision = self.vision
+        if not prepared:
+            text = self.render(req)
+            if vision is None or not any(marker in text for marker in MARKERS.values()):
+                return await self._encode_text(text), []
+        if vision is None:
+            raise RequestInvalid("this model's tokenizer has no image placeholder tokens")
+        # Rendered with the client's own marker strings escaped: every marker left in the text
+        # came from a media part.
+        escaper = Escaper()
+        text = self.render(req, escaper)
+        self._check_chars(text)
+        tokens = [item.tokens for item in prepared]
+
+        def run() -> tuple[list[int], list[list[tuple[int, int]]]]:
+            pieces = escaper.split(text)
+            done = expand(pieces, tokens, vision, escaper, self._ids, self._literal_ids)
+            return done.ids, done.spans
+
+        if len(text) < THREAD_MIN_CHARS:
+            return run()
+        return await asyncio.to_thread(run)
+
+    def _ids(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def _literal_ids(self, text: str) -> list[int]:
+        if self.literal_tokenizer is None:  # built on first need: most prompts never do
+            from tokenizers import Tokenizer
+
+            self.literal_tokenizer = Tokenizer.from_str(self.tokenizer.to_str())
+            self.literal_tokenizer.encode_special_tokens = True
+        return self.literal_tokenizer.encode(text, add_special_tokens=False).ids
+
     async def encode(self, req: GenerateReq) -> list[int]:
         if req.input_ids is not None:
             ids = unpack_token_ids(req.input_ids).tolist()
         elif self.tokenizer is None:
             raise RequestInvalid("this engine runs without a tokenizer: send input_ids")
         elif req.messages is not None:
-            ids = await self._encode_text(self.render(req))
+            ids, _ = await self._encode_chat(req, [])
         elif req.prompt is not None:
             ids = await self._encode_text(req.prompt)
         else:
             raise RequestInvalid("a request needs a prompt, messages or input_ids")
+        self._check_ids(ids)
+        return ids
+
+    def _check_ids(self, ids: list[int]) -> None:
         if not ids:
             raise RequestInvalid("the prompt is empty")
         vocab = self.facts.vocab_size
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
             raise RequestInvalid(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-        return ids
 
-    async def _encode_text(self, text: str) -> list[int]:
+    def _check_chars(self, text: str) -> None:
         if len(text) > self.max_prompt_chars:
             raise RequestInvalid(
                 f"the prompt has {len(text)} characters; at most {self.max_prompt_chars} are "
                 "tokenized (--max-prompt-chars)"
             )
+
+    async def _encode_text(self, text: str) -> list[int]:
+        self._check_chars(text)
         if len(text) < THREAD_MIN_CHARS:
             return self.tokenizer.encode(text, add_special_tokens=False).ids
         # encode_batch releases the GIL (encode does not), so the loop runs on meanwhile.
@@ -215,7 +290,7 @@ class TokenizerActor(Actor):
         batch = await asyncio.to_thread(encode, [text], add_special_tokens=False)
         return batch[0].ids
 
-    def render(self, req: GenerateReq) -> str:
+    def render(self, req: GenerateReq, escaper: Escaper | None = None) -> str:
         if self.template is None:
             raise RequestInvalid("the model has no chat template: send a prompt instead")
         given = req.chat_template_kwargs or {}
@@ -236,8 +311,12 @@ class TokenizerActor(Actor):
         kwargs["thinking_mode"] = mode
         if effort is not None:
             kwargs["reasoning_effort"] = effort
-        text = render_chat(self.template, req.messages or [], tools=req.tools, **kwargs)
-        return text + (req.assistant_prefix or "")
+        messages, tools, prefix = req.messages or [], req.tools, req.assistant_prefix or ""
+        if escaper is not None:
+            messages, tools, prefix = escaper.escape([messages, tools, prefix])
+            kwargs = escaper.escape(kwargs)
+        text = render_chat(self.template, messages, tools=tools, **kwargs)
+        return text + prefix
 
     def check(self, sampling: SamplingParams, prompt_len: int) -> int:
         """Validate; returns the resolved max_new_tokens (None: what the context leaves)."""

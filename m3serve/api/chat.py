@@ -24,12 +24,14 @@ from m3serve.api.generation import Generation, Outputs
 from m3serve.api.protocol import ChatCompletionRequest, Message, to_builtins
 from m3serve.api.sampling import check_n, sampling_params
 from m3serve.api.state import ServerState
+from m3serve.engine.media import MediaRefused, is_media_part, load_media, parse_part
 from m3serve.model.thinking import ThinkingInvalid, resolve_thinking
 from m3serve.parsers.reasoning import ReasoningParser
 from m3serve.parsers.tools import ToolCall, ToolCallDelta, ToolCallParser
-from m3serve.runtime.messages import Constraint, GenerateReq, RequestOutput, Usage
+from m3serve.runtime.messages import Constraint, GenerateReq, MediaBlob, RequestOutput, Usage
 
-MEDIA_PARTS = ("image_url", "image", "video_url", "video", "input_audio")
+# Media parts this server does not take (image_url and video_url it does).
+MEDIA_PARTS = ("image", "video", "input_audio")
 THINKING_KEYS = ("thinking", "thinking_mode", "reasoning_effort")  # not for the template
 
 
@@ -38,7 +40,9 @@ async def chat_completions(request: Request) -> Response:
     raw = await read_body(request, state.args.max_request_bytes)
     body = decode(raw, ChatCompletionRequest)
     plan = _plan(body, state)
-    reqs = _requests(plan, state)
+    # Only now, with the whole request valid, is any media loaded.
+    messages, media = await _load_media(plan, state)
+    reqs = _requests(plan, state, messages, media)
     rid = "chatcmpl-" + uuid.uuid4().hex
     state.log_exchange(rid, "request", raw.decode(errors="replace"))
     response = _ChatResponse(rid, plan, state)
@@ -108,11 +112,22 @@ def _thinking(body: ChatCompletionRequest) -> tuple[str, str | None]:
         raise APIError(400, str(exc), param) from exc
 
 
-def _requests(plan: Plan, state: ServerState) -> list[GenerateReq]:
+async def _load_media(
+    plan: Plan, state: ServerState
+) -> tuple[list[dict[str, Any]], list[MediaBlob]]:
+    messages = [to_builtins(m) for m in plan.body.messages]
+    try:
+        return await load_media(messages, state.engine.args.media)
+    except MediaRefused as exc:
+        raise APIError(400, exc.message, exc.param) from exc
+
+
+def _requests(
+    plan: Plan, state: ServerState, messages: list[dict[str, Any]], media: list[MediaBlob]
+) -> list[GenerateReq]:
     """One engine request per choice; they differ only in id and seed."""
     body = plan.body
     kwargs = {k: v for k, v in (body.chat_template_kwargs or {}).items() if k not in THINKING_KEYS}
-    messages = [to_builtins(m) for m in body.messages]
     parsing = state.args.reasoning_parser is not None or state.args.tool_call_parser is not None
     return [
         GenerateReq(
@@ -134,6 +149,7 @@ def _requests(plan: Plan, state: ServerState) -> list[GenerateReq]:
             thinking=plan.thinking,
             reasoning_effort=plan.effort,
             chat_template_kwargs=kwargs or None,
+            media=media,
         )
         for i in range(body.n)
     ]
@@ -149,16 +165,23 @@ def _max_tokens(body: ChatCompletionRequest) -> int | None:
 def _check_content(messages: list[Message]) -> None:
     for i, message in enumerate(messages):
         if isinstance(message.content, list):
-            for part in message.content:
-                _check_part(part, f"messages.{i}")
+            for j, part in enumerate(message.content):
+                _check_part(part, f"messages.{i}.content.{j}")
         if message.role == "tool" and message.content is None:
             raise APIError(400, "a tool message needs content", f"messages.{i}")
 
 
 def _check_part(part: dict[str, Any], param: str) -> None:
     kind = part.get("type")
+    if is_media_part(part):
+        try:
+            parse_part(part, param)
+        except MediaRefused as exc:
+            raise APIError(400, exc.message, exc.param) from exc
+        return
     if kind in MEDIA_PARTS:
-        raise APIError(400, f"{kind} input is not supported by this build yet", param)
+        hint = " (send images as image_url parts)" if kind == "image" else ""
+        raise APIError(400, f"{kind} input is not supported{hint}", param)
     if kind != "text" or not isinstance(part.get("text"), str):
         raise APIError(400, f"unsupported content part {kind!r}", param)
 

@@ -35,7 +35,7 @@ from m3serve.api.protocol import (
 from m3serve.api.protocol import FunctionCall as CallBody
 
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal", "summary_text", "reasoning_text")
-MEDIA_PARTS = ("input_image", "input_file", "input_audio")
+MEDIA_PARTS = ("input_file", "input_audio")
 STATEFUL = "stateful responses are not supported: this server stores nothing; send the whole "
 STATEFUL += "conversation as input items"
 
@@ -102,19 +102,34 @@ def _add_call(out: list[Message], call: FunctionCallInput) -> None:
         out.append(Message(role="assistant", tool_calls=[wire]))
 
 
-def _content(content: str | list[dict[str, Any]], param: str) -> str:
-    """Text of a string or of text parts; the template takes either, a string is simplest."""
+def _content(content: str | list[dict[str, Any]], param: str) -> str | list[dict[str, Any]]:
+    """Text of a string or of text parts (the template takes either, a string is simplest);
+    with images, chat content parts: text parts and `image_url` parts."""
     if isinstance(content, str):
         return content
-    texts = []
+    parts: list[dict[str, Any]] = []
     for part in content:
         kind = part.get("type")
+        if kind == "input_image":
+            parts.append(_image_part(part, param))
+            continue
         if kind in MEDIA_PARTS:
-            raise APIError(400, f"{kind} input is not supported by this build yet", param)
+            raise APIError(400, f"{kind} input is not supported", param)
         if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
             raise APIError(400, f"unsupported content part {kind!r}", param)
-        texts.append(part["text"])
-    return "".join(texts)
+        parts.append({"type": "text", "text": part["text"]})
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
+def _image_part(part: dict[str, Any], param: str) -> dict[str, Any]:
+    # Responses' input_image carries the URL itself (`image_url`: a data: or http(s) URL);
+    # uploaded files (`file_id`) would need a file store.
+    url = part.get("image_url")
+    if not isinstance(url, str) or not url:
+        raise APIError(400, "an input_image part needs image_url (a URL string)", param)
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def _tools(tools: list[ResponseTool] | None) -> list[Tool] | None:

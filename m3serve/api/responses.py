@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 # The chat path's planning, reused as is: the tool_choice and thinking rules stay in one place.
-from m3serve.api.chat import Plan, _choice_output, _plan, _requests
+from m3serve.api.chat import Plan, _choice_output, _load_media, _plan, _requests
 from m3serve.api.errors import ERROR_TYPES, APIError, decode, read_body
 from m3serve.api.generation import Generation, Outputs
 from m3serve.api.protocol import ResponsesRequest, to_builtins
@@ -38,7 +38,7 @@ async def responses(request: Request) -> Response:
     state: ServerState = request.app.state.server
     raw = await read_body(request, state.args.max_request_bytes)
     body = decode(raw, ResponsesRequest)
-    plan, req = _validated(body, state)
+    plan, req = await _validated(body, state)
     rid = "resp_" + uuid.uuid4().hex
     state.log_exchange(rid, "request", raw.decode(errors="replace"))
     response = _Response(rid, body, plan, state)
@@ -48,10 +48,11 @@ async def responses(request: Request) -> Response:
     return await generation.json_response(request, response.whole)
 
 
-def _validated(body: ResponsesRequest, state: ServerState) -> tuple[Plan, GenerateReq]:
+async def _validated(body: ResponsesRequest, state: ServerState) -> tuple[Plan, GenerateReq]:
     try:
         plan = _plan(chat_request(body), state)
-        (req,) = _requests(plan, state)
+        messages, media = await _load_media(plan, state)
+        (req,) = _requests(plan, state, messages, media)
     except APIError as exc:
         exc.param = PARAMS.get(exc.param or "", exc.param)
         raise

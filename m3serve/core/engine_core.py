@@ -31,6 +31,7 @@ Speculative decoding (`spec`, core/spec/engine.py): the draft's KV pool is sized
 target's pages and shares their ids; every step then runs through the runner's `SpecStep`
 (propose, one target forward over each verify row's block, verify, draft KV for the committed
 tokens), the scheduler plans decodes as verify rows, and `overlap_step` runs plain steps.
+The draft KV is allocated with the target's, before the host tier, whose pages then hold it too.
 """
 
 from __future__ import annotations
@@ -132,6 +133,12 @@ class EngineCore:
             self.kv = KVCache.allocate(
                 cfg, self.budget.num_pages + 1, kv_dtype, self.device, self.model.kv_heads
             )
+            # The draft's KV pool now, so that the host tier below holds it too.
+            draft_kv = (
+                self.spec.allocate_kv(self.budget, kv_dtype, self.model.dtype, self.device)
+                if self.spec is not None
+                else None
+            )
         log.info("KV pool: %d pages x %d tokens", self.budget.num_pages, self.budget.page_size)
         self.host: HostTier | None = None
         if args.hicache.enable_hierarchical_cache:
@@ -148,6 +155,7 @@ class EngineCore:
                     self.budget.num_pages,
                     hicache.open_pool,
                     lambda job, what: self.executor.call(job, what),
+                    draft=draft_kv,
                 )
         # ------------------------------------------------------------------ grammars
         # Only rank 0 constrains: the followers take its tokens (core/ranks.py TokenShare).
@@ -497,7 +505,8 @@ class EngineCore:
         if hicache is None or cache is None or self.host is None:
             return None
         l3 = args.hicache.hicache_storage_backend is not None
-        root = page_key_root(self.loaded.path, self.host.pool.layout) if l3 else None
+        draft = self.spec.draft_dir if self.spec is not None else None
+        root = page_key_root(self.loaded.path, self.host.pool.layout, draft) if l3 else None
         return StorageTier(hicache.client, cache, root, on_disabled=self.host.disable)
 
     # ------------------------------------------------------------------ shutdown

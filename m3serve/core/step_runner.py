@@ -135,7 +135,7 @@ class StepRunner:
         if self.spec is not None and layers is None:
             if len(seqs) != len(plan.seqs):
                 raise RuntimeError("speculative steps run without overlap: no row is dropped")
-            return self.spec.run(plan.step, seqs, batch, self)
+            return self.spec.run(plan.step, seqs, batch, self, load)
         slots = [seq.slot for seq in seqs if seq.sample]
         if layers is not None:
             logits = self.model(batch, self.kv, layers)

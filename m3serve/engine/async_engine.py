@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from m3serve.engine.chat import chat_request, parsed
+from m3serve.engine.chat import chat_request, parsed, with_media
 from m3serve.engine.checks import checked_off_the_loop
 from m3serve.engine.errors import EngineDeadError, RequestError
 from m3serve.engine.hicache import HICACHE
@@ -353,6 +353,7 @@ class AsyncEngine:
         req = chat_request(
             messages, tools, sampling, thinking, reasoning_effort, chat_template_kwargs, rid
         )
+        req = await with_media(req, self.args.media)
         return parsed(await self._collect(req), req)
 
     async def _collect(self, req: GenerateReq) -> dict[str, Any]:

@@ -7,10 +7,14 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+import msgspec
+
 from m3serve.engine.errors import RequestError
+from m3serve.engine.media import MediaRefused, load_media
 from m3serve.engine.requests import sampling
 from m3serve.model.thinking import ThinkingInvalid, resolve_thinking
 from m3serve.parsers import ReasoningParser, ToolCallParser
+from m3serve.runtime.config import MediaArgs
 from m3serve.runtime.messages import GenerateReq
 
 
@@ -39,6 +43,19 @@ def chat_request(
         reasoning_effort=effort,
         chat_template_kwargs=chat_template_kwargs,
     )
+
+
+async def with_media(req: GenerateReq, args: MediaArgs) -> GenerateReq:
+    """`req` with its messages' image_url / video_url parts loaded into `media` (as the API
+    does); a refused part is a `RequestError`."""
+    try:
+        messages, media = await load_media(req.messages or [], args)
+    except MediaRefused as exc:
+        where = f" ({exc.param})" if exc.param else ""
+        raise RequestError(exc.message + where) from exc
+    if not media:
+        return req
+    return msgspec.structs.replace(req, messages=messages, media=media)
 
 
 def parsed(result: dict[str, Any], req: GenerateReq) -> dict[str, Any]:

@@ -299,6 +299,7 @@ def _tokenizer_actor(
         skip_tokenizer_init=args.runtime.skip_tokenizer_init,
         context_length=args.runtime.context_length,
         max_prompt_chars=args.runtime.max_prompt_chars,
+        max_image_pixels=args.media.max_image_pixels,
     )
 
 

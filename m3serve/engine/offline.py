@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any, TypeVar
 
 from m3serve.engine.async_engine import AsyncEngine
+from m3serve.engine.chat import with_media
 from m3serve.engine.requests import Prompt, generate_requests, sampling, stream_request
 from m3serve.runtime.config import ServerArgs
 from m3serve.runtime.messages import GenerateReq
@@ -112,6 +113,8 @@ class Engine:
             reasoning_effort=reasoning_effort,
             chat_template_kwargs=chat_template_kwargs,
         )
+        # Messages may carry image_url / video_url parts, as at the API.
+        req = self._call(with_media(req, self.async_engine.args.media))
         if stream:
             return self._stream_sync(req)
         return self._call(self._collect(req))

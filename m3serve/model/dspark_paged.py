@@ -13,7 +13,7 @@ them in a CUDA graph (core/spec/draft_graphs.py).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -172,16 +172,22 @@ def propose(
 
 
 def target_pass(
-    target: M3ForCausalLM, batch: ForwardBatch, kv: KVCache, layer_ids: Sequence[int]
+    target: M3ForCausalLM,
+    batch: ForwardBatch,
+    kv: KVCache,
+    layer_ids: Sequence[int],
+    before_layer: Callable[[int], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's forward over `batch` that also keeps what the draft reads: final-normed
     hidden states [T, H] of every new token, and the concatenated residual streams of
     `layer_ids` [T, len(layer_ids) * H] (layer L's output is its hidden + residual, before
-    any norm)."""
+    any norm). `before_layer(i)` is called as layer i starts (HiCache load-backs)."""
     wanted = {layer: i for i, layer in enumerate(layer_ids)}
     taken: list[torch.Tensor | None] = [None] * len(layer_ids)
     hidden, residual = target.input_embeds(batch), None
     for layer in target.layers:
+        if before_layer is not None:
+            before_layer(layer.index)
         hidden, residual = layer(hidden, residual, batch, kv, target.inv_freq)
         if layer.index in wanted:
             taken[wanted[layer.index]] = hidden + residual

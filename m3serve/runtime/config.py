@@ -343,6 +343,39 @@ class KernelArgs:
     prefill_decode_interval: int | None = option(None, "decode steps between prefill batches")
 
 
+@dataclass(frozen=True)
+class MediaArgs:
+    """Image and video input: what a request may bring and where the server may fetch it from."""
+
+    max_media_bytes: int = option(
+        32 << 20, "largest encoded image or video (bytes) one content part may carry or fetch"
+    )
+    max_image_pixels: int = option(
+        100_000_000,
+        "most pixels an image (or a video frame) may declare; larger ones get 400 from their "
+        "header, before decoding (decompression bombs)",
+    )
+    allowed_media_domains: list[str] | None = option(
+        None,
+        "hosts that media URLs may fetch from even when they resolve to loopback, private or "
+        "link-local addresses (refused otherwise)",
+    )
+    allowed_local_media_path: str | None = option(
+        None, "directory file:// media URLs may read (no escaping it); default: file:// refused"
+    )
+    media_fetch_timeout: float = option(10.0, "seconds one media URL fetch may take in all")
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.max_media_bytes < 1:
+            problems.append("--max-media-bytes must be >= 1")
+        if self.max_image_pixels < 1:
+            problems.append("--max-image-pixels must be >= 1")
+        if self.media_fetch_timeout <= 0:
+            problems.append("--media-fetch-timeout must be positive")
+        _raise(problems)
+
+
 SECTIONS: tuple[type, ...] = (
     ModelArgs,
     BackendArgs,
@@ -354,6 +387,7 @@ SECTIONS: tuple[type, ...] = (
     SpecArgs,
     HiCacheArgs,
     KernelArgs,
+    MediaArgs,
 )
 
 
@@ -371,6 +405,7 @@ class ServerArgs:
     spec: SpecArgs = field(default_factory=SpecArgs)
     hicache: HiCacheArgs = field(default_factory=HiCacheArgs)
     kernel: KernelArgs = field(default_factory=KernelArgs)
+    media: MediaArgs = field(default_factory=MediaArgs)
 
     def __post_init__(self) -> None:
         if self.hicache.enable_hierarchical_cache and self.cache.disable_radix_cache:
@@ -456,6 +491,7 @@ _SECTION_ATTRS = (
     "spec",
     "hicache",
     "kernel",
+    "media",
 )
 _attr_of = dict(zip(SECTIONS, _SECTION_ATTRS, strict=True))
 _TITLES: dict[type, str] = {
@@ -469,6 +505,7 @@ _TITLES: dict[type, str] = {
     SpecArgs: "speculative decoding",
     HiCacheArgs: "hierarchical cache",
     KernelArgs: "kernels",
+    MediaArgs: "media input",
 }
 _PLANNED: tuple[tuple[type, str], ...] = (
     (ParallelArgs, "multi-GPU parallelism is not built yet"),

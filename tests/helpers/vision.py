@@ -4,12 +4,14 @@ the engine receives it (`MediaInput` with the pixels in shared memory)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from m3serve.core.engine_core import EngineCore
 from m3serve.core.media import ReqMedia, read_media
 from m3serve.core.req import Req
 from m3serve.model.generate import PromptEmbeds
@@ -114,3 +116,29 @@ def image_prompt(
         ids.append(specials["]<]end of image[>["])
         ids.extend(words(text[i + 1]))
     return ImagePrompt(ids, images)
+
+
+def core_outputs(
+    core: EngineCore, reqs: list[Req], abort_after: dict[str, int] | None = None
+) -> dict[str, list[int]]:
+    """Each request's output tokens; `abort_after`: abort a request after that many steps."""
+
+    async def go() -> dict[str, list[int]]:
+        for req in reqs:
+            core.add(req)
+        out: dict[str, list[int]] = {req.rid: [] for req in reqs}
+        steps = 0
+        while core.has_work or core._in_flight is not None:
+            step = await core.overlap_step()
+            steps += 1
+            for rid, after in (abort_after or {}).items():
+                if steps == after:
+                    core.abort(rid)
+            if step is None:
+                continue
+            for batch in step.batches.values():
+                for rid, ids in zip(batch.rids, batch.new_ids, strict=True):
+                    out[rid].extend(ids)
+        return out
+
+    return asyncio.run(go())

@@ -6,8 +6,11 @@ a page as an opaque blob: host page h is the byte range [h * page_bytes, (h + 1)
 Inside a page, the pool tensors of `PageLayout.tensors` follow each other in that order, each
 `page_size * prod(shape)` elements of its dtype, each starting at a multiple of ALIGN bytes. The
 model's order (`model_layout`) is: for each layer, K [page_size, kv_heads, head_dim], V (same),
-then index-K [page_size, index_head_dim] on sparse layers. A draft-KV pool is one more entry
-per draft layer, appended after the target's.
+then index-K [page_size, index_head_dim] on sparse layers. With a speculative draft, its KV
+follows the target's (`draft_tensors`): per draft layer i, draft_k and draft_v [page_size,
+kv_heads, head_dim], numbered as layer num_layers + i, so a layer-by-layer load-back copies the
+draft's pages after every target layer (the draft first reads them at the next verify step).
+Without a draft the layout is the target's alone, byte for byte.
 
 `HostKVPool.create` makes the segment (in the product path the HiCache actor does, and the engine
 `attach`es to it by name); torch views over it give, per pool tensor, [num_pages, page_size,
@@ -17,6 +20,7 @@ per draft layer, appended after the target's.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
 
@@ -32,8 +36,8 @@ ALIGN = 64  # bytes; every pool tensor's piece of a page starts on a cache line
 class PoolTensor:
     """One per-layer KV tensor as the pool stores it: per token, `shape` elements of `dtype`."""
 
-    name: str  # the attribute of the device layer's KV: k, v, index_k
-    layer: int
+    name: str  # the device layer's KV attribute (k, v, index_k), or draft_k / draft_v
+    layer: int  # the target's layer, or num_layers + i for the draft's layer i
     shape: tuple[int, ...]
     dtype: torch.dtype
 
@@ -69,8 +73,11 @@ class PageLayout:
         return f"{self.page_size}/{self.page_bytes}/" + ",".join(parts)
 
 
-def model_layout(cfg: TextConfig, dtype: torch.dtype) -> PageLayout:
-    """The target model's KV pools in a host page: per layer K, V and (sparse layers) index-K."""
+def model_layout(
+    cfg: TextConfig, dtype: torch.dtype, extra: Sequence[PoolTensor] = ()
+) -> PageLayout:
+    """The target model's KV pools in a host page: per layer K, V and (sparse layers) index-K;
+    then `extra` (the draft's, `draft_tensors`)."""
     kv = (cfg.num_kv_heads, cfg.head_dim)
     tensors = []
     for layer in range(cfg.num_layers):
@@ -78,7 +85,19 @@ def model_layout(cfg: TextConfig, dtype: torch.dtype) -> PageLayout:
         tensors.append(PoolTensor("v", layer, kv, dtype))
         if cfg.is_sparse(layer):
             tensors.append(PoolTensor("index_k", layer, (cfg.index_head_dim,), dtype))
-    return PageLayout.of(tensors, cfg.page_size)
+    return PageLayout.of([*tensors, *extra], cfg.page_size)
+
+
+def draft_tensors(
+    num_target_layers: int, num_layers: int, kv: tuple[int, int], dtype: torch.dtype
+) -> list[PoolTensor]:
+    """A draft's KV pools: draft_k and draft_v [kv_heads, head_dim] per token for each of its
+    `num_layers` layers, numbered after the target's `num_target_layers`."""
+    tensors = []
+    for i in range(num_layers):
+        tensors.append(PoolTensor("draft_k", num_target_layers + i, kv, dtype))
+        tensors.append(PoolTensor("draft_v", num_target_layers + i, kv, dtype))
+    return tensors
 
 
 class HostKVPool:

@@ -30,7 +30,8 @@ def mem_available_bytes() -> int:
 
 
 def plan_host_pages(args: HiCacheArgs, device_pages: int, page_bytes: int) -> int:
-    """The host pool's page count for a device pool of `device_pages` pages of `page_bytes`."""
+    """The host pool's page count for a device pool of `device_pages` pages of `page_bytes`
+    (a host page: every pool tensor of the layout, the speculative draft's KV included)."""
     available = mem_available_bytes()
     allowed = int(available * args.hicache_host_memory_fraction)
     share = f"{args.hicache_host_memory_fraction:.0%} of the {_gib(available)} of available"

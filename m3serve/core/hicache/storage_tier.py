@@ -40,11 +40,17 @@ DIED_WHILE_FETCHING = (
 )
 
 
-def page_key_root(model_dir: Path, layout: PageLayout) -> PageKey:
+def page_key_root(model_dir: Path, layout: PageLayout, draft_dir: Path | None = None) -> PageKey:
     """The root of the L3 page keys: the checkpoint, page size, KV dtype and page layout, so
-    that another model, dtype or layout never reads these pages."""
+    that another model, dtype or layout never reads these pages; and the speculative draft
+    (`draft_dir`, its checkpoint) whose KV the pages carry, so that a replica without a draft,
+    or with another one, never takes these pages' draft KV for its own (nor its pages for
+    these)."""
     dtype = str(layout.tensors[0].dtype).removeprefix("torch.")
-    return root_key(checkpoint_identity(model_dir), layout.page_size, dtype, layout.describe())
+    model = checkpoint_identity(model_dir)
+    if draft_dir is not None:
+        model += f"+draft:{checkpoint_identity(draft_dir)}"
+    return root_key(model, layout.page_size, dtype, layout.describe())
 
 
 @dataclass(frozen=True)

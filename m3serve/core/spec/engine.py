@@ -1,9 +1,10 @@
 """`SpecPlugin`: speculative decoding as the engine core holds it.
 
 `configure` reads the settings (None: speculation off) and the draft's config before the KV
-pool is sized, so each page is budgeted with its draft KV; `attach` loads the draft, allocates
-its KV over the same page ids as the target's (plus the scratch page) and hands the runner the
-`SpecStep` that every step then runs through.
+pool is sized, so each page is budgeted with its draft KV; `allocate_kv` allocates the draft KV
+over the same page ids as the target's (plus the scratch page), beside the target's KV, so that
+the HiCache host tier can hold it too; `attach` loads the draft onto that pool and hands the
+runner the `SpecStep` that every step then runs through.
 
 `capture_graphs` (after the decode graphs, so only on a capturable backend with graphs on)
 captures the greedy draft proposal and the verify-only target forward per batch-size bucket
@@ -49,6 +50,7 @@ class SpecPlugin:
         self.settings, self.draft_cfg = settings, draft_cfg
         self.proposer: Proposer | None = None
         self.step: SpecStep | None = None
+        self.kv: DraftKV | None = None  # the draft KV pool, once allocated
 
     @classmethod
     def configure(cls, args: ServerArgs, model_path: Path) -> SpecPlugin | None:
@@ -75,6 +77,26 @@ class SpecPlugin:
         """The draft KV of one page."""
         return DraftKV.bytes_per_page(self.draft_cfg, page_size, draft_kv_dtype(kv_dtype))
 
+    @property
+    def draft_dir(self) -> Path:
+        """The draft's own checkpoint directory (the target's dspark/, or the draft path)."""
+        return find_dspark_dir(self.settings.draft_path) or self.settings.draft_path
+
+    def allocate_kv(
+        self,
+        budget: KVBudget,
+        kv_dtype: torch.dtype,
+        model_dtype: torch.dtype,
+        device: torch.device,
+    ) -> DraftKV:
+        """The draft KV pool over the target's pages and its scratch page, before the draft
+        loads (the host tier is built over it first)."""
+        dtype = draft_kv_dtype(kv_dtype, model_dtype)
+        self.kv = DraftKV.allocate(
+            self.draft_cfg, budget.num_pages + 1, budget.page_size, dtype, device
+        )
+        return self.kv
+
     def attach(
         self,
         runner: StepRunner,
@@ -94,6 +116,7 @@ class SpecPlugin:
                 budget.num_pages + 1,  # the scratch page too, as the target's pool
                 budget.page_size,
                 draft_kv_dtype(kv_dtype, model.dtype),
+                self.kv,
             )
         self.proposer = proposer
         self.step = SpecStep(model, runner.kv, proposer, self.settings, runner.sampler.num_slots)

@@ -61,9 +61,12 @@ class DSparkProposer:
         num_pages: int,
         page_size: int,
         kv_dtype: torch.dtype,
+        kv: DraftKV | None = None,
     ) -> DSparkProposer:
+        """`kv`: the draft KV pool allocated beforehand (the HiCache host tier copies it)."""
         draft = load_dspark(path, target, backend, target.dtype)
-        kv = DraftKV.allocate(draft.cfg, num_pages, page_size, kv_dtype, target.device)
+        if kv is None:
+            kv = DraftKV.allocate(draft.cfg, num_pages, page_size, kv_dtype, target.device)
         return cls(draft, kv)
 
     @property

@@ -86,11 +86,6 @@ def engine_problems(args: ServerArgs) -> list[str]:
     problems = []
     if args.parallel.tp_size > 1:
         problems.append("--tp > 1 with speculative decoding (not built yet)")
-    if args.hicache.enable_hierarchical_cache:
-        problems.append(
-            "--enable-hierarchical-cache with speculative decoding (the host pool does not "
-            "hold the draft KV yet)"
-        )
     return problems
 
 

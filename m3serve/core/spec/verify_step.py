@@ -43,6 +43,7 @@ from m3serve.model.m3 import M3ForCausalLM
 from m3serve.runtime.messages import SamplingParams, SeqStep, StepResult, TokenLogprob
 
 if TYPE_CHECKING:
+    from m3serve.core.hicache.copier import LayerLoad
     from m3serve.core.step_runner import StepRunner
 
 _SEED_MASK = (1 << 64) - 1
@@ -78,8 +79,16 @@ class SpecStep:
             )
 
     def run(
-        self, step: int, seqs: list[SeqStep], batch: ForwardBatch, runner: StepRunner
+        self,
+        step: int,
+        seqs: list[SeqStep],
+        batch: ForwardBatch,
+        runner: StepRunner,
+        load: LayerLoad | None = None,
     ) -> StepResult:
+        """`load`: the step's HiCache load-backs, copied layer by layer as the target pass
+        reaches each layer; the draft's layers come last, after the pass (no verify row of
+        this step reads them: loaded pages belong to requests that start prefilling now)."""
         starts = _row_starts(seqs)
         verify = [i for i, seq in enumerate(seqs) if seq.draft]
         for i in verify:
@@ -92,10 +101,15 @@ class SpecStep:
         rows = [starts[i] + seqs[i].extend - 1 for i in plain]
         rows += [starts[i] + k for i in verify for k in range(self.gamma + 1)]
         if self.graphs is not None and self.graphs.fits(seqs, batch):
+            if load is not None:
+                load.wait_all()  # a replayed graph has no per-layer hook
             # Verify rows only: `rows` is every row in order, as the graph's logits are.
             logits, features = self.graphs.run(batch)
         else:
-            hidden, features = target_pass(self.model, batch, self.kv, self.layer_ids)
+            before_layer = load.before_layer if load is not None else None
+            hidden, features = target_pass(self.model, batch, self.kv, self.layer_ids, before_layer)
+            if load is not None:
+                load.wait_all()  # the draft's layers too
             index = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
             logits = self.model.compute_logits(hidden[index])
         plain_slots = [seqs[i].slot for i in plain]

@@ -21,7 +21,7 @@ from m3serve.model.config import ModelConfig, parse_model_config
 from m3serve.model.inventory import TensorSpec, text_inventory
 from m3serve.model.tiny.dspark import write_tiny_dspark
 from m3serve.model.tiny.tokenizer import special_token_ids, write_tokenizer_files
-from m3serve.model.vision.config import parse_vision_config
+from m3serve.model.vision.config import DEFAULT_PROJECTOR_HIDDEN, parse_vision_config
 from m3serve.model.vision.inventory import vision_inventory
 from m3serve.runtime.config import option
 
@@ -57,6 +57,9 @@ class TinySpec:
     dspark: bool = option(False, "also write a random DSpark draft into dspark/")
     dspark_layers: int = option(2, "DSpark draft decoder layers (the real draft has 5)")
     dspark_window: int = option(16, "DSpark draft attention window (sliding_window)")
+    vision: Literal["tiny", "real"] = option(
+        "tiny", "vision tower: tiny, or M3.1's sizes (32 x 1280, projector 6144) for timing"
+    )
 
     def __post_init__(self) -> None:
         if self.quant == "modelopt-mixed":
@@ -132,8 +135,8 @@ class TinySpec:
             "architectures": ["MiniMaxM3SparseForConditionalGeneration"],
             "model_type": "minimax_m3_vl",
             "text_config": self.text_config(),
-            "vision_config": TINY_VISION,
-            "projector_hidden_size": self.hidden_size,
+            "vision_config": self.vision_config(),
+            "projector_hidden_size": self.projector_hidden_size(),
             "image_token_index": specials["]<]image[>["],
             "video_token_index": specials["]<]video[>["],
             "tie_word_embeddings": False,
@@ -143,6 +146,12 @@ class TinySpec:
         if self.quant == "modelopt-mixed":
             config["quantization_config"] = _quantization_config(self, self.text_model_config())
         return config
+
+    def vision_config(self) -> dict[str, Any]:
+        return TINY_VISION if self.vision == "tiny" else REAL_VISION
+
+    def projector_hidden_size(self) -> int:
+        return self.hidden_size if self.vision == "tiny" else DEFAULT_PROJECTOR_HIDDEN
 
     def text_model_config(self) -> ModelConfig:
         return parse_model_config({"text_config": self.text_config()})
@@ -160,6 +169,15 @@ TINY_VISION: dict[str, Any] = {
     "spatial_merge_size": 2,
     "hidden_act": "gelu",
     "layer_norm_eps": 1e-5,
+}
+
+
+# M3.1's tower (model-m3.md §A.4), for timing the vision path on a slice.
+REAL_VISION: dict[str, Any] = TINY_VISION | {
+    "hidden_size": 1280,
+    "intermediate_size": 5120,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 16,
 }
 
 
@@ -282,7 +300,7 @@ def _quantization_config(spec: TinySpec, cfg: ModelConfig) -> dict[str, Any]:
 def _vision_tensors(spec: TinySpec, generator: torch.Generator) -> dict[str, torch.Tensor]:
     """The vision tower and projector under the checkpoint's names (model/vision/inventory.py),
     scaled so activations stay O(1): features that matter to the logits make parity meaningful."""
-    cfg = parse_vision_config(TINY_VISION, spec.hidden_size, spec.hidden_size)
+    cfg = parse_vision_config(spec.vision_config(), spec.hidden_size, spec.projector_hidden_size())
     dtype = _torch_dtype(spec)
     tensors = {}
     for s in vision_inventory(cfg):

@@ -548,7 +548,7 @@ async def test_media_content_parts_are_refused(serve, kind) -> None:
     assert response.status_code == 400
     error = response.json()["error"]
     assert kind in error["message"]
-    assert error["param"] == "messages.0"
+    assert error["param"] == "messages.0.content.1"
 
 
 async def test_text_content_parts_are_accepted(serve) -> None:

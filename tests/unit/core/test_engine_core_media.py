@@ -4,18 +4,16 @@ with images finish or abort, and a text-only model refusing images."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from conftest import M31_SPEC
-from helpers.vision import ImagePrompt, image_prompt
+from helpers.vision import ImagePrompt, core_outputs, image_prompt
 from safetensors.torch import load_file, save_file
 
 from m3serve.core.engine_core import EngineCore
-from m3serve.core.req import Req
 from m3serve.model.generate import generate
 from m3serve.runtime.config import ServerArgs
 
@@ -48,30 +46,6 @@ def whole(path: Path) -> Iterator[EngineCore]:
     core.close()
 
 
-def run(core: EngineCore, reqs: list[Req], abort_after: dict[str, int] | None = None):
-    """Each request's output tokens; `abort_after`: abort a request after that many steps."""
-
-    async def go() -> dict[str, list[int]]:
-        for req in reqs:
-            core.add(req)
-        out: dict[str, list[int]] = {req.rid: [] for req in reqs}
-        steps = 0
-        while core.has_work or core._in_flight is not None:
-            step = await core.overlap_step()
-            steps += 1
-            for rid, after in (abort_after or {}).items():
-                if steps == after:
-                    core.abort(rid)
-            if step is None:
-                continue
-            for batch in step.batches.values():
-                for rid, ids in zip(batch.rids, batch.new_ids, strict=True):
-                    out[rid].extend(ids)
-        return out
-
-    return asyncio.run(go())
-
-
 def _prompt(seed: int, pixel_seeds: list[int] | None = None) -> ImagePrompt:
     return image_prompt(seed, VOCAB, GRIDS, TEXT, pixel_seeds)
 
@@ -93,8 +67,8 @@ def _assert_idle_with_every_page_free(core: EngineCore) -> None:
 
 def test_chunks_that_split_placeholder_runs_give_the_tokens_of_one_chunk(chunked, whole) -> None:
     prompts = [_prompt(10 + i) for i in range(3)]
-    split = run(chunked, [p.req(f"r{i}", 12) for i, p in enumerate(prompts)])
-    at_once = run(whole, [p.req(f"r{i}", 12) for i, p in enumerate(prompts)])
+    split = core_outputs(chunked, [p.req(f"r{i}", 12) for i, p in enumerate(prompts)])
+    at_once = core_outputs(whole, [p.req(f"r{i}", 12) for i, p in enumerate(prompts)])
     assert split == at_once
     assert split["r0"] == _expected(whole, prompts[0])
     _assert_idle_with_every_page_free(chunked)
@@ -105,9 +79,9 @@ def test_the_same_text_with_another_image_shares_no_cached_tokens(chunked) -> No
     first, other = _prompt(20, [1, 2]), _prompt(20, [3, 2])
     assert first.ids == other.ids
     a = first.req("a", 4)
-    run(chunked, [a])
+    core_outputs(chunked, [a])
     b = other.req("b", 4)
-    out = run(chunked, [b])
+    out = core_outputs(chunked, [b])
     assert b.cached_tokens == 0
     assert out["b"] == _expected(chunked, other, 4)
     _assert_idle_with_every_page_free(chunked)
@@ -116,9 +90,9 @@ def test_the_same_text_with_another_image_shares_no_cached_tokens(chunked) -> No
 def test_the_same_image_again_hits_the_prefix_cache(chunked) -> None:
     prompt = _prompt(30)
     first = prompt.req("first", 4)
-    expected = run(chunked, [first])["first"]
+    expected = core_outputs(chunked, [first])["first"]
     again = prompt.req("again", 4)
-    assert run(chunked, [again])["again"] == expected
+    assert core_outputs(chunked, [again])["again"] == expected
     assert first.cached_tokens == 0
     # Every whole page of the prompt but the one holding its last token comes from the cache.
     page = chunked.model.cfg.page_size
@@ -130,11 +104,11 @@ def test_a_cached_prefix_ending_inside_an_image_takes_the_rest_of_its_rows(chunk
     """The second request shares the first image and half of the second one's run... of a
     different prompt: its prefill starts mid-image and must still match a fresh run."""
     short = image_prompt(40, VOCAB, [(1, 4, 8)], [1, 2])
-    run(chunked, [short.req("short", 2)])
+    core_outputs(chunked, [short.req("short", 2)])
     longer = image_prompt(40, VOCAB, [(1, 4, 8)], [1, 2])
     longer.ids = [*longer.ids[:-2], 5, 6, 7, 8, 9, 10, 11]
     req = longer.req("longer", 6)
-    out = run(chunked, [req])
+    out = core_outputs(chunked, [req])
     assert req.cached_tokens > longer.images[0].span[0]
     assert out["longer"] == _expected(chunked, longer, 6)
     _assert_idle_with_every_page_free(chunked)
@@ -143,7 +117,7 @@ def test_a_cached_prefix_ending_inside_an_image_takes_the_rest_of_its_rows(chunk
 def test_pages_come_back_after_requests_with_images_finish_or_abort(chunked) -> None:
     prompts = [_prompt(50 + i) for i in range(4)]
     reqs = [p.req(f"r{i}", 8) for i, p in enumerate(prompts)]
-    out = run(chunked, reqs, abort_after={"r1": 2, "r3": 5})
+    out = core_outputs(chunked, reqs, abort_after={"r1": 2, "r3": 5})
     assert len(out["r0"]) == len(out["r2"]) == 8
     assert len(out["r1"]) < 8 and len(out["r3"]) < 8
     _assert_idle_with_every_page_free(chunked)
@@ -158,7 +132,7 @@ def test_requests_with_images_survive_retraction(path: Path) -> None:
     )
     try:
         prompts = [_prompt(60 + i) for i in range(6)]
-        out = run(core, [p.req(f"r{i}", 24) for i, p in enumerate(prompts)])
+        out = core_outputs(core, [p.req(f"r{i}", 24) for i, p in enumerate(prompts)])
         assert core.scheduler.retracted > 0
         for i, prompt in enumerate(prompts):
             assert out[f"r{i}"] == _expected(core, prompt, 24)
@@ -181,7 +155,7 @@ def test_a_model_without_a_vision_tower_refuses_images(path: Path, tmp_path: Pat
         prompt = _prompt(70)
         with pytest.raises(ValueError, match="no vision tower"):
             core.add(prompt.req("image", 4))
-        assert run(core, [prompt.req("text", 4, media=False)])["text"]
+        assert core_outputs(core, [prompt.req("text", 4, media=False)])["text"]
     finally:
         core.close()
 
@@ -198,8 +172,8 @@ def test_image_requests_decode_speculatively_to_the_same_greedy_tokens(
         spec_path, max_total_tokens=1024, chunked_prefill_size=5, speculative_algorithm="DSPARK"
     )
     try:
-        expected = run(plain, [p.req(f"r{i}", 12) for i, p in enumerate(prompts)])
-        assert run(spec, [p.req(f"r{i}", 12) for i, p in enumerate(prompts)]) == expected
+        expected = core_outputs(plain, [p.req(f"r{i}", 12) for i, p in enumerate(prompts)])
+        assert core_outputs(spec, [p.req(f"r{i}", 12) for i, p in enumerate(prompts)]) == expected
         assert spec.scheduler.spec_accept_counts  # verify steps ran
         _assert_idle_with_every_page_free(spec)
     finally:

@@ -19,11 +19,12 @@ from safetensors.torch import load_file
 
 from m3serve.model.batch import ForwardBatch
 from m3serve.model.build import load_model
-from m3serve.model.config import load_model_config
+from m3serve.model.config import load_model_config, parse_model_config
 from m3serve.model.ffn import DenseMLP, MoE
 from m3serve.model.kv_cache import KVCache
 from m3serve.model.tiny.checkpoint import TinySpec, make_tiny
 from m3serve.model.tiny.default import default_model_path
+from m3serve.model.vision.config import vision_config
 from m3serve.runtime.messages import SeqStep
 
 # Same values as conftest's specs, so the session fixture shares the checkpoints it writes.
@@ -340,3 +341,19 @@ def test_concurrent_first_calls_from_two_processes_share_one_directory(tmp_path:
     assert entries == [Path(paths[0]).name]  # one model directory, no leftover staging
     assert load_model_config(Path(paths[0])).text.num_layers == SMALL_SPEC.num_layers
     assert Path(paths[0]) == default_model_path(SMALL_SPEC, root=tmp_path)
+
+
+def test_real_vision_spec_writes_m31s_tower_sizes() -> None:
+    spec = TinySpec(vision="real")
+    model = parse_model_config(spec.config())
+    cfg = vision_config(model)
+    assert cfg is not None
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads) == (
+        1280,
+        5120,
+        32,
+        16,
+    )
+    assert cfg.projector_hidden_size == 6144 and cfg.text_hidden_size == spec.hidden_size
+    tiny = vision_config(parse_model_config(TinySpec().config()))
+    assert tiny is not None and tiny.num_layers == 2

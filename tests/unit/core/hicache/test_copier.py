@@ -16,8 +16,9 @@ from helpers.hf_oracle import full_logits, load_ours, random_prompt
 from m3serve.core.hicache.copier import Copier
 from m3serve.core.hicache.host_pool import HostKVPool, model_layout
 from m3serve.core.hicache.tickets import Ticket
-from m3serve.core.hicache.tier import device_tensors
+from m3serve.core.hicache.tier import device_tensors, host_layout
 from m3serve.model.batch import ForwardBatch
+from m3serve.model.dspark_paged import DraftKV
 from m3serve.model.kv_cache import KVCache
 from m3serve.model.m3 import M3ForCausalLM
 from m3serve.model.tiny.checkpoint import TinySpec
@@ -92,3 +93,42 @@ def test_a_load_without_per_layer_hooks_still_copies_everything(
     load.finish()  # a forward that stopped early, or a graph replay: the rest is copied too
     assert all(bool((pages_of(kv, layer, [2]) == 1.5).all()) for layer in range(len(kv.layers)))
     assert all(ticket.done() for ticket in load.tickets)
+
+
+def test_the_draft_kv_is_backed_up_and_loaded_back_after_the_targets_layers(
+    model: M3ForCausalLM,
+) -> None:
+    # Speculative decoding: the draft's KV pool shares the target's page ids, and a host page
+    # holds both. The draft's layers come after every target layer: the forward that loads a
+    # prefix back never waits for them, and they are there once the load finishes.
+    kv = KVCache.allocate(model.cfg, 12, torch.float32, "cpu")
+    slots = kv.layers[0].k.shape[0]
+    gen = torch.Generator().manual_seed(5)
+    draft = DraftKV(
+        [torch.randn(slots, 1, 8, generator=gen) for _ in range(2)],
+        [torch.randn(slots, 1, 8, generator=gen) for _ in range(2)],
+        kv.page_size,
+    )
+    layout = host_layout(model.cfg, kv, draft)
+    pool = HostKVPool.create("copiertest", layout, num_pages=4)
+    copier = Copier(pool, device_tensors(kv, layout, draft))
+    try:
+        ps, first, again = kv.page_size, [3, 7], [5, 9]
+
+        def draft_pages(pages: list[int]) -> list[torch.Tensor]:
+            return [t.view(-1, ps, 1, 8)[torch.tensor(pages)] for t in [*draft.k, *draft.v]]
+
+        computed = [t.clone() for t in draft_pages(first)]
+        backup = Ticket(1, "backup", first, [0, 2])
+        backup.settle(copier.backup(backup))
+        for t in [*draft.k, *draft.v]:  # the device forgets the draft KV too
+            t.zero_()
+        load = copier.start_load([Ticket(2, "load", again, [0, 2])])
+        load.before_layer(len(kv.layers) - 1)
+        assert not any(t.any() for t in draft_pages(again)), "the draft KV was loaded early"
+        load.finish()
+        for got, want in zip(draft_pages(again), computed, strict=True):
+            assert torch.equal(got, want)
+    finally:
+        copier.close()
+        pool.close()

@@ -7,7 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from m3serve.core.hicache.host_pool import ALIGN, HostKVPool, PageLayout, PoolTensor, model_layout
+from m3serve.core.hicache.host_pool import (
+    ALIGN,
+    HostKVPool,
+    PageLayout,
+    PoolTensor,
+    draft_tensors,
+    model_layout,
+)
 from m3serve.model.config import TextConfig, load_model_config
 from m3serve.model.tiny.checkpoint import TinySpec, make_tiny
 from m3serve.runtime.shm import list_session_segments
@@ -42,6 +49,27 @@ def test_model_layout_is_k_v_then_index_k_per_sparse_layer(tmp_path: Path) -> No
         if cfg.is_sparse(layer):
             expected.append((layer, "index_k"))
     assert names == expected and not cfg.is_sparse(0)
+
+
+def test_a_drafts_kv_follows_the_targets_and_leaves_its_bytes_in_place(tmp_path: Path) -> None:
+    spec = TinySpec(num_layers=3, full_attention_layers=1)
+    cfg: TextConfig = load_model_config(make_tiny(tmp_path, spec)).text
+    target = model_layout(cfg, torch.float32)
+    draft = draft_tensors(cfg.num_layers, 2, (1, 8), torch.bfloat16)
+    both = model_layout(cfg, torch.float32, draft)
+    n = len(target.tensors)
+    # Without a draft: the target's layout, unchanged; with one: the same prefix, then the
+    # draft's layers numbered after the target's, so a layer-by-layer load copies them last.
+    assert both.tensors[:n] == target.tensors and both.offsets[:n] == target.offsets
+    assert [(t.layer, t.name) for t in both.tensors[n:]] == [
+        (3, "draft_k"),
+        (3, "draft_v"),
+        (4, "draft_k"),
+        (4, "draft_v"),
+    ]
+    draft_bytes = sum(-(-t.page_nbytes(cfg.page_size) // ALIGN) * ALIGN for t in draft)
+    assert both.page_bytes == target.page_bytes + draft_bytes
+    assert both.describe() != target.describe()
 
 
 def test_a_page_is_one_contiguous_byte_range_of_every_pool_tensor() -> None:

@@ -105,3 +105,18 @@ def test_the_engines_root_names_the_checkpoint_and_the_page_layout(tmp_path: Pat
     assert root != page_key_root(tmp_path, layout(torch.float32, heads=1))  # another TP share
     (tmp_path / "config.json").write_text('{"changed": 1}')
     assert root != page_key_root(tmp_path, layout(torch.float32))
+
+
+def test_the_root_names_the_draft_whose_kv_the_pages_carry(tmp_path: Path) -> None:
+    # Same checkpoint, same layout bytes: a replica without a draft, or with another draft of
+    # the same shape, must not read pages whose draft KV is not its own.
+    model, draft_a, draft_b = tmp_path / "m", tmp_path / "m" / "dspark", tmp_path / "other"
+    for d, config in ((model, "{}"), (draft_a, '{"draft": "a"}'), (draft_b, '{"draft": "b"}')):
+        d.mkdir(parents=True)
+        (d / "config.json").write_text(config)
+    lay = PageLayout.of([PoolTensor("k", 0, (2, 8), torch.float32)], PAGE)
+    plain = page_key_root(model, lay)
+    with_a = page_key_root(model, lay, draft_a)
+    assert with_a == page_key_root(model, lay, draft_a)  # a replica with the same draft
+    assert len({plain, with_a, page_key_root(model, lay, draft_b)}) == 3
+    assert plain == page_key_root(model, lay, None)

@@ -78,7 +78,6 @@ def test_a_checkpoint_without_a_draft_is_refused(
         ({"speculative_num_steps": 3}, "--speculative-num-steps 3"),
         ({"speculative_accept_length_override": 9}, "--speculative-accept-length-override 9"),
         ({"tp_size": 2}, "--tp > 1"),
-        ({"enable_hierarchical_cache": True}, "--enable-hierarchical-cache"),
     ],
 )
 def test_what_cannot_run_is_refused_by_flag(kwargs: dict[str, object], fragment: str) -> None:
@@ -86,6 +85,12 @@ def test_what_cannot_run_is_refused_by_flag(kwargs: dict[str, object], fragment:
     with pytest.raises(ConfigInvalid, match="speculative decoding cannot run") as raised:
         resolve_spec(_args(**kwargs), None)
     assert fragment in str(raised.value)
+
+
+def test_hierarchical_cache_runs_with_dspark(tiny_checkpoint: Callable[[TinySpec], Path]) -> None:
+    # The host pool and the L3 pages hold the draft KV (tests/e2e/test_hicache_spec.py).
+    args = _args(speculative_algorithm="DSPARK", enable_hierarchical_cache=True)
+    assert resolve_spec(args, tiny_checkpoint(WITH_DRAFT)) is not None
 
 
 def test_speculative_flags_without_an_algorithm_are_refused() -> None:
