@@ -38,6 +38,12 @@ class DraftGraphs:
     ) -> None:
         self.draft, self.kv, self.max_pages = draft, kv, max_pages
         self.device = draft.inv_freq.device
+        # The tokens come out through a buffer outside the graphs' memory pool: a pool shared
+        # with graphs replayed later in the step (the verify forward's) may reuse the pool's
+        # blocks for their own intermediates, which would overwrite the drafts before they are
+        # verified.
+        block = draft.cfg.block_size
+        self._tokens = torch.zeros(max(sizes), block, dtype=torch.int64, device=self.device)
         self.graphs = GraphSet(sizes, self._inputs, self._forward, self.device, capture)
 
     @property
@@ -91,4 +97,7 @@ class DraftGraphs:
         base = base_logits(
             self.draft, self.kv, inputs.anchors, inputs.anchor_pos, inputs.page_table
         )
-        return greedy_tokens(self.draft, base, inputs.anchors)
+        tokens = greedy_tokens(self.draft, base, inputs.anchors)
+        out = self._tokens[: tokens.shape[0]]
+        out.copy_(tokens)
+        return out

@@ -136,17 +136,19 @@ class SpecPlugin:
         eagerly."""
         assert self.step is not None, "attach first"
         step = self.step
+        # In the order a step replays them (graphs sharing a pool are safe that way); outputs
+        # leave through buffers outside the pool either way.
+        proposer = self.proposer
+        if isinstance(proposer, DSparkProposer):
+            draft = DraftGraphs(proposer.draft, proposer.kv, sizes, max_pages, capture)
+            pool = draft.capture(pool)
+            proposer.graphs = draft
         verify = VerifyGraphs(
             step.model, step.kv, step.layer_ids, step.gamma, scratch_page, sizes, max_pages,
             capture,
         )  # fmt: skip
-        pool = verify.capture(pool)
+        verify.capture(pool)
         step.graphs = verify
-        proposer = self.proposer
-        if isinstance(proposer, DSparkProposer):
-            draft = DraftGraphs(proposer.draft, proposer.kv, sizes, max_pages, capture)
-            draft.capture(pool)
-            proposer.graphs = draft
         log.info(
             "speculative decoding: captured draft and verify CUDA graphs for batch sizes %s",
             list(sizes),

@@ -7,7 +7,8 @@ step's shape data-dependent; it runs eagerly). Padding rows are γ + 1 tokens at
 0..γ on the scratch page no request owns, as the decode graphs' (core/graphs.py).
 
 The logits and features come out through buffers sized for the largest bucket and shared by
-all buckets (one copy inside each graph), so their memory does not grow with the bucket count.
+all buckets (one copy inside each graph), so their memory does not grow with the bucket count;
+being outside the graphs' memory pool, no other graph sharing that pool can overwrite them.
 """
 
 from __future__ import annotations
