@@ -40,26 +40,30 @@ def path(tiny_checkpoint: Callable[[TinySpec], Path]) -> Path:
 
 
 @pytest.fixture
-def replays(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
-    """The bucket of every spec graph replay (the engine runs in this process)."""
-    seen: list[int] = []
+def replays(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, int]]]:
+    """Which graph set replayed which bucket, every spec graph replay (the engine runs in this
+    process)."""
+    seen: list[tuple[str, int]] = []
     original = GraphSet.replay
 
     def counted(self: GraphSet, bs: int) -> Any:
-        seen.append(bs)
+        seen.append((type(self.forward.__self__).__name__, bs))
         return original(self, bs)
 
     monkeypatch.setattr(GraphSet, "replay", counted)
     yield seen
 
 
-def test_dspark_greedy_with_graphs_equals_spec_off(path: Path, replays: list[int]) -> None:
+def test_dspark_greedy_with_graphs_equals_spec_off(
+    path: Path, replays: list[tuple[str, int]]
+) -> None:
     common = {"backend": "hopper", "dtype": "float32", "cuda_graph_max_bs_decode": 8}
     off, _ = engine_outputs(path, PROMPTS, **common)
     eager, _ = engine_outputs(path, PROMPTS, disable_cuda_graph=True, **common, **DSPARK)
     assert not replays
     graphs, _ = engine_outputs(path, PROMPTS, **common, **DSPARK)
-    assert replays, "no draft or verify graph replayed"
+    assert {name for name, _ in replays} == {"DraftGraphs", "VerifyGraphs"}, replays
+    assert any(bs == 8 for _, bs in replays), "5 requests never padded the 8-bucket"
     for name, got in (("eager", eager), ("graphs", graphs)):
         assert got == off, (name, [first_divergence(g, o) for g, o in zip(got, off, strict=True)])
 
