@@ -6,9 +6,12 @@ default). Per batch size: decode tokens/s per request with speculation off, and 
 the random draft proposed — the issue's benchmark mode), next to the ideal L / (relative step
 cost), where the relative step cost is a verify step's time over a plain decode step's, both
 measured in this run. Greedy requests, ignore_eos, every request prefilled before timing.
-Prints a table and writes JSON.
+Prints a table and writes JSON. On the H200: `--backend hopper --device cuda` (the draft and
+verify CUDA graphs are on unless `--disable-cuda-graph`).
 
     python perf/bench_spec.py [--batch 1 8 32] [--accept 1 3 5] [--new 48] [--out FILE]
+        [--backend reference|hopper] [--device cpu|cuda] [--dtype float32|bfloat16]
+        [--disable-cuda-graph]
 """
 
 from __future__ import annotations
@@ -33,14 +36,15 @@ from m3serve.runtime.messages import SamplingParams
 PROMPT = 64
 
 
-def decode_rate(path: Path, batch: int, new: int, accept: int | None) -> dict[str, float]:
-    """Decode tokens/s per request and seconds per step, once every request is prefilled."""
+def decode_rate(
+    path: Path, batch: int, new: int, accept: int | None, server: dict[str, Any]
+) -> dict[str, float]:
+    """Decode tokens/s per request and seconds per step, once every request is prefilled;
+    `server`: more ServerArgs (backend, device, dtype, ...)."""
     spec = {} if accept is None else {"speculative_algorithm": "DSPARK"}
     if accept:
         spec["speculative_accept_length_override"] = accept
-    args = ServerArgs.from_kwargs(
-        model_path=str(path), dtype="float32", max_total_tokens=65536, **spec
-    )
+    args = ServerArgs.from_kwargs(model_path=str(path), max_total_tokens=65536, **server, **spec)
     core = EngineCore(args, path)
     sampling = SamplingParams(temperature=0.0, max_new_tokens=new, ignore_eos=True)
     reqs = [
@@ -77,15 +81,25 @@ def main() -> None:
     parser.add_argument("--accept", type=int, nargs="+", default=[1, 3, 5])
     parser.add_argument("--new", type=int, default=48, help="new tokens per request")
     parser.add_argument("--out", type=Path, default=Path("perf/results/bench_spec_cpu.json"))
+    parser.add_argument("--backend", default="reference")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--disable-cuda-graph", action="store_true")
     args = parser.parse_args()
+    server = {
+        "backend": args.backend,
+        "device": args.device,
+        "dtype": args.dtype,
+        "disable_cuda_graph": args.disable_cuda_graph,
+    }
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         path = make_tiny(Path(tmp) / "tiny", TinySpec(dtype="float32", dspark=True))
         for batch in args.batch:
-            off = decode_rate(path, batch, args.new, None)
+            off = decode_rate(path, batch, args.new, None, server)
             rows.append({"batch": batch, "accept": "off", **off, "speedup": 1.0, "ideal": 1.0})
             for accept in args.accept:
-                on = decode_rate(path, batch, args.new, accept)
+                on = decode_rate(path, batch, args.new, accept, server)
                 relative_cost = on["step_s"] / off["step_s"]
                 rows.append(
                     {
@@ -105,7 +119,11 @@ def main() -> None:
             f"{r['step_s'] * 1e3:>8.2f} {r['speedup']:>8.2f} {r['ideal']:>6.2f}"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"machine": platform.machine(), "torch_threads": torch.get_num_threads()}
+    meta = {
+        "machine": platform.machine(),
+        "torch_threads": torch.get_num_threads(),
+        **server,
+    }
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     print(f"wrote {args.out}")
 

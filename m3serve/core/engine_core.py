@@ -203,6 +203,10 @@ class EngineCore:
         # ------------------------------------------------------------------ CUDA graphs
         with self.startup.phase("CUDA graphs"):
             self.runner.graphs = self._capture_graphs(args, context, slots)
+            if self.spec is not None and self.runner.graphs is not None:
+                graphs = self.runner.graphs
+                pages = self.budget.num_pages  # the scratch page
+                self.spec.capture_graphs(graphs.sizes, graphs.max_pages, pages, graphs.pool)
             self.runner.piecewise = self._capture_piecewise(args, slots)
         # ------------------------------------------------------------------ scheduler
         radix = not args.cache.disable_radix_cache

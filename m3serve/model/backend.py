@@ -89,6 +89,25 @@ class Backend(Protocol):
         """[T, Hq, D] -> [T, Hq, D]; block_ids None means dense causal attention."""
         ...
 
+    def draft_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        page_table: torch.Tensor,
+        anchor_pos: torch.Tensor,
+        page_size: int,
+        window: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """The DSpark draft's block attention: B blocks of S slots, q [B·S, Hq, D] at positions
+        anchor_pos [B] (device) + 0..S−1, each slot over its request's paged draft context
+        k_pool/v_pool [slots, Hkv, D] before the anchor within `window`, and non-causally over
+        its block's own k/v [B·S, Hkv, D]; page_table [B, P] (−1 padded) -> [B·S, Hq, D]."""
+        ...
+
     def swiglu(self, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor: ...
 
     def moe(

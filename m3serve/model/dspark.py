@@ -16,9 +16,9 @@
 
 This is the torch reference for one request: the draft context is a dense per-layer K/V
 tensor (`DraftContext`). The engine runs the same layers batched over requests on a paged
-draft KV pool (model/dspark_paged.py). No backend has an attention op for the draft yet, so
-both call the reference op `kernels.attention.attention`; every other op goes through the
-backend.
+draft KV pool (model/dspark_paged.py), whose attention is the backend's `draft_attention`; this
+per-request reference calls the reference op `kernels.attention.attention`, and every other op
+through the backend.
 The confidence head is loaded when present but not evaluated (§D.2.8: not needed for
 correctness). Where §D is silent (window bounds) this follows SGLang's DSpark port.
 """

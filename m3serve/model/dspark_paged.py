@@ -5,9 +5,10 @@ The pool is page-aligned with the target's KV pool: the draft K/V of the token a
 a request lives at the same physical slot as that token's target K/V, so one page table, the
 radix tree and the page accounting serve both (SGLang keeps its draft KV the same way).
 `write_context` keys committed tokens from their target features; `propose` runs one block per
-request: the projections and MLPs over every request's block at once, the attention per request
-over its window of context gathered through its page table (the reference path; a paged kernel
-is the GPU step to come).
+request, all requests at once: the attention through the backend's `draft_attention` (each
+block over its window of context read through its page table, and over itself). The hidden
+states, base logits and greedy tokens are device ops only, so a capturable backend can record
+them in a CUDA graph (core/spec/draft_graphs.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 
-from m3serve.kernels.attention import attention
 from m3serve.model.batch import ForwardBatch
 from m3serve.model.dspark import DSparkDraft
 from m3serve.model.dspark_config import DSparkConfig
@@ -58,7 +58,9 @@ class DraftKV:
 @dataclass(frozen=True)
 class BlockProposal:
     tokens: torch.Tensor  # [B, block_size] int64: slot k proposes the token at anchor + k + 1
-    logits: torch.Tensor  # [B, block_size, V] fp32 Markov-corrected, unscaled: the draft's q
+    # [B, block_size, V] fp32 Markov-corrected, unscaled: the draft's q. None for an all-greedy
+    # proposal replayed from a CUDA graph (greedy verification never reads q).
+    logits: torch.Tensor | None
 
 
 def write_context(
@@ -81,63 +83,35 @@ def write_context(
         v_pool[slots] = v.to(v_pool.dtype)
 
 
-def _context_slots(
-    anchor: int, page_row: torch.Tensor, page_size: int, window: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions and KV slots of the context any block slot can see: [anchor − window + 1,
-    anchor), clipped at 0 (a slot at q sees keys in [q − window + 1, q) below the anchor)."""
-    lo = max(0, anchor - window + 1)
-    positions = torch.arange(lo, anchor, device=page_row.device)
-    pages = page_row.long()[positions // page_size]
-    return positions, pages * page_size + positions % page_size
-
-
-def _block_mask(positions: torch.Tensor, anchor: int, block: int, window: int) -> torch.Tensor:
-    """[block, S + block]: each slot's window of the context, and the whole block both ways."""
-    q = anchor + torch.arange(block, device=positions.device)
-    ctx = q[:, None] - positions[None, :] < window
-    return torch.cat((ctx, torch.ones(block, block, dtype=torch.bool, device=q.device)), dim=1)
-
-
 def block_hidden(
     draft: DSparkDraft,
     kv: DraftKV,
     anchors: torch.Tensor,
-    anchor_pos: list[int],
+    anchor_pos: torch.Tensor,
     page_table: torch.Tensor,
 ) -> torch.Tensor:
     """Final-normed hidden states [B, block_size, H] of every request's query block
-    [anchor, noise × (block_size − 1)]; `page_table` [B, P] (−1 padded) names each request's
-    pages."""
+    [anchor, noise × (block_size − 1)] at anchor_pos [B] (a device tensor); `page_table`
+    [B, P] (−1 padded) names each request's pages. Device ops only (CUDA-graph capturable on a
+    capturable backend)."""
     cfg, b = draft.cfg, draft.backend
-    c, n, block = cfg.layers, len(anchor_pos), cfg.block_size
+    c, n, block = cfg.layers, anchors.shape[0], cfg.block_size
     device = anchors.device
     ids = torch.full((n, block), cfg.noise_token_id, dtype=torch.int64, device=device)
     ids[:, 0] = anchors
     offsets = torch.arange(block, device=device)
-    positions = (torch.tensor(anchor_pos, device=device)[:, None] + offsets).reshape(-1)
-    contexts = [
-        _context_slots(a, page_table[i], kv.page_size, cfg.sliding_window)
-        for i, a in enumerate(anchor_pos)
-    ]
-    masks = [
-        _block_mask(pos, a, block, cfg.sliding_window)
-        for (pos, _), a in zip(contexts, anchor_pos, strict=True)
-    ]
+    positions = (anchor_pos.long()[:, None] + offsets).reshape(-1)
     hidden, residual = draft.shared.embed(ids.reshape(-1)), None
     scale = c.head_dim**-0.5
     for layer, k_pool, v_pool in zip(draft.layers, kv.k, kv.v, strict=True):
         norm = layer.input_layernorm
         x, residual = b.add_rms_norm(hidden, residual, norm.weight, norm.eps)
         q, k, v = layer.project(x, positions, draft.inv_freq)
-        outs = []
-        for i, ((_, slots), mask) in enumerate(zip(contexts, masks, strict=True)):
-            rows = slice(i * block, (i + 1) * block)
-            keys = torch.cat((k_pool[slots].to(k.dtype), k[rows]))
-            values = torch.cat((v_pool[slots].to(v.dtype), v[rows]))
-            outs.append(attention(q[rows], keys, values, mask[None], scale))
-        out = torch.cat(outs).reshape(n * block, -1)
-        hidden = b.linear(out, layer.o_proj.data)
+        out = b.draft_attention(
+            q, k, v, k_pool, v_pool, page_table, anchor_pos, kv.page_size,
+            cfg.sliding_window, scale,
+        )  # fmt: skip
+        hidden = b.linear(out.reshape(n * block, -1), layer.o_proj.data)
         norm = layer.post_attention_layernorm
         x, residual = b.add_rms_norm(hidden, residual, norm.weight, norm.eps)
         hidden = layer.mlp(x)
@@ -145,24 +119,47 @@ def block_hidden(
     return b.add_rms_norm(hidden, residual, norm.weight, norm.eps)[0].view(n, block, -1)
 
 
+def base_logits(
+    draft: DSparkDraft,
+    kv: DraftKV,
+    anchors: torch.Tensor,
+    anchor_pos: torch.Tensor,
+    page_table: torch.Tensor,
+) -> torch.Tensor:
+    """fp32 [B, block_size, V]: the LM head over `block_hidden`, before the Markov correction."""
+    hidden = block_hidden(draft, kv, anchors, anchor_pos, page_table)
+    n, block = hidden.shape[:2]
+    return draft.shared.logits(hidden.reshape(n * block, -1)).view(n, block, -1)
+
+
+def greedy_tokens(draft: DSparkDraft, base: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    """[B, block_size] int64: each slot's argmax after the Markov correction for the token the
+    slot before chose (device ops only; the corrected logits are not kept)."""
+    prev = anchors.to(torch.int64)
+    tokens = []
+    for k in range(base.shape[1]):
+        prev = (base[:, k] + draft.markov_bias(prev)).argmax(dim=-1)
+        tokens.append(prev)
+    return torch.stack(tokens, dim=1)
+
+
 def propose(
     draft: DSparkDraft,
     kv: DraftKV,
     anchors: torch.Tensor,
-    anchor_pos: list[int],
+    anchor_pos: list[int] | torch.Tensor,
     page_table: torch.Tensor,
     temperatures: list[float],
     generators: list[torch.Generator | None],
 ) -> BlockProposal:
     """One draft block per request. Temperature 0 takes each slot's argmax; otherwise the slot
     draws from softmax(logits / temperature) with the row's generator (None: torch's default)."""
-    hidden = block_hidden(draft, kv, anchors, anchor_pos, page_table)
-    n, block = hidden.shape[:2]
-    base = draft.shared.logits(hidden.reshape(n * block, -1)).view(n, block, -1)
+    pos = torch.as_tensor(anchor_pos, dtype=torch.int64, device=anchors.device)
+    base = base_logits(draft, kv, anchors, pos, page_table)
     prev = anchors.to(torch.int64)
     tokens, logits = [], []
     # Slot by slot: slot k's Markov correction needs the token chosen at slot k − 1.
-    for k in range(block):
+    for k in range(base.shape[1]):
         step = base[:, k] + draft.markov_bias(prev)
         prev = step.argmax(dim=-1)
         for row, temperature in enumerate(temperatures):

@@ -1,6 +1,7 @@
 """The Hopper (sm_90) backend: Triton kernels for the norms, fused norm/RoPE/KV writes, the
-lightning indexer, sparse paged attention, the router, W8A16 MXFP8 projections and the W4A16
-NVFP4 fused MoE; the shared expert runs on a side stream beside the routed experts.
+lightning indexer, sparse paged attention, the DSpark draft's block attention, the router,
+W8A16 MXFP8 projections and the W4A16 NVFP4 fused MoE; the shared expert runs on a side stream
+beside the routed experts.
 
 Weights stay in the checkpoint's formats (`weight_formats`); dense (bf16) projections run as
 torch matmuls and dense experts as grouped bf16 matmuls (`--moe-runner-backend torch`, or a
@@ -61,6 +62,7 @@ class HopperBackend(ReferenceBackend):
             check_hopper(device)
         from m3serve.kernels.triton import (
             attention,
+            draft_attention,
             indexer,
             mxfp8_linear,
             norm,
@@ -71,6 +73,7 @@ class HopperBackend(ReferenceBackend):
 
         super().__init__(device)
         self._attention = attention
+        self._draft_attention = draft_attention
         self._indexer = indexer
         self._norm = norm
         self._rope_kv = rope_kv
@@ -193,6 +196,23 @@ class HopperBackend(ReferenceBackend):
             scale,
             block_ids,
             batch.max_extend,
+        )
+
+    def draft_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        page_table: torch.Tensor,
+        anchor_pos: torch.Tensor,
+        page_size: int,
+        window: int,
+        scale: float,
+    ) -> torch.Tensor:
+        return self._draft_attention.draft_attention(
+            q, k, v, k_pool, v_pool, page_table, anchor_pos, page_size, window, scale
         )
 
     def moe(

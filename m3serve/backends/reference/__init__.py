@@ -14,6 +14,7 @@ import torch
 
 from m3serve.kernels.activation import swiglu_oai
 from m3serve.kernels.attention import paged_attention
+from m3serve.kernels.draft_attention import draft_attention
 from m3serve.kernels.indexer import paged_index_topk
 from m3serve.kernels.moe import local_expert_ids, moe_experts, route_topk
 from m3serve.kernels.norm import add_gemma_rms_norm, gemma_rms_norm
@@ -129,6 +130,23 @@ class ReferenceBackend:
             batch.page_size,
             scale,
             block_ids,
+        )
+
+    def draft_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        page_table: torch.Tensor,
+        anchor_pos: torch.Tensor,
+        page_size: int,
+        window: int,
+        scale: float,
+    ) -> torch.Tensor:
+        return draft_attention(
+            q, k, v, k_pool, v_pool, page_table, anchor_pos, page_size, window, scale
         )
 
     def swiglu(self, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:

@@ -6,22 +6,27 @@ over the same page ids as the target's (plus the scratch page), beside the targe
 the HiCache host tier can hold it too; `attach` loads the draft onto that pool and hands the
 runner the `SpecStep` that every step then runs through.
 
-What this build does not do yet, said at start: the verify steps run eagerly (no CUDA graph for
-the draft or the verify forward). They run under the overlap scheduler (unless
---disable-overlap-schedule): the plan of step N+1 is made before step N's verdict is known, and
-the executor thread resolves what depends on it (core/spec/lengths.py).
+`capture_graphs` (after the decode graphs, so only on a capturable backend with graphs on)
+captures the greedy draft proposal and the verify-only target forward per batch-size bucket
+(draft_graphs.py, verify_graphs.py); steps that fit neither run eagerly. The verify steps run
+under the overlap scheduler (unless --disable-overlap-schedule): the plan of step N+1 is made
+before step N's verdict is known, and the executor thread resolves what depends on it
+(core/spec/lengths.py).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from m3serve.core.memory import KVBudget
+from m3serve.core.spec.draft_graphs import DraftGraphs
 from m3serve.core.spec.proposer import DSparkProposer, Proposer
 from m3serve.core.spec.settings import SpecSettings, resolve_spec
+from m3serve.core.spec.verify_graphs import VerifyGraphs
 from m3serve.core.spec.verify_step import SpecStep
 from m3serve.core.step_runner import StepRunner
 from m3serve.model.backend import Backend
@@ -53,7 +58,6 @@ class SpecPlugin:
         if settings is None:
             return None
         draft_dir = find_dspark_dir(settings.draft_path) or settings.draft_path
-        log.info("speculative decoding: verify steps run eagerly (no CUDA graphs for them yet)")
         if settings.accept_length_override:
             log.warning(
                 "--speculative-accept-length-override %d: every verify step commits exactly %d "
@@ -112,3 +116,35 @@ class SpecPlugin:
         self.proposer = proposer
         self.step = SpecStep(model, runner.kv, proposer, self.settings, runner.sampler.num_slots)
         runner.spec = self.step
+
+    def capture_graphs(
+        self,
+        sizes: Sequence[int],
+        max_pages: int,
+        scratch_page: int,
+        pool: object | None = None,
+        capture: bool = True,
+    ) -> None:
+        """CUDA graphs for the batch-size buckets `sizes`: the verify forward, and the greedy
+        proposal when the draft is DSpark's, in memory `pool` (the decode graphs'). Padding
+        rows write `scratch_page`. `capture=False` (tests): the same static buffers, run
+        eagerly."""
+        assert self.step is not None, "attach first"
+        step = self.step
+        # In the order a step replays them (graphs sharing a pool are safe that way); outputs
+        # leave through buffers outside the pool either way.
+        proposer = self.proposer
+        if isinstance(proposer, DSparkProposer):
+            draft = DraftGraphs(proposer.draft, proposer.kv, sizes, max_pages, capture)
+            pool = draft.capture(pool)
+            proposer.graphs = draft
+        verify = VerifyGraphs(
+            step.model, step.kv, step.layer_ids, step.gamma, scratch_page, sizes, max_pages,
+            capture,
+        )  # fmt: skip
+        verify.capture(pool)
+        step.graphs = verify
+        log.info(
+            "speculative decoding: captured draft and verify CUDA graphs for batch sizes %s",
+            list(sizes),
+        )

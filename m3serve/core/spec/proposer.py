@@ -4,6 +4,7 @@
 target's K/V and index-K: allocated over the same page ids (plus the scratch page), so a token's
 draft K/V sits at the token's target KV slot and the scheduler's page accounting and radix tree
 manage all three at once — a cached prefix page carries its draft KV, a freed page frees it.
+On a capturable backend an all-greedy proposal replays a CUDA graph (draft_graphs.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from m3serve.core.spec.draft_graphs import DraftGraphs
 from m3serve.model.backend import Backend
 from m3serve.model.dspark import DSparkDraft
 from m3serve.model.dspark_loader import load_dspark
@@ -47,6 +49,8 @@ class Proposer(Protocol):
 class DSparkProposer:
     def __init__(self, draft: DSparkDraft, kv: DraftKV) -> None:
         self.draft, self.kv = draft, kv
+        # CUDA graphs of greedy proposals (SpecPlugin.capture_graphs, hopper); None: eager.
+        self.graphs: DraftGraphs | None = None
 
     @classmethod
     def load(
@@ -77,6 +81,9 @@ class DSparkProposer:
         temperatures: list[float],
         generators: list[torch.Generator | None],
     ) -> BlockProposal:
+        graphs = self.graphs
+        if graphs is not None and graphs.fits(len(anchor_pos), page_table, temperatures):
+            return BlockProposal(graphs.propose(anchors, anchor_pos, page_table), None)
         return propose(
             self.draft, self.kv, anchors, anchor_pos, page_table, temperatures, generators
         )

@@ -12,7 +12,8 @@ verified (core/spec/verify.py): greedy rows by argmax matching, sampled rows by 
 rejection or block verification on the target's processed probabilities against the draft's
 (its Markov-corrected logits at the request's temperature). Rows that only prefill or decode
 one token are sampled as without speculation, by the runner. The KV of rejected drafts stays
-where it was written; the scheduler frees the pages past the kept length.
+where it was written; the scheduler frees the pages past the kept length. A step of verify rows
+only replays a CUDA graph of the target forward when one was captured (verify_graphs.py).
 
 Overlap: the scheduler plans step N+1 before it has seen step N's verdict, so a decode or
 verify row's planned start may lag by the drafts step N accepted; `lengths` (core/spec/lengths.py)
@@ -49,6 +50,7 @@ from m3serve.core.spec.verify import (
     verify_greedy,
     verify_sampled,
 )
+from m3serve.core.spec.verify_graphs import VerifyGraphs
 from m3serve.kernels.sampling import MIN_TEMPERATURE, filter_probs_batch
 from m3serve.model.batch import ForwardBatch
 from m3serve.model.dspark_paged import target_pass
@@ -88,6 +90,8 @@ class SpecStep:
         self._generators: list[torch.Generator | None] = [None] * num_slots
         # Each slot's committed KV length: the start of its next decode or verify row.
         self.lengths = SlotLengths(num_slots)
+        # CUDA graphs of verify-only steps (SpecPlugin.capture_graphs, hopper); None: eager.
+        self.graphs: VerifyGraphs | None = None
 
     def start(self, slot: int, params: SamplingParams) -> None:
         """A request starts in `slot`: its sampling settings and, if seeded, its own stream."""
@@ -125,12 +129,18 @@ class SpecStep:
         plain = [i for i, seq in enumerate(seqs) if seq.sample and not seq.draft]
         rows = [starts[i] + seqs[i].extend - 1 for i in plain]
         rows += [starts[i] + k for i in verify for k in range(self.gamma + 1)]
-        before_layer = load.before_layer if load is not None else None
-        hidden, features = target_pass(self.model, batch, self.kv, self.layer_ids, before_layer)
-        if load is not None:
-            load.wait_all()  # the draft's layers too
-        index = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
-        logits = self.model.compute_logits(hidden[index])
+        if self.graphs is not None and self.graphs.fits(seqs, batch):
+            if load is not None:
+                load.wait_all()  # a replayed graph has no per-layer hook
+            # Verify rows only: `rows` is every row in order, as the graph's logits are.
+            logits, features = self.graphs.run(batch)
+        else:
+            before_layer = load.before_layer if load is not None else None
+            hidden, features = target_pass(self.model, batch, self.kv, self.layer_ids, before_layer)
+            if load is not None:
+                load.wait_all()  # the draft's layers too
+            index = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
+            logits = self.model.compute_logits(hidden[index])
         plain_slots = [seqs[i].slot for i in plain]
         sampled_rows = runner.sample_rows(logits[: len(plain)], plain_slots) if plain else None
         verdict = None

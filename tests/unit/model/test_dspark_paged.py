@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 
 from m3serve.backends.reference import ReferenceBackend
@@ -16,7 +17,14 @@ from m3serve.model.batch import ForwardBatch
 from m3serve.model.build import load_model
 from m3serve.model.dspark import target_features
 from m3serve.model.dspark_loader import load_dspark
-from m3serve.model.dspark_paged import DraftKV, propose, target_pass, write_context
+from m3serve.model.dspark_paged import (
+    DraftKV,
+    base_logits,
+    greedy_tokens,
+    propose,
+    target_pass,
+    write_context,
+)
 from m3serve.model.kv_cache import KVCache
 from m3serve.model.tiny.checkpoint import TinySpec
 from m3serve.runtime.messages import SeqStep
@@ -88,3 +96,40 @@ def test_the_target_pass_keeps_the_draft_features_and_the_final_hidden_states(
     torch.testing.assert_close(hidden, plain)
     torch.testing.assert_close(features, reference)
     assert features.shape == (len(tokens), len(layers) * cfg.hidden_size)
+
+
+def test_hopper_draft_attention_and_the_greedy_tokens_match_the_reference_proposal(
+    tiny_checkpoint: Callable[[TinySpec], Path],
+) -> None:
+    """The same draft on the hopper backend (Triton kernels in the interpreter) proposes the
+    reference backend's tokens; the device-only greedy loop that graphs capture agrees too."""
+    pytest.importorskip("triton")
+    from m3serve.backends.hopper import HopperBackend
+
+    path = tiny_checkpoint(SPEC)
+    reference = ReferenceBackend(CPU)
+    target = load_model(path, reference, progress=False).model
+    drafts = [
+        load_dspark(path, target, backend, target.dtype)
+        for backend in (reference, HopperBackend(CPU, interpreter=True))
+    ]
+    page = target.cfg.page_size
+    kv = DraftKV.allocate(drafts[0].cfg, 16, page, torch.float32, CPU)
+    g = torch.Generator().manual_seed(5)
+    lengths, tables = [6, drafts[0].cfg.sliding_window + 3], [[4, 9], [1, 12, 3, 7, 0, 2]]
+    for n, pages in zip(lengths, tables, strict=True):
+        positions = torch.arange(n)
+        slots = torch.tensor(pages)[positions // page] * page + positions % page
+        features = torch.randn(n, drafts[0].cfg.feature_size, generator=g)
+        write_context(drafts[0], kv, features, positions, slots)
+    table = torch.tensor([tables[0] + [-1] * 4, tables[1]], dtype=torch.int32)
+    anchors = torch.tensor([11, 29])
+    with torch.inference_mode():
+        want = propose(drafts[0], kv, anchors, lengths, table, [0.0, 0.0], [None, None])
+        got = propose(drafts[1], kv, anchors, lengths, table, [0.0, 0.0], [None, None])
+        base = base_logits(drafts[1], kv, anchors, torch.tensor(lengths), table)
+        greedy = greedy_tokens(drafts[1], base, anchors)
+    assert want.logits is not None and got.logits is not None
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.tokens, want.tokens)
+    assert torch.equal(greedy, got.tokens)
