@@ -242,10 +242,11 @@ class SpecArgs:
     speculative_dspark_block_size: int | None = option(None, "DSpark block size")
     speculative_use_block_verification: bool = option(False, "block verification of samples")
     speculative_draft_kv_cache_dtype: str | None = option(None, "draft KV cache dtype")
-    speculative_accept_length_override: int = option(
-        0,
-        "benchmarking only, breaks exactness: every verify step accepts exactly L-1 draft "
-        "tokens (then the target's token), whatever the draft proposed; 0 = off",
+    speculative_accept_length_override: float = option(
+        0.0,
+        "benchmarking only, breaks exactness: every verify step commits L tokens (L-1 drafts, "
+        "then the target's token) whatever the draft proposed; a fractional L mixes the two "
+        "nearest lengths to average L; 0 = off",
     )
 
 

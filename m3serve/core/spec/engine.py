@@ -60,8 +60,8 @@ class SpecPlugin:
         draft_dir = find_dspark_dir(settings.draft_path) or settings.draft_path
         if settings.accept_length_override:
             log.warning(
-                "--speculative-accept-length-override %d: every verify step commits exactly %d "
-                "tokens whatever the draft proposed; the output is NOT the model's (benchmarks "
+                "--speculative-accept-length-override %g: verify steps commit %g tokens on "
+                "average whatever the draft proposed; the output is NOT the model's (benchmarks "
                 "only)",
                 settings.accept_length_override,
                 settings.accept_length_override,

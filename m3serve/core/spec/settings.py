@@ -27,7 +27,7 @@ class SpecSettings:
     draft_path: Path  # the target checkpoint (draft in its dspark/) or the draft directory
     block_size: int  # draft tokens verified per step after the anchor
     block_verification: bool
-    accept_length_override: int  # 0: off; else every verify step commits exactly this many
+    accept_length_override: float  # 0: off; else verify steps commit this many on average
 
     @property
     def num_draft_tokens(self) -> int:
@@ -72,9 +72,9 @@ def spec_problems(spec: SpecArgs) -> list[str]:
             "--speculative-draft-kv-cache-dtype (the draft KV takes the KV cache's dtype)"
         )
     override = spec.speculative_accept_length_override
-    if not 0 <= override <= block + 1:
+    if override and not 1 <= override <= block + 1:
         problems.append(
-            f"--speculative-accept-length-override {override} (between 1 and {block + 1})"
+            f"--speculative-accept-length-override {override:g} (between 1 and {block + 1})"
         )
     return problems
 

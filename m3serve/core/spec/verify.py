@@ -9,6 +9,8 @@ Every rule returns a `Verdict` and is batched over rows; no rule reads the devic
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from m3serve.core.spec.rejection import Method, draw, verify_sampled
@@ -20,6 +22,7 @@ __all__ = [
     "Verdict",
     "accept_length_override",
     "draw",
+    "override_length",
     "verify",
     "verify_greedy",
     "verify_sampled",
@@ -68,6 +71,16 @@ def verify(
 
 
 # ------------------------------------------------------------------------ benchmark only
+
+
+def override_length(mean: float, step: int) -> int:
+    """The accept length of the `step`-th overridden verify step (0, 1, ...) for a mean of
+    `mean`: floor((step + 1) · mean) − floor(step · mean), which is `mean` itself when it is
+    whole and otherwise mixes its two nearest lengths so that every prefix of steps averages
+    within one step of `mean` (3.07: a 4 every ~14 steps among 3s)."""
+    if mean < 1:
+        raise ValueError(f"accept length override must be ≥ 1 (got {mean})")
+    return math.floor((step + 1) * mean) - math.floor(step * mean)
 
 
 def accept_length_override(

@@ -47,6 +47,7 @@ from m3serve.core.spec.settings import SpecSettings
 from m3serve.core.spec.verify import (
     Verdict,
     accept_length_override,
+    override_length,
     verify_greedy,
     verify_sampled,
 )
@@ -92,6 +93,7 @@ class SpecStep:
         self.lengths = SlotLengths(num_slots)
         # CUDA graphs of verify-only steps (SpecPlugin.capture_graphs, hopper); None: eager.
         self.graphs: VerifyGraphs | None = None
+        self._override_steps = 0  # verify steps so far under the accept-length override
 
     def start(self, slot: int, params: SamplingParams) -> None:
         """A request starts in `slot`: its sampling settings and, if seeded, its own stream."""
@@ -201,7 +203,9 @@ class SpecStep:
     ) -> Verdict:
         override = self.settings.accept_length_override
         if override:
-            return accept_length_override(drafts, target, override)
+            length = override_length(override, self._override_steps)
+            self._override_steps += 1
+            return accept_length_override(drafts, target, length)
         accept = torch.empty(len(slots), dtype=torch.int64, device=drafts.device)
         tokens = torch.empty(len(slots), self.gamma + 1, dtype=torch.int64, device=drafts.device)
         greedy = [r for r, slot in enumerate(slots) if self._params[slot].greedy]

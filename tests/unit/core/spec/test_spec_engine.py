@@ -127,6 +127,17 @@ def test_accept_length_override_commits_exactly_that_many(cores, overlap: bool) 
     at_baseline(on)
 
 
+def test_a_fractional_accept_length_override_mixes_its_two_nearest_lengths(cores) -> None:
+    on = cores(speculative_accept_length_override=2.5, **DSPARK)
+    sampling = SamplingParams(max_new_tokens=25, temperature=0.0)
+    got = generate(on, [request(str(i), p, sampling) for i, p in enumerate(PROMPTS)])
+    steps = [n for rid in got.accepted for n in got.accepted[rid]]
+    assert set(steps) == {2, 3}
+    assert abs(sum(steps) / len(steps) - 2.5) < 0.2
+    assert all(len(out) == 25 for out in got.outputs.values())
+    at_baseline(on)
+
+
 # ---------------------------------------------------------------------------- KV and sampling
 
 

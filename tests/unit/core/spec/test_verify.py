@@ -3,6 +3,8 @@ mixed greedy/sampled batch entry point, and the perf-only accept-length override
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -11,6 +13,7 @@ from hypothesis import strategies as st
 from m3serve.core.spec.verify import (
     PAD,
     accept_length_override,
+    override_length,
     verify,
     verify_greedy,
     verify_sampled,
@@ -121,3 +124,17 @@ def test_accept_length_override_keeps_exactly_l_minus_1_drafts(length: int) -> N
 def test_accept_length_override_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="≥ 1"):
         accept_length_override(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 3), 0)
+
+
+@given(mean=st.floats(1.0, 8.0), steps=st.integers(1, 400))
+def test_override_lengths_average_the_mean_within_one_step(mean: float, steps: int) -> None:
+    lengths = [override_length(mean, n) for n in range(steps)]
+    assert set(lengths) <= {math.floor(mean), math.ceil(mean)}
+    assert abs(sum(lengths) - steps * mean) < 1
+
+
+def test_a_whole_override_length_is_constant() -> None:
+    assert {override_length(5.0, n) for n in range(100)} == {5}
+    assert sum(override_length(3.07, n) for n in range(100)) == 307
+    with pytest.raises(ValueError):
+        override_length(0.5, 0)
