@@ -6,7 +6,6 @@ and through the engine core. Prompts are long enough that the sparse indexer dro
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 import torch
 from conftest import M31_SPEC
 from helpers.hf_oracle import load_hf, load_ours
-from helpers.vision import ImagePrompt, image_prompt, random_pixels
+from helpers.vision import ImagePrompt, core_outputs, image_prompt, random_pixels
 
 from m3serve.core.engine_core import EngineCore
 from m3serve.core.media import ReqMedia
@@ -140,29 +139,12 @@ def core(path: Path) -> Iterator[EngineCore]:
     engine.close()
 
 
-def run_engine(core: EngineCore, reqs: list[Req]) -> dict[str, list[int]]:
-    async def go() -> dict[str, list[int]]:
-        for req in reqs:
-            core.add(req)
-        out: dict[str, list[int]] = {req.rid: [] for req in reqs}
-        while core.has_work or core._in_flight is not None:
-            step = await core.overlap_step()
-            if step is None:
-                break
-            for batch in step.batches.values():
-                for rid, ids in zip(batch.rids, batch.new_ids, strict=True):
-                    out[rid].extend(ids)
-        return out
-
-    return asyncio.run(go())
-
-
 def test_engine_greedy_with_images_matches_transformers(pair, core: EngineCore) -> None:
     """All three prompts in one batch: their images are encoded together, chunks of 16 split
     placeholder runs, and each request's tokens are transformers'."""
     ours, hf = pair
     prompts = {case: prompt_for(case, ours.cfg.vocab_size) for case in CASES}
-    out = run_engine(core, [p.req(case) for case, p in prompts.items()])
+    out = core_outputs(core, [p.req(case) for case, p in prompts.items()])
     for case, prompt in prompts.items():
         assert out[case] == hf_greedy(hf, prompt, 24), case
     core.scheduler.cache.reset()
@@ -228,6 +210,6 @@ def test_engine_greedy_with_a_video_matches_the_model(pair, core: EngineCore) ->
     req = Req(
         rid="video", prompt=ids, sampling=sampling, stop_ids=frozenset(), worker=0, media=media
     )
-    assert run_engine(core, [req])["video"] == expected
+    assert core_outputs(core, [req])["video"] == expected
     core.scheduler.cache.reset()
     core.scheduler.idle_check()
