@@ -17,7 +17,8 @@ from pathlib import Path
 from m3serve import __version__
 from m3serve.engine.async_engine import EngineDeadError
 from m3serve.model.locate import ModelNotFound
-from m3serve.runtime.config import ConfigInvalid, ServerArgs, add_section, section_from_args
+from m3serve.runtime.config import ConfigInvalid, ServerArgs
+from m3serve.runtime.options import add_section, section_from_args
 
 INTERRUPTED = 130  # the shell's code for a command ended by Ctrl-C
 

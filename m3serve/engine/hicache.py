@@ -4,7 +4,7 @@ process or in this one), and the engine's `StorageClient` of it.
 It runs with --enable-hierarchical-cache. In process mode the supervisor spawns it before the
 engine (launch.py's `hicache_process`); it reports `Ready` at once and makes the host pool when
 the engine, knowing its KV plan, sends `HostPoolSpec` through its client. Its death is not the
-engine's: the engine carries on with HiCache disabled (async_engine.py).
+engine's: the engine carries on with HiCache disabled (recovery.py).
 """
 
 from __future__ import annotations

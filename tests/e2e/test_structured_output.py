@@ -16,7 +16,7 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
-from e2e.test_openai_sdk import API_KEY, Server, start_server
+from helpers.sdk_server import API_KEY, Server, start_server
 from pydantic import BaseModel, Field
 
 BUDGET = {"max_tokens": 400, "temperature": 1.0, "seed": 7}

@@ -23,7 +23,7 @@ from m3serve.model.tiny.dspark import write_tiny_dspark
 from m3serve.model.tiny.tokenizer import special_token_ids, write_tokenizer_files
 from m3serve.model.vision.config import DEFAULT_PROJECTOR_HIDDEN, parse_vision_config
 from m3serve.model.vision.inventory import vision_inventory
-from m3serve.runtime.config import option
+from m3serve.runtime.options import option
 
 QuantMode = Literal["none", "modelopt-mixed"]
 
