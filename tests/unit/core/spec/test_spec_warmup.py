@@ -150,7 +150,7 @@ def test_random_spec_steps_launch_no_variant_the_warmup_missed(runner: StepRunne
     cfg = runner.model.cfg
     layers = distinct_layers(cfg.layer_types, cfg.mlp_layer_types)
     with recording(execute=False) as warm:
-        plans = itertools.chain(warmup_plans(limits), iter(()))
+        plans = itertools.chain(warmup_plans(limits), spec_warmup_plans(limits, gamma))
         _run(runner, plans, layers)
     splits = {key[1][-1] for key in warm if key[0] == "_draft_attention_kernel"}
     assert splits == {("SPLIT", "True"), ("SPLIT", "False")}, "both draft-attention variants"
