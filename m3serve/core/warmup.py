@@ -13,7 +13,9 @@ long contexts, mixed decode + prefill steps, and several prefills together.
 
 The plans write their KV into pages of the still-empty pool; their contents are garbage that
 the first real requests overwrite. tests/unit/core/test_warmup.py checks with Triton's own
-specialization rules that random steps launch no kernel variant the warm-up did not.
+specialization rules that random steps launch no kernel variant the warm-up did not. With
+speculative decoding on, these plans run through the verify step and core/spec/warmup.py adds
+the verify-step shapes.
 """
 
 from __future__ import annotations
