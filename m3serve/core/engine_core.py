@@ -41,9 +41,10 @@ target's, before the host tier, whose pages then hold it too.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,7 @@ from m3serve.core.req import Req
 from m3serve.core.sampler import Sampler
 from m3serve.core.scheduler import Outputs, QueueFull, Scheduler
 from m3serve.core.spec.engine import SpecPlugin
+from m3serve.core.spec.warmup import spec_max_step_tokens, spec_warmup_plans
 from m3serve.core.step_cost import measure_step_cost
 from m3serve.core.step_runner import StepRunner
 from m3serve.core.trace import StartupPhases, StepTrace
@@ -429,17 +431,26 @@ class EngineCore:
     def _warm_up(self, args: ServerArgs, context: int, slots: int) -> None:
         """Run every step shape class once (core/warmup.py), so no request waits for a compile:
         one layer of each kind suffices, since layers of a kind launch the same kernels."""
+        most = self._max_step_tokens(args.sched, slots)
+        spec = self.spec.step if self.spec is not None else None
+        if spec is not None:  # verify rows carry γ drafts each
+            most = spec_max_step_tokens(most, slots, spec.gamma, self.budget.tokens)
         limits = WarmupLimits(
             page_size=self.budget.page_size,
             num_pages=self.budget.num_pages,
             max_running=slots,
-            max_step_tokens=self._max_step_tokens(args.sched, slots),
+            max_step_tokens=most,
             context=min(context, self.budget.tokens),
         )
         cfg = self.model.cfg
         layers = distinct_layers(cfg.layer_types, cfg.mlp_layer_types)
         before, steps = self.trace.compiles.count, 0
-        for plan in warmup_plans(limits):
+        plans: Iterable[StepPlan] = warmup_plans(limits)
+        if spec is not None:  # the verify-step shapes, through the same SpecStep
+            plans = itertools.chain(plans, spec_warmup_plans(limits, spec.gamma))
+        for plan in plans:
+            if spec is not None:
+                spec.lengths.place(plan.seqs)
             self.runner.run(plan, layers)
             steps += 1
         torch.cuda.synchronize(self.device)

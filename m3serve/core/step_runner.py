@@ -132,7 +132,8 @@ class StepRunner:
         seqs = self._live_seqs(plan.seqs)
         if not seqs:  # load-backs only, or every row's request ended on the step before
             return _result(plan.step, sampled, [], [], [], [])
-        spec = self.spec if layers is None else None
+        # With speculation every step, the warm-up's too, takes the spec path real steps take.
+        spec = self.spec
         if spec is not None:
             # Overlap: a decode's planned start lags by the drafts accepted since it was planned.
             seqs = spec.lengths.resolve(seqs)
@@ -140,7 +141,7 @@ class StepRunner:
         self._fill_slot_tokens(seqs, batch)
         batch = self._with_media(plan, seqs, batch)
         if spec is not None:
-            return spec.run(plan.step, seqs, batch, self, sampled, load)
+            return spec.run(plan.step, seqs, batch, self, sampled, load, layers)
         slots = [seq.slot for seq in seqs if seq.sample]
         if layers is not None:
             logits = self.model(batch, self.kv, layers)

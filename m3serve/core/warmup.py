@@ -13,7 +13,9 @@ long contexts, mixed decode + prefill steps, and several prefills together.
 
 The plans write their KV into pages of the still-empty pool; their contents are garbage that
 the first real requests overwrite. tests/unit/core/test_warmup.py checks with Triton's own
-specialization rules that random steps launch no kernel variant the warm-up did not.
+specialization rules that random steps launch no kernel variant the warm-up did not. With
+speculative decoding on, these plans run through the verify step and core/spec/warmup.py adds
+the verify-step shapes.
 """
 
 from __future__ import annotations
@@ -64,8 +66,8 @@ def warmup_plans(limits: WarmupLimits) -> Iterator[StepPlan]:
     batches = shape_points(limits.max_running, dense_until=5)
     # Beside decodes, a chunk's length matters to the attention kernels only through the mean
     # and longest extend, whose classes are powers of two: the dense grid is not needed.
-    mixed = [t for t in tokens if t <= 64 or _near_power_of_two(t) or t == tokens[-1]]
-    builder = _PlanBuilder(limits)
+    mixed = [t for t in tokens if t <= 64 or near_power_of_two(t) or t == tokens[-1]]
+    builder = PlanBuilder(limits)
     for t in tokens:  # one prefill, from the start of the prompt
         yield builder.plan([(0, t)])
     # One prefill (or decode) after a cached prefix: some launch choices depend on the step's
@@ -89,11 +91,11 @@ def warmup_plans(limits: WarmupLimits) -> Iterator[StepPlan]:
                 yield builder.plan([(max(longest - extend, 0), extend)] * b)
 
 
-def _near_power_of_two(n: int) -> bool:
+def near_power_of_two(n: int) -> bool:
     return any((n + d) & (n + d - 1) == 0 for d in (-1, 0, 1))
 
 
-class _PlanBuilder:
+class PlanBuilder:
     """Turns (start, extend) pairs into a plan over pages of the pool (reused when the pool is
     smaller than the contexts: the contents do not matter, only the shapes)."""
 
@@ -101,14 +103,26 @@ class _PlanBuilder:
         self.limits = limits
         self.step = 0
 
-    def plan(self, seqs: list[tuple[int, int]]) -> StepPlan:
+    def plan(
+        self,
+        seqs: list[tuple[int, int]],
+        verify: int = 0,
+        draft: int = 0,
+        params: SamplingParams | None = None,
+    ) -> StepPlan:
+        """The first `verify` rows are speculative verify rows of `draft` drafts (their extend
+        is 1 + `draft`); rows alternate greedy and sampled unless `params` is given."""
         self.step += 1
         steps, sampling, prompts = [], {}, {}
         for slot, (start, extend) in enumerate(seqs):
             pages = self._pages(slot, start + extend)
             ids = [(slot + i) % 64 + 1 for i in range(extend)]
-            steps.append(SeqStep(ids, start, pages, slot, sample=True, new_request=True))
-            sampling[slot] = GREEDY if slot % 2 == 0 else SAMPLED
+            if slot < verify:
+                row = SeqStep(None, start, pages, slot, new_request=True, draft=draft)
+            else:
+                row = SeqStep(ids, start, pages, slot, sample=True, new_request=True)
+            steps.append(row)
+            sampling[slot] = params or (GREEDY if slot % 2 == 0 else SAMPLED)
             prompts[slot] = ids
         return StepPlan(step=-self.step, seqs=steps, sampling=sampling, prompt_ids=prompts)
 

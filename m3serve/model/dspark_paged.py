@@ -177,19 +177,24 @@ def target_pass(
     kv: KVCache,
     layer_ids: Sequence[int],
     before_layer: Callable[[int], None] | None = None,
+    only: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's forward over `batch` that also keeps what the draft reads: final-normed
     hidden states [T, H] of every new token, and the concatenated residual streams of
     `layer_ids` [T, len(layer_ids) * H] (layer L's output is its hidden + residual, before
-    any norm). `before_layer(i)` is called as layer i starts (HiCache load-backs)."""
+    any norm). `before_layer(i)` is called as layer i starts (HiCache load-backs). `only`
+    runs just those layers (the warm-up: one of each kind compiles what every layer needs); a
+    draft layer skipped then gives the stream as it stands, of the same shape."""
     wanted = {layer: i for i, layer in enumerate(layer_ids)}
     taken: list[torch.Tensor | None] = [None] * len(layer_ids)
     hidden, residual = target.input_embeds(batch), None
+    run = None if only is None else set(only)
     for layer in target.layers:
-        if before_layer is not None:
-            before_layer(layer.index)
-        hidden, residual = layer(hidden, residual, batch, kv, target.inv_freq)
+        if run is None or layer.index in run:
+            if before_layer is not None:
+                before_layer(layer.index)
+            hidden, residual = layer(hidden, residual, batch, kv, target.inv_freq)
         if layer.index in wanted:
-            taken[wanted[layer.index]] = hidden + residual
+            taken[wanted[layer.index]] = hidden if residual is None else hidden + residual
     features = torch.cat(taken, dim=-1)  # type: ignore[arg-type]
     return target.final_norm(hidden, residual), features

@@ -49,3 +49,9 @@ class SlotLengths:
         a prefill chunk all of them, a decode its input, a verify row its anchor and the
         accepted drafts."""
         self._lengths[seq.slot] = seq.start + committed
+
+    def place(self, seqs: Sequence[SeqStep]) -> None:
+        """Each row's slot at the row's planned start: the warm-up's rows continue no request,
+        so their starts are taken as they are."""
+        for seq in seqs:
+            self._lengths[seq.slot] = seq.start

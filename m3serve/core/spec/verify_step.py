@@ -37,6 +37,7 @@ scheduler's to free, as for any step.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -113,12 +114,14 @@ class SpecStep:
         runner: StepRunner,
         sampled: list[int],
         load: LayerLoad | None = None,
+        layers: Sequence[int] | None = None,
     ) -> StepResult:
         """One step over `seqs` (the plan's live rows, starts resolved by `lengths`); the
         result covers `sampled`, the slots of every row the plan samples, dropped ones too.
         `load`: the step's HiCache load-backs, copied layer by layer as the target pass
         reaches each layer; the draft's layers come last, after the pass (no verify row of
-        this step reads them: loaded pages belong to requests that start prefilling now)."""
+        this step reads them: loaded pages belong to requests that start prefilling now).
+        `layers`: only those target layers (the warm-up), never through a graph."""
         starts = _row_starts(seqs)
         verify = [i for i, seq in enumerate(seqs) if seq.draft]
         for i in verify:
@@ -131,14 +134,16 @@ class SpecStep:
         plain = [i for i, seq in enumerate(seqs) if seq.sample and not seq.draft]
         rows = [starts[i] + seqs[i].extend - 1 for i in plain]
         rows += [starts[i] + k for i in verify for k in range(self.gamma + 1)]
-        if self.graphs is not None and self.graphs.fits(seqs, batch):
+        if layers is None and self.graphs is not None and self.graphs.fits(seqs, batch):
             if load is not None:
                 load.wait_all()  # a replayed graph has no per-layer hook
             # Verify rows only: `rows` is every row in order, as the graph's logits are.
             logits, features = self.graphs.run(batch)
         else:
             before_layer = load.before_layer if load is not None else None
-            hidden, features = target_pass(self.model, batch, self.kv, self.layer_ids, before_layer)
+            hidden, features = target_pass(
+                self.model, batch, self.kv, self.layer_ids, before_layer, layers
+            )
             if load is not None:
                 load.wait_all()  # the draft's layers too
             index = torch.tensor(rows, dtype=torch.int64, device=hidden.device)

@@ -37,3 +37,12 @@ def test_a_plan_ahead_of_the_committed_tokens_is_refused() -> None:
     lengths.advance(SeqStep([1, 2], 0, [0]), 2)
     with pytest.raises(RuntimeError, match="past the 2 tokens committed"):
         lengths.resolve([SeqStep(None, 3, [0])])
+
+
+def test_placed_rows_run_at_their_planned_starts() -> None:
+    """The warm-up's rows continue no request: placing them makes their starts the slots'."""
+    lengths = SlotLengths(2)
+    lengths.advance(SeqStep([1, 2], 0, [0]), 2)
+    rows = [SeqStep(None, 40, list(range(12)), slot=0, draft=7), SeqStep(None, 9, [0, 1], slot=1)]
+    lengths.place(rows)
+    assert lengths.resolve(rows) == rows
