@@ -29,6 +29,7 @@ from m3serve.core.engine_core import EngineCore
 from m3serve.core.executor import Executor
 from m3serve.core.req import Req
 from m3serve.core.scheduler import Scheduler
+from m3serve.core.step_inputs import StepInputs
 from m3serve.core.trace import StepTrace
 from m3serve.runtime.config import ServerArgs
 from m3serve.runtime.messages import SamplingParams, StepPlan, StepResult
@@ -79,6 +80,8 @@ class NoOpCore(EngineCore):
         self.executor = Executor(self.run)
         self._in_flight = None
         self.trace = StepTrace(log_every_step=False)
+        self.inputs = StepInputs(grammar=None, check=None)
+        self.plans = None
 
     def run(self, plan: StepPlan) -> StepResult:
         return self.runner.run(plan)

@@ -1,0 +1,119 @@
+"""StepLoop: the engine core's requests and steps, over a scheduler and the executor thread.
+
+`step()` reads schedule → run → process; `overlap_step()` is the same three phases with step
+N+1 launched before step N is processed, so the host work of one step hides behind the device
+work of the other. `run()` is the only place the model is called; it executes on the executor
+thread, everything else on the event loop that owns the core.
+
+`EngineCore` (core/engine_core.py) builds the parts this loop steps; a model-less core (the
+scheduler benchmark) sets them itself. With tensor parallelism (`plans`), `run()` broadcasts
+each plan before running it, and since the ranks run in lockstep a failed step is fatal to the
+engine (raised, not failed request by request)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from m3serve.core.executor import Executor
+from m3serve.core.media import ReqMedia
+from m3serve.core.ranks import PlanChannel
+from m3serve.core.req import Req
+from m3serve.core.scheduler import Outputs, Scheduler
+from m3serve.core.step_inputs import StepInputs
+from m3serve.core.step_runner import StepRunner
+from m3serve.core.trace import StepTrace
+from m3serve.runtime.messages import StepPlan, StepResult
+
+Launched = tuple[int, "asyncio.Future[StepResult]"]  # a step submitted to the executor
+
+
+class StepLoop:
+    scheduler: Scheduler
+    inputs: StepInputs
+    runner: StepRunner
+    executor: Executor
+    trace: StepTrace
+    plans: PlanChannel | None  # rank 0 of a tensor-parallel group: the followers' plans
+    _in_flight: Launched | None  # the step launched and not yet processed (overlap)
+
+    # ------------------------------------------------------------------ requests
+
+    def add(self, req: Req, fit_to_pool: bool = False) -> None:
+        self.inputs.add(self.scheduler, req, fit_to_pool)
+
+    def abort(self, rid: str) -> None:
+        self.inputs.abort(rid)
+        self.scheduler.abort(rid)
+
+    @property
+    def has_work(self) -> bool:
+        return self.inputs.waiting or self.scheduler.has_work
+
+    @property
+    def _step_media(self) -> dict[int, dict[int, list[ReqMedia]]]:
+        """The images handed to planned steps that have not run yet (empty when idle)."""
+        return self.inputs.step_media
+
+    # ------------------------------------------------------------------ steps
+
+    async def step(self) -> Outputs | None:
+        """Schedule → run → process one step; None when there was nothing to run."""
+        plan = self._schedule()
+        if plan is None:
+            return self.scheduler.take_errors()
+        return await self._process(self._launch(plan))
+
+    async def overlap_step(self) -> Outputs | None:
+        """Schedule and launch step N+1, then process step N, whose tokens the plan of step N+1
+        never needed (decode inputs come from the slot table). None when nothing was planned
+        and nothing was in flight."""
+        plan = self._schedule()
+        previous = self._in_flight
+        self._in_flight = self._launch(plan) if plan is not None else None
+        if previous is None:
+            return self.scheduler.take_errors() if plan is None else Outputs()
+        return await self._process(previous)
+
+    async def drain(self) -> Outputs | None:
+        """Process the step still in flight, if any (before shutting down)."""
+        previous, self._in_flight = self._in_flight, None
+        return await self._process(previous) if previous is not None else None
+
+    def _schedule(self) -> StepPlan | None:
+        started = time.perf_counter()
+        if self.inputs.waiting:
+            self.inputs.queue_compiled(self.scheduler)
+        plan = self.scheduler.schedule()
+        if plan is not None:
+            self.inputs.keep(plan, self.scheduler.running)
+            self.trace.planned(plan, time.perf_counter() - started)
+        return plan
+
+    def _launch(self, plan: StepPlan) -> Launched:
+        return plan.step, asyncio.wrap_future(self.executor.submit(plan))
+
+    async def _process(self, launched: Launched) -> Outputs:
+        step, future = launched
+        try:
+            result = await future
+        except Exception as exc:
+            self.trace.processed(step, 0.0)
+            if self.plans is not None:
+                raise  # the ranks are out of step: the engine cannot go on
+            return self.scheduler.fail_step(step, repr(exc))
+        started = time.perf_counter()
+        outputs = self.scheduler.process(result)
+        self.trace.processed(step, time.perf_counter() - started)
+        return outputs
+
+    # ------------------------------------------------------------------ run (executor thread)
+
+    def run(self, plan: StepPlan) -> StepResult:
+        """One forward over the plan's tokens, and a sampled token for each seq that asks."""
+        started, compiles = time.perf_counter(), self.trace.compiles.count
+        if self.plans is not None:
+            self.plans.send(plan)  # the followers run it with us
+        result = self.runner.run(plan)
+        self.trace.ran(plan.step, time.perf_counter() - started, compiles)
+        return result
