@@ -142,6 +142,9 @@ class TokenizeReq(msgspec.Struct, tag=True, kw_only=True, array_like=True):
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
+    # The messages' media, loaded as for a GenerateReq: their placeholders are expanded to the
+    # ids generation would see.
+    media: list[MediaBlob] = msgspec.field(default_factory=list)
 
 
 class DetokenizeReq(msgspec.Struct, tag=True, array_like=True):
