@@ -217,7 +217,7 @@ class TokenizerActor(Actor):
             raise RequestInvalid("images and videos need chat messages")
         if self.vision is None:
             raise RequestInvalid("this model's tokenizer has no image placeholder tokens")
-        return await asyncio.to_thread(lambda: [self.media.prepare(b) for b in req.media])
+        return await self.media.prepare_all(req.media)
 
     async def _encode_chat(
         self, req: GenerateReq, prepared: list[Prepared], add_generation_prompt: bool = True

@@ -111,6 +111,7 @@ class MediaBlob(msgspec.Struct, array_like=True, frozen=True):
     kind: Literal["image", "video"]
     data: bytes
     max_long_side_pixel: int | None = None
+    fps: float | None = None  # a video's requested sampling rate (None: the processor's)
 
 
 class GenerateReq(msgspec.Struct, tag=True, kw_only=True, array_like=True):
