@@ -96,9 +96,11 @@ async def test_library_chat_takes_image_parts(model_path: Path) -> None:
         str(model_path), single_process=True, max_total_tokens=4096
     ) as engine:
         result = await engine.chat(messages, temperature=0, max_new_tokens=2)
+        tokenized = await engine.tokenize(messages=messages)  # loads the image_url part itself
         with pytest.raises(RequestError, match="loopback"):
             remote = {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/x.png"}}
             await engine.chat(ask(remote)["messages"], max_new_tokens=2)
+    assert len(tokenized) == result["meta_info"]["prompt_tokens"]
     assert result["meta_info"]["prompt_tokens"] > process_image_bytes(
         IMAGE, ImageProcessorConfig()
     ).tokens(2)
