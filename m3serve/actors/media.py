@@ -3,13 +3,17 @@ their placeholders in the rendered prompt, and hand the patches to the engine th
 memory as `MediaInput`s.
 
 Preprocessing is CPU-bound (decode, resize) and runs on a thread, so a worker sharing its event
-loop with the API keeps serving; segments are written only once the request is known to be
-admitted by the tokenizer, so a refused request leaves none behind.
+loop with the API keeps serving; one thread per worker, so concurrent requests queue there
+instead of each running torch's whole pool (`preprocess_threads.py` sizes that pool). Segments
+are written only once the request is known to be admitted by the tokenizer, so a refused
+request leaves none behind.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +62,13 @@ class MediaPreprocessor:
         self.image = load_image_config(model_dir)
         self.video = load_video_config(model_dir)
         self.max_image_pixels = max_image_pixels
+        # Its thread starts on the first media request.
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="preprocess")
+
+    async def prepare_all(self, blobs: list[MediaBlob]) -> list[Prepared]:
+        """`prepare` each blob, in order, on this worker's preprocessing thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.pool, lambda: [self.prepare(b) for b in blobs])
 
     def prepare(self, blob: MediaBlob) -> Prepared:
         """Raises `MediaDecodeError` (a 400) for anything it cannot use."""
@@ -71,7 +82,7 @@ class MediaPreprocessor:
             )
         if blob.kind == "video":
             video = process_video_bytes(
-                blob.data, self.video, self.max_image_pixels, blob.max_long_side_pixel
+                blob.data, self.video, self.max_image_pixels, blob.max_long_side_pixel, blob.fps
             )
             n = video.temporal_patches
             stamps = [timestamp_text(s) for s in video.timestamps]

@@ -204,23 +204,27 @@ class TokenizerActor(Actor):
         """input_ids, the preprocessed media and each one's placeholder spans in the ids."""
         if not req.media:
             return await self.encode(req), [], []
+        prepared = await self._prepare(req)
+        ids, spans = await self._encode_chat(req, prepared)
+        self._check_ids(ids)
+        return ids, prepared, spans
+
+    async def _prepare(self, req: GenerateReq) -> list[Prepared]:
+        """The request's media decoded and preprocessed (on a thread), once it may have any."""
         if not self.facts.vision:  # refused before any decoding work
             raise RequestInvalid("this model takes no images or videos (it has no vision tower)")
         if req.messages is None or self.tokenizer is None:
             raise RequestInvalid("images and videos need chat messages")
         if self.vision is None:
             raise RequestInvalid("this model's tokenizer has no image placeholder tokens")
-        prepared = await asyncio.to_thread(lambda: [self.media.prepare(b) for b in req.media])
-        ids, spans = await self._encode_chat(req, prepared)
-        self._check_ids(ids)
-        return ids, prepared, spans
+        return await self.media.prepare_all(req.media)
 
     async def _encode_chat(
-        self, req: GenerateReq, prepared: list[Prepared]
+        self, req: GenerateReq, prepared: list[Prepared], add_generation_prompt: bool = True
     ) -> tuple[list[int], list[list[tuple[int, int]]]]:
         vision = self.vision
         if not prepared:
-            text = self.render(req)
+            text = self.render(req, add_generation_prompt=add_generation_prompt)
             if vision is None or not any(marker in text for marker in MARKERS.values()):
                 return await self._encode_text(text), []
         if vision is None:
@@ -228,7 +232,7 @@ class TokenizerActor(Actor):
         # Rendered with the client's own marker strings escaped: every marker left in the text
         # came from a media part.
         escaper = Escaper()
-        text = self.render(req, escaper)
+        text = self.render(req, escaper, add_generation_prompt)
         self._check_chars(text)
         tokens = [item.tokens for item in prepared]
 
@@ -290,7 +294,9 @@ class TokenizerActor(Actor):
         batch = await asyncio.to_thread(encode, [text], add_special_tokens=False)
         return batch[0].ids
 
-    def render(self, req: GenerateReq, escaper: Escaper | None = None) -> str:
+    def render(
+        self, req: GenerateReq, escaper: Escaper | None = None, add_generation_prompt: bool = True
+    ) -> str:
         if self.template is None:
             raise RequestInvalid("the model has no chat template: send a prompt instead")
         given = req.chat_template_kwargs or {}
@@ -315,7 +321,13 @@ class TokenizerActor(Actor):
         if escaper is not None:
             messages, tools, prefix = escaper.escape([messages, tools, prefix])
             kwargs = escaper.escape(kwargs)
-        text = render_chat(self.template, messages, tools=tools, **kwargs)
+        text = render_chat(
+            self.template,
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            **kwargs,
+        )
         return text + prefix
 
     def check(self, sampling: SamplingParams, prompt_len: int) -> int:
@@ -349,14 +361,14 @@ class TokenizerActor(Actor):
 
     async def _tokenize(self, req: TokenizeReq) -> TokenizeResult:
         self._need_tokenizer()
-        text = req.prompt or ""
-        if req.messages is not None:
-            if self.template is None:
-                raise RequestInvalid("the model has no chat template")
-            text = render_chat(
-                self.template, req.messages, add_generation_prompt=req.add_generation_prompt
-            )
-        return TokenizeResult(req.rid, await self._encode_text(text))
+        if req.messages is None:
+            return TokenizeResult(req.rid, await self._encode_text(req.prompt or ""))
+        # Encoded as generation encodes it: client marker text stays text, and each image or
+        # video is its full placeholder run (so the count is the chat's prompt_tokens).
+        as_chat = GenerateReq(rid=req.rid, messages=req.messages, media=req.media)
+        prepared = await self._prepare(as_chat) if req.media else []
+        ids, _ = await self._encode_chat(as_chat, prepared, req.add_generation_prompt)
+        return TokenizeResult(req.rid, ids)
 
     async def _detokenize(self, req: DetokenizeReq) -> DetokenizeResult:
         self._need_tokenizer()
@@ -380,7 +392,7 @@ class TokenizerActor(Actor):
         reply: TokenizeResult | DetokenizeResult | Error
         try:
             reply = await work()
-        except (RequestInvalid, ChatTemplateError) as exc:
+        except (RequestInvalid, ChatTemplateError, MediaDecodeError, PromptMediaError) as exc:
             reply = Error(rid, str(exc), 400)
         except Exception as exc:
             log.exception("request %s could not be processed", rid)

@@ -15,6 +15,8 @@ from m3serve.api.metrics import CONTENT_TYPE
 from m3serve.api.protocol import REQUEST_TYPES, DetokenizeRequest, TokenizeRequest, to_builtins
 from m3serve.api.state import ServerState
 from m3serve.engine import EngineDeadError, RequestError
+from m3serve.engine.media import MediaRefused, load_media
+from m3serve.runtime.messages import MediaBlob
 
 T = TypeVar("T")
 
@@ -59,15 +61,29 @@ def _model_card(state: ServerState) -> dict[str, Any]:
 
 
 async def tokenize(request: Request) -> Response:
-    """Encoded by a tokenizer worker: a big prompt never stalls this process's event loop."""
+    """Encoded by a tokenizer worker: a big prompt never stalls this process's event loop. A
+    message's images and videos count as the placeholder runs generation would see."""
     state: ServerState = request.app.state.server
     body = decode(await read_body(request, state.args.max_request_bytes), TokenizeRequest)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "send exactly one of prompt or messages", "prompt")
-    messages = None if body.messages is None else [to_builtins(m) for m in body.messages]
-    call = state.engine.tokenize(body.prompt, messages, body.add_generation_prompt)
+    messages, media = None, None
+    if body.messages is not None:
+        messages, media = await _load_media([to_builtins(m) for m in body.messages], state)
+    call = state.engine.tokenize(body.prompt, messages, body.add_generation_prompt, media)
     ids = await _in_worker(call, "prompt" if messages is None else "messages")
     return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.context_length})
+
+
+async def _load_media(
+    messages: list[dict[str, Any]], state: ServerState
+) -> tuple[list[dict[str, Any]], list[MediaBlob]]:
+    """The messages' image/video parts loaded as chat loads them (every part checked before any
+    is fetched), so the worker expands their placeholders to the ids generation sees."""
+    try:
+        return await load_media(messages, state.engine.args.media)
+    except MediaRefused as exc:
+        raise APIError(400, exc.message, exc.param) from exc
 
 
 async def detokenize(request: Request) -> Response:

@@ -15,7 +15,7 @@ from m3serve.engine.requests import sampling
 from m3serve.model.thinking import ThinkingInvalid, resolve_thinking
 from m3serve.parsers import ReasoningParser, ToolCallParser
 from m3serve.runtime.config import MediaArgs
-from m3serve.runtime.messages import GenerateReq
+from m3serve.runtime.messages import GenerateReq, MediaBlob
 
 
 def chat_request(
@@ -48,14 +48,21 @@ def chat_request(
 async def with_media(req: GenerateReq, args: MediaArgs) -> GenerateReq:
     """`req` with its messages' image_url / video_url parts loaded into `media` (as the API
     does); a refused part is a `RequestError`."""
-    try:
-        messages, media = await load_media(req.messages or [], args)
-    except MediaRefused as exc:
-        where = f" ({exc.param})" if exc.param else ""
-        raise RequestError(exc.message + where) from exc
+    messages, media = await messages_media(req.messages or [], args)
     if not media:
         return req
     return msgspec.structs.replace(req, messages=messages, media=media)
+
+
+async def messages_media(
+    messages: list[dict[str, Any]], args: MediaArgs
+) -> tuple[list[dict[str, Any]], list[MediaBlob]]:
+    """`load_media` for library calls: a refused part is a `RequestError` naming it."""
+    try:
+        return await load_media(messages, args)
+    except MediaRefused as exc:
+        where = f" ({exc.param})" if exc.param else ""
+        raise RequestError(exc.message + where) from exc
 
 
 def parsed(result: dict[str, Any], req: GenerateReq) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from m3serve.actors.preprocess_threads import bound_worker_threads
 from m3serve.engine.hicache import (
     HICACHE,
     hicache_actor,
@@ -366,6 +367,9 @@ def tokenizer_process(
     session: str,
     log_level: int,
 ) -> None:
+    # Its own process: the torch pool is this worker's share of the cores, not all of them.
+    bound_worker_threads(args.runtime.tokenizer_worker_num)
+
     async def main() -> None:
         actor = _tokenizer_actor(
             args,

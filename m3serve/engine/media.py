@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -41,6 +42,7 @@ class MediaPart:
     url: str
     max_long_side_pixel: int | None
     param: str
+    fps: float | None = None
 
 
 def is_media_part(part: dict[str, Any]) -> bool:
@@ -50,7 +52,9 @@ def is_media_part(part: dict[str, Any]) -> bool:
 def parse_part(part: dict[str, Any], param: str) -> MediaPart:
     """An `image_url` / `video_url` part's URL and options: `max_long_side_pixel` (as
     MiniMax's API: a cap on the longer side, of an image or of each video frame); `detail` is
-    accepted and ignored (the processor's own pixel bounds decide the resolution)."""
+    accepted and ignored (the processor's own pixel bounds decide the resolution); a video's
+    `fps` (as vLLM's and SGLang's per-request video fps) replaces the processor's sampling rate,
+    the frame count still within the processor's frame limits."""
     kind_name = part["type"]
     body = part.get(kind_name)
     if isinstance(body, str):  # some clients send the URL bare
@@ -68,7 +72,20 @@ def parse_part(part: dict[str, Any], param: str) -> MediaPart:
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme not in ("data", "http", "https", "file"):
         raise MediaRefused(f"{kind_name}.url must be a data:, http(s): or file: URL", param)
-    return MediaPart(PART_KINDS[kind_name], url, cap, param)
+    return MediaPart(PART_KINDS[kind_name], url, cap, param, _fps(kind_name, body, param))
+
+
+def _fps(kind_name: str, body: dict[str, Any], param: str) -> float | None:
+    fps = body.get("fps")
+    if fps is None:
+        return None
+    if kind_name != "video_url":
+        raise MediaRefused(f"{kind_name}.fps: only video_url parts take a sampling rate", param)
+    if isinstance(fps, bool) or not isinstance(fps, int | float) or not math.isfinite(fps):
+        raise MediaRefused("video_url.fps must be a number", param)
+    if fps <= 0:
+        raise MediaRefused(f"video_url.fps must be positive, got {fps}", param)
+    return float(fps)
 
 
 def media_parts(messages: list[dict[str, Any]]) -> list[MediaPart]:
@@ -146,7 +163,7 @@ async def load_media(
     blobs = []
     for part in parts:
         data = await load_part(part, args)
-        blobs.append(MediaBlob(part.kind, data, part.max_long_side_pixel))
+        blobs.append(MediaBlob(part.kind, data, part.max_long_side_pixel, part.fps))
     counter = iter(range(len(parts)))
     out = []
     for message in messages:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from m3serve.engine.chat import messages_media
 from m3serve.engine.errors import EngineDeadError, RequestError
 from m3serve.engine.launch import ActorGraph
 from m3serve.engine.workers import TokenizerWorkers
@@ -20,6 +21,7 @@ from m3serve.runtime.messages import (
     DetokenizeReq,
     DetokenizeResult,
     GenerateReq,
+    MediaBlob,
     RequestOutput,
     TextBatch,
     TokenizeReq,
@@ -115,12 +117,21 @@ class RequestPlumbing:
         prompt: str | None = None,
         messages: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        media: list[MediaBlob] | None = None,
     ) -> list[int]:
-        """The token ids of `prompt`, or of the chat template rendered over `messages`, as a
-        tokenizer worker encodes them (raises RequestError for a refusal)."""
+        """The token ids of `prompt`, or of the chat template rendered over `messages` (their
+        `media` parts' placeholders expanded, as for generation), as a tokenizer worker encodes
+        them (raises RequestError for a refusal). Without `media`, the messages' image_url and
+        video_url parts are loaded here."""
+        if messages is not None and media is None:
+            messages, media = await messages_media(messages, self.args.media)
         rid = "tok-" + uuid.uuid4().hex
         req = TokenizeReq(
-            rid=rid, prompt=prompt, messages=messages, add_generation_prompt=add_generation_prompt
+            rid=rid,
+            prompt=prompt,
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            media=media or [],
         )
         reply = await self._call(rid, req)
         assert isinstance(reply, TokenizeResult)

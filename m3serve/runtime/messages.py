@@ -111,6 +111,7 @@ class MediaBlob(msgspec.Struct, array_like=True, frozen=True):
     kind: Literal["image", "video"]
     data: bytes
     max_long_side_pixel: int | None = None
+    fps: float | None = None  # a video's requested sampling rate (None: the processor's)
 
 
 class GenerateReq(msgspec.Struct, tag=True, kw_only=True, array_like=True):
@@ -142,6 +143,9 @@ class TokenizeReq(msgspec.Struct, tag=True, kw_only=True, array_like=True):
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
+    # The messages' media, loaded as for a GenerateReq: their placeholders are expanded to the
+    # ids generation would see.
+    media: list[MediaBlob] = msgspec.field(default_factory=list)
 
 
 class DetokenizeReq(msgspec.Struct, tag=True, array_like=True):

@@ -96,9 +96,32 @@ async def test_library_chat_takes_image_parts(model_path: Path) -> None:
         str(model_path), single_process=True, max_total_tokens=4096
     ) as engine:
         result = await engine.chat(messages, temperature=0, max_new_tokens=2)
+        tokenized = await engine.tokenize(messages=messages)  # loads the image_url part itself
         with pytest.raises(RequestError, match="loopback"):
             remote = {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/x.png"}}
             await engine.chat(ask(remote)["messages"], max_new_tokens=2)
+    assert len(tokenized) == result["meta_info"]["prompt_tokens"]
     assert result["meta_info"]["prompt_tokens"] > process_image_bytes(
         IMAGE, ImageProcessorConfig()
     ).tokens(2)
+
+
+async def test_tokenize_expands_an_image_as_chat_counts_it(model_path: Path) -> None:
+    part = {"type": "image_url", "image_url": {"url": data_url(IMAGE)}}
+    messages = ask(part)["messages"]
+    async with served(model_path) as client:
+        chat = await client.post(CHAT, json=ask(part))
+        tokenized = await client.post("/v1/tokenize", json={"messages": messages})
+        marker = await client.post("/v1/tokenize", json={"prompt": "]<]image[>["})
+        bad_part = {"type": "image_url", "image_url": {"url": data_url(b"garbage")}}
+        bad = await client.post("/v1/tokenize", json={"messages": ask(bad_part)["messages"]})
+        remote = {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/x.png"}}
+        refused = await client.post("/v1/tokenize", json={"messages": ask(remote)["messages"]})
+    assert tokenized.status_code == 200, tokenized.text
+    body = tokenized.json()
+    assert body["count"] == len(body["tokens"]) == chat.json()["usage"]["prompt_tokens"]
+    tokens = process_image_bytes(IMAGE, ImageProcessorConfig()).tokens(2)
+    assert body["tokens"].count(marker.json()["tokens"][0]) == tokens
+    assert bad.status_code == 400 and "cannot decode the image" in bad.json()["error"]["message"]
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "messages.0.content.1"

@@ -75,12 +75,12 @@ def test_an_image_question_streams_an_answer(client: openai.OpenAI) -> None:
 
 
 def _image_offset(http: httpx.Client, blob: bytes) -> int:
-    """Where the image's placeholder run starts in the prompt: after the text before the image
-    marker and the start-of-image token."""
+    """Where the image's placeholder run starts in the prompt (/v1/tokenize expands it as
+    generation does)."""
     rendered = http.post("/v1/tokenize", json={"messages": ask(blob)}).json()["tokens"]
     marker = http.post("/v1/tokenize", json={"prompt": "]<]image[>["}).json()["tokens"]
-    (position,) = [i for i, t in enumerate(rendered) if t == marker[0]]
-    return position + 1
+    assert rendered.count(marker[0]) == TOKENS
+    return rendered.index(marker[0])
 
 
 def test_different_images_differ_and_share_no_cache(
@@ -112,3 +112,5 @@ def test_different_images_differ_and_share_no_cache(
     # ... while the same image again is served from the cache past its placeholders.
     assert again.usage.prompt_tokens_details.cached_tokens >= offset + TOKENS - 4
     assert again.choices[0].message.content == first.choices[0].message.content
+    counted = http.post("/v1/tokenize", json={"messages": ask(NOISE)}).json()["count"]
+    assert counted == first.usage.prompt_tokens

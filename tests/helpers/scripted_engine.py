@@ -59,6 +59,7 @@ class ScriptedEngine:
         prompt: str | None = None,
         messages: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        media: list[Any] | None = None,
     ) -> list[int]:
         assert prompt is not None, "the scripted engine tokenizes prompts only"
         return self._tokenizer.encode(prompt, add_special_tokens=False).ids

@@ -6,6 +6,7 @@ to fill the last group; groups are split into attention segments of `segment_max
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 from dataclasses import dataclass
@@ -170,13 +171,27 @@ def preprocess_frames(
     return ProcessedVideo(pixels, grids, gh * gw // image.merge_size**2, stamps)
 
 
+def with_fps(config: VideoProcessorConfig, fps: float | None) -> VideoProcessorConfig:
+    """`config` sampling at a request's `fps` (None: its own). Only the rate changes: the frame
+    count stays clamped to [min_frames, max_frames] and to the frames the video has, so no rate
+    can sample past the processor's limits."""
+    if fps is None:
+        return config
+    if not fps > 0 or not math.isfinite(fps):
+        raise MediaDecodeError(f"a video's fps must be a positive number, got {fps}")
+    return dataclasses.replace(config, fps=float(fps))
+
+
 def process_video_bytes(
     data: bytes,
     config: VideoProcessorConfig,
     max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     max_long_side: int | None = None,
+    fps: float | None = None,
 ) -> ProcessedVideo:
-    """Encoded video bytes to patches; every failure is a `MediaDecodeError`."""
+    """Encoded video bytes to patches, sampled at `fps` (None: the processor's); every failure
+    is a `MediaDecodeError`."""
+    config = with_fps(config, fps)
     frames, indices, fps = _decode(data, config, max_pixels)
     return preprocess_frames(frames, indices, fps, config, max_long_side)
 

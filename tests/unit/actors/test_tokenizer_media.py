@@ -18,7 +18,15 @@ from m3serve.actors.tokenizer import TokenizerActor
 from m3serve.model.tiny.checkpoint import TinySpec
 from m3serve.model.vision.processor import process_image_bytes
 from m3serve.model.vision.processor_config import ImageProcessorConfig
-from m3serve.runtime.messages import Error, GenerateReq, MediaBlob, SamplingParams, Tokenized
+from m3serve.runtime.messages import (
+    Error,
+    GenerateReq,
+    MediaBlob,
+    SamplingParams,
+    Tokenized,
+    TokenizeReq,
+    TokenizeResult,
+)
 from m3serve.runtime.shm import list_session_segments, new_session_id, read_array, unpack_token_ids
 from m3serve.runtime.transport import InProcChannel
 
@@ -228,3 +236,29 @@ async def test_a_model_without_a_vision_config_refuses_media(
     error = await next_message(api.inbox())
     assert isinstance(error, Error) and error.code == 400
     assert "no vision tower" in error.message
+
+
+async def test_tokenize_gives_the_ids_generation_sees(wired) -> None:
+    actor, sched, api, _ = wired
+    await actor.on_start()
+    blobs = [png(56, 84, 1), png(120, 200, 2)]
+    req = image_request("gen", blobs, text="a literal ]<]image[>[ here")
+    await actor.on_generate(req)
+    generated = await next_message(sched)
+    await actor.on_tokenize(TokenizeReq(rid="tok", messages=req.messages, media=req.media))
+    reply = await next_message(api)
+    assert isinstance(reply, TokenizeResult)
+    assert reply.token_ids == unpack_token_ids(generated.input_ids).tolist()
+    for item in generated.media:
+        read_array(item.pixels, np.float32)
+
+
+async def test_tokenize_with_bad_image_bytes_is_a_400(wired) -> None:
+    actor, _, api, session = wired
+    await actor.on_start()
+    req = image_request("bad", [b"\x89PNG garbage"])
+    await actor.on_tokenize(TokenizeReq(rid="bad", messages=req.messages, media=req.media))
+    error = await next_message(api)
+    assert isinstance(error, Error) and error.rid == "bad" and error.code == 400
+    assert "cannot decode the image" in error.message
+    assert list_session_segments(session) == []

@@ -25,6 +25,9 @@ def data_url(blob: bytes, mime: str = "image/png") -> str:
     return f"data:{mime};base64," + base64.b64encode(blob).decode()
 
 
+VIDEO_URL = data_url(b"\x00video", "video/mp4")
+
+
 def image_message(part: dict[str, Any]) -> dict[str, Any]:
     return {"role": "user", "content": [{"type": "text", "text": "What is this?"}, part]}
 
@@ -72,6 +75,14 @@ async def test_max_long_side_pixel_travels_with_the_image(serve) -> None:
         assert s.engine.seen[-1].media[0].max_long_side_pixel == 448
 
 
+async def test_a_video_fps_travels_with_the_video(serve) -> None:
+    part = {"type": "video_url", "video_url": {"url": VIDEO_URL, "fps": 2}}
+    async with serve(says) as s:
+        response = await s.post(CHAT, {"messages": [image_message(part)]})
+        assert response.status_code == 200, response.text
+        assert s.engine.seen[-1].media[0].fps == 2.0
+
+
 @pytest.mark.parametrize(
     ("part", "words"),
     [
@@ -91,6 +102,9 @@ async def test_max_long_side_pixel_travels_with_the_image(serve) -> None:
         ({"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}, "file://"),
         ({"type": "image", "image": "x"}, "image_url"),
         ({"type": "input_audio"}, "input_audio"),
+        ({"type": "video_url", "video_url": {"url": VIDEO_URL, "fps": 0}}, "positive"),
+        ({"type": "video_url", "video_url": {"url": VIDEO_URL, "fps": -1}}, "positive"),
+        ({"type": "video_url", "video_url": {"url": VIDEO_URL, "fps": "x"}}, "fps"),
     ],
 )
 async def test_a_bad_media_part_is_a_400_before_the_engine(serve, part, words) -> None:

@@ -17,6 +17,7 @@ from m3serve.model.vision.video import (
     process_video_bytes,
     sample_indices,
     timestamp_text,
+    with_fps,
 )
 
 CONFIG = VideoProcessorConfig()
@@ -91,3 +92,19 @@ def test_max_long_side_caps_each_frame() -> None:
     capped = preprocess_frames(clip, [0, 1, 2, 3], 1.0, CONFIG, max_long_side=280)
     assert max(free.grids[0][1:]) * 14 > 280
     assert max(capped.grids[0][1:]) * 14 <= 280
+
+
+def test_a_request_fps_changes_the_rate_within_the_frame_limits() -> None:
+    # 100 s of video at 30 fps: the processor's 1 fps keeps 100 frames, 2 fps keeps 200.
+    assert len(sample_indices(3000, 30.0, with_fps(CONFIG, None))) == 100
+    assert len(sample_indices(3000, 30.0, with_fps(CONFIG, 2))) == 200
+    # A tiny rate still keeps min_frames, a huge one at most max_frames and the frames there are.
+    assert len(sample_indices(3000, 30.0, with_fps(CONFIG, 1e-6))) == CONFIG.min_frames
+    assert len(sample_indices(10**6, 30.0, with_fps(CONFIG, 1e9))) == CONFIG.max_frames
+    assert sample_indices(50, 30.0, with_fps(CONFIG, 1e9)) == list(range(50))
+
+
+@pytest.mark.parametrize("fps", [0, -2.0, float("nan"), float("inf")])
+def test_a_non_positive_fps_is_a_decode_error(fps: float) -> None:
+    with pytest.raises(MediaDecodeError, match="fps"):
+        with_fps(CONFIG, fps)
