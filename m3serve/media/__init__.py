@@ -10,6 +10,7 @@ This package sits at the bottom of the import layers: it imports nothing else of
 from m3serve.media.errors import MediaError
 from m3serve.media.fetch import fetch_media
 from m3serve.media.image_header import check_image_header
+from m3serve.media.local import decode_data_bytes
 from m3serve.media.policy import MediaPolicy
 
-__all__ = ["MediaError", "MediaPolicy", "check_image_header", "fetch_media"]
+__all__ = ["MediaError", "MediaPolicy", "check_image_header", "decode_data_bytes", "fetch_media"]

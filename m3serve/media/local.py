@@ -19,7 +19,12 @@ _WHITESPACE = str.maketrans("", "", " \t\r\n")
 
 
 def decode_data_url(url: str, policy: MediaPolicy) -> bytes:
-    """The bytes of a base64 `data:` URL, refused past the byte cap before decoding."""
+    """The bytes of a base64 `data:` URL, refused past the policy's byte cap before decoding."""
+    return decode_data_bytes(url, policy.max_bytes)
+
+
+def decode_data_bytes(url: str, max_bytes: int) -> bytes:
+    """The bytes of a base64 `data:` URL, refused past `max_bytes` before decoding."""
     header, comma, payload = url.partition(",")
     if not comma:
         raise MediaError("data: URL has no ',' before its payload")
@@ -27,18 +32,17 @@ def decode_data_url(url: str, policy: MediaPolicy) -> bytes:
         raise MediaError("data: URLs must be base64-encoded (data:<type>;base64,<data>)")
     payload = payload.translate(_WHITESPACE)
     # 4 base64 characters carry 3 bytes: refuse before allocating the decoded copy.
-    if len(payload) // 4 * 3 > policy.max_bytes + 2:
-        raise MediaError(f"data: URL holds more than {policy.max_bytes} bytes (--max-media-bytes)")
+    if len(payload) // 4 * 3 > max_bytes + 2:
+        raise MediaError(f"data: URL holds more than {max_bytes} bytes (--max-media-bytes)")
     try:
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise MediaError("data: URL payload is not valid base64") from exc
     if not data:
         raise MediaError("data: URL is empty")
-    if len(data) > policy.max_bytes:
+    if len(data) > max_bytes:
         raise MediaError(
-            f"data: URL holds {len(data)} bytes, above the limit of "
-            f"{policy.max_bytes} (--max-media-bytes)"
+            f"data: URL holds {len(data)} bytes, above the limit of {max_bytes} (--max-media-bytes)"
         )
     return data
 
