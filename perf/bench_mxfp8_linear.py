@@ -13,9 +13,12 @@ Shapes (N, K) are the model's MXFP8 projections: fused q/k/v/index-q/index-k (98
   layers do. Also timed: torch's bf16 matmul on the dequantized weight (twice the bytes), the
   alternative of dequantizing at load.
 * prefill, M 2048: both timed the same way (graph replay), TFLOP/s = 2 M N K / time.
+* the two decode kernels side by side at M <= 8 (`gemv_us`, `mma_us`: each forced, whatever
+  `plan_mxfp8` picks), the measurement behind `GEMV_MAX_M`; `--gemv-sweep` times the GEMV
+  kernel's tile choices at M 1 and 4 on the first shape.
 
     python perf/bench_mxfp8_linear.py [--ms 1,8,32,64,128] [--prefill-m 2048]
-        [--shapes qkv_index,o_proj,...] [--out PATH]
+        [--shapes qkv_index,o_proj,...] [--gemv-sweep] [--out PATH]
 
 Timing and the bandwidth measurement come from perf/gpu_timing.py (run the script by path, so
 that perf/ is on sys.path).
@@ -27,6 +30,7 @@ perf/results/bench_mxfp8_linear.json (or --out).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -38,7 +42,7 @@ import triton
 from gpu_timing import graph_us, read_bandwidth
 
 from m3serve.kernels.quant import dequant_mxfp8, quant_mxfp8
-from m3serve.kernels.triton.mxfp8_linear import mxfp8_linear, plan_mxfp8
+from m3serve.kernels.triton.mxfp8_linear import Mxfp8Plan, mxfp8_linear, plan_mxfp8
 
 SHAPES = {
     "qkv_index": (9856, 6144),
@@ -83,8 +87,8 @@ def point(
     outs = [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for _ in weight.codes]
     dense_outs = [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for _ in weight.dense]
 
-    def ours(i: int) -> Callable[[], object]:
-        return lambda: mxfp8_linear(x, weight.codes[i], weight.scales[i], out=outs[i])
+    def ours(i: int, plan: Mxfp8Plan | None = None) -> Callable[[], object]:
+        return lambda: mxfp8_linear(x, weight.codes[i], weight.scales[i], out=outs[i], plan=plan)
 
     def torch_bf16(i: int) -> Callable[[], object]:
         return lambda: torch.mm(x, weight.dense[i].t(), out=dense_outs[i])
@@ -94,6 +98,11 @@ def point(
     row.update(block_m=plan.block_m, block_n=plan.block_n, block_k=plan.block_k)
     row["split_k"] = plan.split_k
     row["us"] = graph_us([ours(i) for i in range(len(outs))])
+    if m <= 8:
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        for path, limit in (("gemv", 16), ("mma", 0)):
+            forced = plan_mxfp8(m, n, k, sms, gemv_max_m=limit)
+            row[f"{path}_us"] = graph_us([ours(i, forced) for i in range(len(outs))])
     row["torch_bf16_us"] = graph_us([torch_bf16(i) for i in range(len(dense_outs))])
     row["weight_bytes"] = weight.bytes
     row["gb_per_s"] = weight.bytes / row["us"] / 1e3
@@ -110,11 +119,44 @@ def point(
     return row
 
 
+def gemv_sweep(name: str, bandwidth: float) -> list[dict[str, float | int | str]]:
+    """The GEMV kernel's tile choices on one shape at M 1 and 4 (graph replay)."""
+    n, k = SHAPES[name]
+    weight = Weight(n, k, copies_for(n * k * 33 // 32), 1)
+    rows: list[dict[str, float | int | str]] = []
+    print(f"\nGEMV tiles on {name} ({n} x {k}): µs (% of read bandwidth)")
+    for m in (1, 4):
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        outs = [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for _ in weight.codes]
+        for block_n, block_k, warps, stages in itertools.product((8, 16, 32), (256, 512), (4, 8),
+                                                                 (3, 4)):  # fmt: skip
+            plan = Mxfp8Plan(m, block_n, block_k, 1, warps, stages, gemv=True)
+            us = graph_us(_calls(x, weight, outs, plan))
+            frac = weight.bytes / (us * 1e-6) / bandwidth
+            rows.append(
+                {"m": m, "block_n": block_n, "block_k": block_k, "warps": warps,
+                 "stages": stages, "us": us, "read_fraction": frac}
+            )  # fmt: skip
+            tiles = f"n{block_n} k{block_k} w{warps} s{stages}"
+            print(f"  M {m} {tiles}: {us:7.2f} ({100 * frac:4.1f}%)")
+    return rows
+
+
+def _calls(
+    x: torch.Tensor, weight: Weight, outs: list[torch.Tensor], plan: Mxfp8Plan
+) -> list[Callable[[], object]]:
+    def call(i: int) -> Callable[[], object]:
+        return lambda: mxfp8_linear(x, weight.codes[i], weight.scales[i], out=outs[i], plan=plan)
+
+    return [call(i) for i in range(len(outs))]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ms", default="1,8,32,64,128")
     parser.add_argument("--prefill-m", type=int, default=2048)
     parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--gemv-sweep", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     ms = [int(m) for m in args.ms.split(",")]
@@ -124,6 +166,7 @@ def main() -> None:
     print(f"device read-only bandwidth: {bandwidth / 1e12:.2f} TB/s")
 
     decode, prefill = [], []
+    sweep = gemv_sweep(shapes[0], bandwidth) if args.gemv_sweep else []
     print("\ndecode (CUDA-graph replay; GB/s of weight bytes = codes + scales)")
     print(
         f"{'shape':>15} {'N':>6} {'K':>6} {'M':>4} {'bm':>4} {'split':>5} {'µs':>8} {'GB/s':>7} "
@@ -140,6 +183,7 @@ def main() -> None:
                 f"{r['us']:>8.2f} {r['gb_per_s']:>7.0f} {100 * r['read_fraction']:>5.1f}% "
                 f"{r['torch_bf16_us']:>8.2f} {r['speedup_vs_torch_bf16']:>6.2f} "
                 f"{r['rel_diff_vs_torch']:>9.2e}"
+                + (f"  gemv {r['gemv_us']:.2f} / mma {r['mma_us']:.2f} µs" if m <= 8 else "")
             )
 
         # Prefill now, while this shape's weights exist: one shape's copies in memory at a time.
@@ -168,6 +212,7 @@ def main() -> None:
         "read_bandwidth_bytes_per_s": bandwidth,
         "decode": decode,
         "prefill": prefill,
+        "gemv_sweep": sweep,
     }
     if args.out is not None:
         path = args.out

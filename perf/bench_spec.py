@@ -54,9 +54,13 @@ def engine(path: Path, accept: float | None, server: dict[str, Any]) -> EngineCo
 def decode_rate(
     core: EngineCore, batch: int, prompt: int, new: int, warm: int, overlap: bool
 ) -> dict[str, float]:
-    """Decode tokens/s per request and seconds per step of `batch` requests on `core`, once
-    every request is prefilled and `warm` steps have run."""
-    sampling = SamplingParams(temperature=0.0, max_new_tokens=new + warm, ignore_eos=True)
+    """Decode tokens/s per request and seconds per step of `batch` requests on `core`: the timed
+    window opens once every request is prefilled and `warm` steps have run, and closes when the
+    requests have made `new` tokens each on average, or one of them finishes, so every timed
+    step carries the whole batch (requests prefilled early decode while later ones prefill, and
+    would otherwise finish before the window and leave it a shrinking batch)."""
+    # Room for the decode steps beside the later prefills; the window closes long before.
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=2 * new + warm, ignore_eos=True)
     reqs = [
         Req(f"b{batch}r{i}", [(i * 13 + j) % 400 + 8 for j in range(prompt)], sampling,
             frozenset(), 0)
@@ -73,10 +77,17 @@ def decode_rate(
             await core.step()
         done_before = sum(len(r.output) for r in reqs)
         steps, started = 0, time.perf_counter()
-        while core.has_work or core._in_flight is not None:
+        timed = 0
+        while timed < new * batch and not any(r.finish for r in reqs):
             await step()
             steps += 1
-        return time.perf_counter() - started, steps, sum(len(r.output) for r in reqs) - done_before
+            timed = sum(len(r.output) for r in reqs) - done_before
+        seconds = time.perf_counter() - started
+        for req in reqs:
+            core.abort(req.rid)
+        while core.has_work or core._in_flight is not None:
+            await step()
+        return seconds, steps, timed
 
     seconds, steps, tokens = asyncio.run(go())
     return {
@@ -119,10 +130,11 @@ def main() -> None:
         "device": args.device,
         "dtype": args.dtype,
         "disable_cuda_graph": args.disable_cuda_graph,
-        "max_total_tokens": max(65536, 2 * max(args.batch) * (args.prompt + args.new + 64)),
+        "max_total_tokens": max(65536, 2 * max(args.batch) * (args.prompt + 2 * args.new + 64)),
         "cuda_graph_max_bs_decode": max(args.batch),
         # Prefill is not timed: no piecewise graphs, no warm-up (the untimed steps compile).
         "cuda_graph_backend_prefill": "disabled",
+        "mixed_step_stretch": 0.0,  # prefill is untimed: no prompt budget beside decodes
         "skip_warmup": True,
     }
     with tempfile.TemporaryDirectory() as tmp:

@@ -29,8 +29,11 @@ class Backend(Protocol):
     # any other format are dequantized at load.
     weight_formats: frozenset[str]
 
-    def linear(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
-        """x [T, K] @ W^T for a dense or MXFP8 weight W [N, K] -> [T, N] in x's dtype."""
+    def linear(
+        self, x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [T, K] @ W^T (+ bias [N]) for a dense or MXFP8 weight W [N, K] -> [T, N] in x's
+        dtype."""
         ...
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...

@@ -85,10 +85,13 @@ class HopperBackend(ReferenceBackend):
         self.weight_formats = frozenset({"MXFP8", *experts})
         self._side = None if interpreter else torch.cuda.Stream(device)
 
-    def linear(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if isinstance(weight, Mxfp8Weight):
-            return self._mxfp8.mxfp8_linear(x, weight.codes, weight.scales)
-        return torch.nn.functional.linear(x, weight)
+            y = self._mxfp8.mxfp8_linear(x, weight.codes, weight.scales)
+            return y if bias is None else y + bias
+        return torch.nn.functional.linear(x, weight, bias)  # the bias in cuBLAS's epilogue
 
     def concurrently(self, first: Callable[[], A], second: Callable[[], B]) -> tuple[A, B]:
         """`second` on a side stream while `first` runs on the current one (also inside a CUDA

@@ -43,10 +43,12 @@ class ReferenceBackend:
         self.device = device
         self.weight_formats = frozenset({"MXFP8", "NVFP4"} if keep_quantized else ())
 
-    def linear(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if isinstance(weight, Mxfp8Weight):
             weight = dequant_mxfp8(weight.codes, weight.scales).to(x.dtype)
-        return torch.nn.functional.linear(x, weight)
+        return torch.nn.functional.linear(x, weight, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return gemma_rms_norm(x, weight, eps)

@@ -23,6 +23,13 @@ operands are fp32 instead, since its bf16 dot multiplies raw bits; the split is 
 
 Paths, chosen from shapes only by `plan_mxfp8` (no autotuning, no runtime search):
 
+* GEMV, M <= GEMV_MAX_M (decode at batch 1-4): no tensor cores. A program owns BLOCK_N whole
+  weight rows; per K step it loads a [BLOCK_N, BLOCK_K] code tile, converts it to fp32, and for
+  each token sums the code x activation products of every 32-block before scaling the block sum
+  by its power of two (exact, so the order of scaling does not matter). The MMA path below pads M
+  to 16 and moves every dequantized tile through shared memory into the MMA's operand layout;
+  here the tile stays in the layout it was loaded in, which is what bounds a memory-bound call.
+  Products and sums are fp32 for every activation dtype (no bf16 split needed).
 * decode, M <= 64: BLOCK_M = 16, 32 or 64 (M padded to the next one), BLOCK_N 64, BLOCK_K 128,
   4 warps, 4 stages. One M tile, so every weight byte is read once per call. When the N tiles alone
   do not give ~2 programs per SM, K is split across programs (at least 2 K steps each); each split
@@ -62,6 +69,12 @@ from m3serve.kernels.quant import MXFP8_BLOCK
 
 # M up to this is the decode path: one M tile, so the weights are read once per call.
 DECODE_MAX_M = 64
+# M up to this takes the GEMV kernel (CUDA cores; its cost grows with M, the MMA path's does not).
+GEMV_MAX_M = 2
+_GEMV_BLOCK_N = 8
+_GEMV_BLOCK_K = 512
+# An explicit GEMV plan (tuning) may go this far; each row is one more pass over every tile.
+_GEMV_PLAN_MAX_M = 16
 # Smallest tl.dot dimension: decode pads M up to this.
 MIN_BLOCK_M = 16
 # Split K while the tiles give fewer programs than this many per SM (decode programs are small:
@@ -88,6 +101,7 @@ class Mxfp8Plan:
     split_k: int  # programs along K; > 1 adds the partial-sum reduction kernel
     num_warps: int
     num_stages: int
+    gemv: bool = False  # the CUDA-core kernel (block_m is then M padded to a power of two)
 
 
 @cache
@@ -109,8 +123,11 @@ def _num_sms(t: Tensor) -> int:
     return 1 if _interpreted(t) else _sm_count(t.device.index or 0)
 
 
-def plan_mxfp8(m: int, n: int, k: int, num_sms: int) -> Mxfp8Plan:
-    """Tiles and split count for x [m, k] @ W[n, k]^T on a device with `num_sms` SMs."""
+def plan_mxfp8(m: int, n: int, k: int, num_sms: int, gemv_max_m: int = GEMV_MAX_M) -> Mxfp8Plan:
+    """Tiles and split count for x [m, k] @ W[n, k]^T on a device with `num_sms` SMs; M up to
+    `gemv_max_m` takes the GEMV kernel (benchmarks move the crossover)."""
+    if m <= gemv_max_m:
+        return _plan_gemv(m, n, k, num_sms)
     if m <= DECODE_MAX_M:
         block_m = max(MIN_BLOCK_M, triton.next_power_of_2(max(m, 1)))
         block_n, block_k, warps, stages = 64, 128, 4, 4
@@ -127,6 +144,22 @@ def plan_mxfp8(m: int, n: int, k: int, num_sms: int) -> Mxfp8Plan:
         steps = max(triton.cdiv(k_steps, wanted), min(_MIN_STEPS_PER_SPLIT, k_steps))
         split = triton.cdiv(k_steps, steps)
     return Mxfp8Plan(block_m, block_n, block_k, split, warps, stages)
+
+
+def _plan_gemv(m: int, n: int, k: int, num_sms: int) -> Mxfp8Plan:
+    block_k = _GEMV_BLOCK_K
+    while block_k > 32 and k % block_k:
+        block_k //= 2
+    tiles = triton.cdiv(n, _GEMV_BLOCK_N)
+    k_steps = triton.cdiv(k, block_k)
+    split = 1
+    # Split K (and pay the reduction kernel) only while the rows give under 2 programs per SM.
+    target = 2 * num_sms
+    if tiles < target:
+        wanted = min(triton.next_power_of_2(triton.cdiv(target, tiles)), _MAX_SPLIT)
+        split = triton.cdiv(k_steps, max(triton.cdiv(k_steps, wanted), 1))
+    block_m = triton.next_power_of_2(max(m, 1))
+    return Mxfp8Plan(block_m, _GEMV_BLOCK_N, block_k, split, 4, 3, gemv=True)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -196,12 +229,7 @@ def _mxfp8_linear_kernel(
             codes = tl.load(c_ptrs, mask=k_ok[None, :], other=0.0)
             e = tl.load(s_ptrs, mask=((k0 // 32 + rg) < K // 32)[None, :], other=127)
             xt = tl.load(x_ptrs, mask=k_ok[:, None], other=0.0)
-        # 2**(e - 127) written as float32 bits, exact: the biased exponent is the byte itself.
-        e = e.to(tl.int32)
-        bits = e << 23
-        bits = tl.where(e == 0, 1 << 22, bits)  # 2**-127 is below float32's normal range
-        bits = tl.where(e == 255, 0x7FC00000, bits)  # E8M0 NaN
-        scale = bits.to(tl.float32, bitcast=True)
+        scale = _e8m0_scale(e)
         w = tl.reshape(codes.to(tl.float32), [BLOCK_N, BLOCK_K // 32, 32]) * scale[:, :, None]
         w = tl.reshape(w, [BLOCK_N, BLOCK_K]).to(tl.bfloat16).to(DOT_DTYPE)
         hi = xt.to(tl.bfloat16)
@@ -216,6 +244,87 @@ def _mxfp8_linear_kernel(
         c_ptrs += BLOCK_K
         s_ptrs += BLOCK_K // 32
         x_ptrs += BLOCK_K * stride_xk
+
+    ok = (rn < N)[:, None] & (rm < M)[None, :]
+    rn64 = rn.to(tl.int64)
+    rm64 = rm.to(tl.int64)
+    if DIRECT:
+        o_ptrs = out_ptr + rm64[None, :] * stride_om + rn64[:, None] * stride_on
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        p_ptrs = part_ptr + (pid_k.to(tl.int64) * M + rm64)[None, :] * N + rn64[:, None]
+        tl.store(p_ptrs, acc, mask=ok)
+
+
+@triton.jit
+def _e8m0_scale(e):
+    """2**(e - 127) for E8M0 bytes, as float32 bits (exact; 0 is 2**-127, 255 NaN)."""
+    e = e.to(tl.int32)
+    bits = e << 23
+    bits = tl.where(e == 0, 1 << 22, bits)  # 2**-127 is below float32's normal range
+    bits = tl.where(e == 255, 0x7FC00000, bits)  # E8M0 NaN
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _mxfp8_gemv_kernel(
+    x_ptr,
+    codes_ptr,
+    scales_ptr,
+    out_ptr,
+    part_ptr,
+    M,
+    N,
+    K,
+    k_per_split,
+    stride_xm,
+    stride_xk,
+    stride_cn,
+    stride_sn,
+    stride_om,
+    stride_on,
+    M_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DIRECT: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn_load = tl.minimum(rn, N - 1).to(tl.int64)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    rk = tl.arange(0, BLOCK_K)
+    rg = tl.arange(0, BLOCK_K // 32)
+    rm = tl.arange(0, M_PAD)
+    c_ptrs = codes_ptr + rn_load[:, None] * stride_cn + (k_lo + rk)[None, :]
+    s_ptrs = scales_ptr + rn_load[:, None] * stride_sn + (k_lo // 32 + rg)[None, :]
+    acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            codes = tl.load(c_ptrs)
+            e = tl.load(s_ptrs)
+        else:
+            codes = tl.load(c_ptrs, mask=((k0 + rk) < K)[None, :], other=0.0)
+            e = tl.load(s_ptrs, mask=((k0 // 32 + rg) < K // 32)[None, :], other=127)
+        scale = _e8m0_scale(e)
+        w = codes.to(tl.float32)
+        for m in tl.static_range(M_PAD):
+            # Rows past M read row M - 1 again (dropped at the store): the loads stay unmasked.
+            x_row = x_ptr + tl.minimum(m, M - 1).to(tl.int64) * stride_xm
+            if EVEN_K:
+                xm = tl.load(x_row + (k0 + rk) * stride_xk)
+            else:
+                xm = tl.load(x_row + (k0 + rk) * stride_xk, mask=(k0 + rk) < K, other=0.0)
+            prod = tl.reshape(w * xm.to(tl.float32)[None, :], [BLOCK_N, BLOCK_K // 32, 32])
+            part = tl.sum(tl.sum(prod, axis=2) * scale, axis=1)
+            acc = tl.where(rm[None, :] == m, acc + part[:, None], acc)
+        c_ptrs += BLOCK_K
+        s_ptrs += BLOCK_K // 32
 
     ok = (rn < N)[:, None] & (rm < M)[None, :]
     rn64 = rn.to(tl.int64)
@@ -276,6 +385,17 @@ def _check_weight(codes: Tensor, scales: Tensor) -> tuple[int, int]:
     return n, k
 
 
+def _check_plan(p: Mxfp8Plan, m: int) -> None:
+    if p.block_k % MXFP8_BLOCK != 0 or p.block_n & (p.block_n - 1):
+        raise ValueError(
+            f"invalid plan {p}: block_k must be a multiple of 32, block_n a power of 2"
+        )
+    if p.gemv and m > _GEMV_PLAN_MAX_M:
+        raise ValueError(f"invalid plan {p}: the GEMV kernel takes at most {_GEMV_PLAN_MAX_M} rows")
+    if not p.gemv and min(p.block_m, p.block_n, p.block_k) < 16:
+        raise ValueError(f"invalid plan {p}: MMA blocks must be >= 16")
+
+
 def prepare_mxfp8(codes: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
     """Checkpoint MXFP8 weight -> the layout `mxfp8_linear` reads, once at load.
 
@@ -329,8 +449,7 @@ def mxfp8_linear(
         return out
 
     p = plan or plan_mxfp8(m, n, k, _num_sms(x))
-    if p.block_k % MXFP8_BLOCK != 0 or min(p.block_m, p.block_n, p.block_k) < 16:
-        raise ValueError(f"invalid plan {p}: blocks must be >= 16, block_k a multiple of 32")
+    _check_plan(p, m)
     k_steps = triton.cdiv(k, p.block_k)
     steps_per_split = triton.cdiv(k_steps, max(p.split_k, 1))
     split = triton.cdiv(k_steps, steps_per_split)  # no empty splits
@@ -338,16 +457,17 @@ def mxfp8_linear(
     interpreted = _interpreted(x)
     pdl = not direct and not interpreted and _sm90(x.device.index or 0)
     part = out2 if direct else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    tiles = triton.cdiv(m, p.block_m) * triton.cdiv(n, p.block_n)
-    _mxfp8_linear_kernel[(tiles, split)](
-        x2, codes, scales, out2, part, m, n, k, steps_per_split * p.block_k,
-        x2.stride(0), x2.stride(1), codes.stride(0), scales.stride(0),
-        out2.stride(0), out2.stride(1),
-        BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k, GROUP_M=_GROUP_M,
-        X_TERMS=_X_TERMS[x.dtype], DOT_DTYPE=tl.float32 if interpreted else tl.bfloat16,
-        EVEN_K=k % p.block_k == 0, DIRECT=direct, PDL=pdl,
-        num_warps=p.num_warps, num_stages=p.num_stages,
-    )  # fmt: skip
+    if p.gemv:
+        _mxfp8_gemv_kernel[(triton.cdiv(n, p.block_n), split)](
+            x2, codes, scales, out2, part, m, n, k, steps_per_split * p.block_k,
+            x2.stride(0), x2.stride(1), codes.stride(0), scales.stride(0),
+            out2.stride(0), out2.stride(1),
+            M_PAD=triton.next_power_of_2(m), BLOCK_N=p.block_n, BLOCK_K=p.block_k,
+            EVEN_K=k % p.block_k == 0, DIRECT=direct, PDL=pdl,
+            num_warps=p.num_warps, num_stages=p.num_stages,
+        )  # fmt: skip
+    else:
+        _mxfp8_mma(x2, codes, scales, out2, part, p, steps_per_split, interpreted, direct, pdl)
     if not direct:
         _splitk_reduce_kernel[(m, triton.cdiv(n, _REDUCE_BLOCK_N))](
             part, out2, m, n, split, out2.stride(0), out2.stride(1),
@@ -355,3 +475,29 @@ def mxfp8_linear(
             **({"launch_pdl": True} if pdl else {}),
         )  # fmt: skip
     return out
+
+
+def _mxfp8_mma(
+    x2: Tensor,
+    codes: Tensor,
+    scales: Tensor,
+    out2: Tensor,
+    part: Tensor,
+    p: Mxfp8Plan,
+    steps_per_split: int,
+    interpreted: bool,
+    direct: bool,
+    pdl: bool,
+) -> None:
+    (m, k), n = x2.shape, codes.shape[0]
+    split = part.shape[0] if not direct else 1
+    tiles = triton.cdiv(m, p.block_m) * triton.cdiv(n, p.block_n)
+    _mxfp8_linear_kernel[(tiles, split)](
+        x2, codes, scales, out2, part, m, n, k, steps_per_split * p.block_k,
+        x2.stride(0), x2.stride(1), codes.stride(0), scales.stride(0),
+        out2.stride(0), out2.stride(1),
+        BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k, GROUP_M=_GROUP_M,
+        X_TERMS=_X_TERMS[x2.dtype], DOT_DTYPE=tl.float32 if interpreted else tl.bfloat16,
+        EVEN_K=k % p.block_k == 0, DIRECT=direct, PDL=pdl,
+        num_warps=p.num_warps, num_stages=p.num_stages,
+    )  # fmt: skip

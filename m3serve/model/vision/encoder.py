@@ -22,7 +22,7 @@ from torch import nn
 from m3serve.model.backend import Backend
 from m3serve.model.params import weight
 from m3serve.model.vision.config import VisionConfig
-from m3serve.model.vision.rope import Grid, axial_cos_sin, rotate
+from m3serve.model.vision.rope import Grid, axial_cos_sin, rope_tables, rotate
 
 
 class Affine(nn.Module):
@@ -34,7 +34,7 @@ class Affine(nn.Module):
         self.bias = weight(d_out, dtype=dtype, device=device)
 
     def run(self, backend: Backend, x: torch.Tensor) -> torch.Tensor:
-        return backend.linear(x, self.weight) + self.bias
+        return backend.linear(x, self.weight, self.bias)
 
 
 class LayerNorm(nn.Module):
@@ -77,7 +77,7 @@ class VisionAttention(nn.Module):
             qh, kh, vh = (t.transpose(0, 1)[None] for t in (qs, ks, vs))
             out = F.scaled_dot_product_attention(qh, kh, vh, scale=self.head_dim**-0.5)
             outs.append(out[0].transpose(0, 1).reshape(qs.shape[0], -1))
-        return self.out_proj.run(backend, torch.cat(outs))
+        return self.out_proj.run(backend, outs[0] if len(outs) == 1 else torch.cat(outs))
 
 
 class VisionMLP(nn.Module):
@@ -170,7 +170,8 @@ class VisionEncoder(nn.Module):
         x = pixels.to(self.device, self.dtype)
         x = backend.linear(x, self.patch_embedding.reshape(self.cfg.hidden_size, -1))
         x = self.pre_layrnorm(x)
-        cos, sin = axial_cos_sin(grids, self.cfg, self.device)
+        # Once per call, in the model's dtype and the [patches, 1, rot] shape every layer uses.
+        cos, sin = rope_tables(*axial_cos_sin(grids, self.cfg, self.device), self.dtype)
         for layer in self.layers:
             x = layer.run(backend, x, cos, sin, lengths)
         return self.projector.run(backend, x)

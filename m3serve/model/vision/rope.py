@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from m3serve.kernels.rope import apply_rope
 from m3serve.model.vision.config import VisionConfig
 
 Grid = tuple[int, int, int]
@@ -50,6 +49,25 @@ def axial_cos_sin(
     return angles.cos(), angles.sin()
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [N, heads, head_dim]: its first cos.shape[-1] channels rotated (rotate-half pairs)."""
-    return apply_rope(x, cos, sin)
+def rope_tables(
+    cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`axial_cos_sin`'s tables as `rotate` takes them: [N, 1, rot] in `dtype`, and the sine's
+    first half negated, so that rotate-half becomes a roll."""
+    half = sin.shape[-1] // 2
+    signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+    return cos[:, None, :].to(dtype), signed[:, None, :].to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, head_dim], rotated in place over its first cos.shape[-1] channels
+    (rotate-half pairs) with `rope_tables`' cos and signed sine; returns x.
+
+    rotate_half(x) * sin = cat(-x2, x1) * cat(s, s) = roll(x, half) * cat(-s, s): the same
+    products, so the result equals `m3serve.kernels.rope.apply_rope`'s (four kernels, not ten).
+    """
+    rot = cos.shape[-1]
+    head = x[..., :rot]
+    rolled = head.roll(rot // 2, dims=-1).mul_(signed_sin)
+    head.mul_(cos).add_(rolled)
+    return x

@@ -21,6 +21,7 @@ from m3serve.kernels.linear import mxfp8_linear_reference
 from m3serve.kernels.quant import quant_mxfp8
 from m3serve.kernels.triton.mxfp8_linear import (
     DECODE_MAX_M,
+    GEMV_MAX_M,
     Mxfp8Plan,
     mxfp8_linear,
     plan_mxfp8,
@@ -298,6 +299,40 @@ def test_rejects_bad_inputs() -> None:
         mxfp8_linear(x, codes, scales, plan=Mxfp8Plan(16, 16, 48, 1, 4, 1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "m, n, k, plan",
+    [
+        (4, 40, 96, Mxfp8Plan(4, 16, 64, 1, 4, 2, gemv=True)),  # K = 96: a masked K step
+        (3, 33, 256, Mxfp8Plan(4, 8, 64, 3, 4, 2, gemv=True)),  # split K, N not a tile multiple
+        (9, 16, 128, Mxfp8Plan(16, 16, 32, 1, 4, 1, gemv=True)),  # an explicit plan past 4 rows
+    ],
+    ids=["masked-k", "split-k", "sixteen-rows"],
+)
+def test_gemv_plans_match_reference(
+    m: int, n: int, k: int, plan: Mxfp8Plan, dtype: torch.dtype
+) -> None:
+    codes, scales = weight(n, k, seed=n + k)
+    x = activations(m, k, dtype, seed=m)
+    assert_matches_reference(run(x, codes, scales, plan=plan), x, codes, scales)
+
+
+def test_gemv_writes_a_strided_out() -> None:
+    codes, scales = weight(48, 128, seed=8)
+    x = activations(2, 128, torch.float32, seed=9)
+    fused = torch.zeros(2, 80, device=DEVICE)
+    run(x, codes, scales, out=fused[:, 16:64])
+    assert_matches_reference(fused[:, 16:64].cpu(), x, codes, scales)
+    assert not fused[:, :16].any() and not fused[:, 64:].any()
+
+
+def test_gemv_refuses_more_rows_than_its_plan_takes() -> None:
+    codes, scales = weight(16, 64, seed=1)
+    x = activations(17, 64, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        run(x, codes, scales, plan=Mxfp8Plan(32, 16, 64, 1, 4, 1, gemv=True))
+
+
 # ------------------------------------------------------------------------------ the heuristic
 
 
@@ -305,7 +340,9 @@ def test_decode_plans_read_the_weight_once_and_fill_the_gpu() -> None:
     for n, k in MODEL_SHAPES:
         for m in range(1, DECODE_MAX_M + 1):
             p = plan_mxfp8(m, n, k, H200_SMS)
-            assert p.block_m >= m and p.block_m in (16, 32, 64)  # one M tile: weights read once
+            # One M tile (the MMA path) or every row in each program (GEMV): weights read once.
+            assert p.block_m >= m and p.block_m in ((1, 2, 4) if p.gemv else (16, 32, 64))
+            assert p.gemv == (m <= GEMV_MAX_M)
             tiles = -(-n // p.block_n)
             steps = -(-k // p.block_k)
             assert p.split_k <= steps
@@ -323,6 +360,7 @@ def test_compiled_variants_stay_few() -> None:
             variants.add(
                 (p.block_m, p.block_n, p.block_k, p.num_warps, p.num_stages, p.split_k == 1)
             )
-    assert len(variants) <= 8, sorted(variants)
+    # GEMV: one per padded M (1, 2, 4); MMA: 3 decode tiles + prefill, each direct or split.
+    assert len(variants) <= 12, sorted(variants)
     big = plan_mxfp8(2048, 6144, 6144, H200_SMS)
     assert big.block_m == 128 and big.split_k == 1
