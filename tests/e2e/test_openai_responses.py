@@ -8,15 +8,13 @@ stream/non-stream agreement at temperature 0 and the tool round trip — never m
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pydantic
 import pytest
-from helpers.sdk_server import API_KEY, Server, bearer_client, sdk_client, start_server
+from helpers.sdk_server import API_KEY, Server, sdk_fixtures
 from openai.types.responses import Response, ResponseStreamEvent
 
 SMALL = 12
@@ -36,23 +34,7 @@ QUESTION = {"role": "user", "content": "What's the weather in Beijing?"}
 EVENTS = pydantic.TypeAdapter(ResponseStreamEvent)
 
 
-@pytest.fixture(scope="module")
-def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    running = start_server(model_path, tmp_path_factory.mktemp("serve") / "server.log")
-    yield running
-    assert running.stop() == []
-
-
-@pytest.fixture(scope="module")
-def client(server: Server) -> Iterator[openai.OpenAI]:
-    with sdk_client(server) as sdk:
-        yield sdk
-
-
-@pytest.fixture(scope="module")
-def http_client(server: Server) -> Iterator[httpx.Client]:
-    with bearer_client(server) as plain:
-        yield plain
+server, client, http = sdk_fixtures("module")
 
 
 def create(client: openai.OpenAI, server: Server, **kwargs: Any) -> Any:
@@ -123,7 +105,7 @@ def test_the_typed_event_stream_reassembles_into_the_response(
 
 
 def test_a_function_call_round_trips_into_the_next_turn(
-    client: openai.OpenAI, server: Server, http_client: httpx.Client
+    client: openai.OpenAI, server: Server, http: httpx.Client
 ) -> None:
     first = create(
         client,
@@ -147,7 +129,7 @@ def test_a_function_call_round_trips_into_the_next_turn(
          "function": {"name": call.name, "arguments": call.arguments}}]},
         {"role": "tool", "tool_call_id": call.call_id, "content": "sunny, 25C"},
     ]  # fmt: skip
-    tokens = http_client.post("/v1/tokenize", json={"messages": messages}).json()
+    tokens = http.post("/v1/tokenize", json={"messages": messages}).json()
     assert second.usage.input_tokens == tokens["count"]
 
 

@@ -6,14 +6,11 @@ while the same image again is served from the prefix cache."""
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
-import pytest
-from helpers.sdk_server import Server, bearer_client, sdk_client, start_server
+from helpers.sdk_server import sdk_fixtures
 from helpers.vision_images import png
 
 from m3serve.model.vision.processor import process_image_bytes
@@ -36,23 +33,7 @@ def ask(blob: bytes) -> list[dict[str, Any]]:
     return [{"role": "user", "content": [{"type": "text", "text": QUESTION}, image_part(blob)]}]
 
 
-@pytest.fixture(scope="module")
-def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    running = start_server(model_path, tmp_path_factory.mktemp("serve") / "server.log")
-    yield running
-    assert running.stop() == []
-
-
-@pytest.fixture(scope="module")
-def client(server: Server) -> Iterator[openai.OpenAI]:
-    with sdk_client(server) as sdk:
-        yield sdk
-
-
-@pytest.fixture(scope="module")
-def http(server: Server) -> Iterator[httpx.Client]:
-    with bearer_client(server) as plain:
-        yield plain
+server, client, http = sdk_fixtures("module")
 
 
 def test_an_image_question_streams_an_answer(client: openai.OpenAI) -> None:

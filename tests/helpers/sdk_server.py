@@ -1,5 +1,6 @@
 """A live `m3serve serve` for the SDK tests: real uvicorn, the multi-process engine, an API key,
-both MiniMax parsers and a 64 KiB body limit, started on a free port with its log in a file."""
+both MiniMax parsers and a 64 KiB body limit, started on a free port with its log in a file; and
+the `server`, `client` and `http` fixtures the SDK test files share."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 import httpx
 import openai
@@ -101,3 +103,34 @@ def bearer_client(server: Server) -> httpx.Client:
     """Plain httpx with the API key, for what the SDK hides."""
     headers = {"Authorization": f"Bearer {API_KEY}"}
     return httpx.Client(base_url=server.url, headers=headers, timeout=60.0)
+
+
+Scope = Literal["module", "package"]
+
+
+def sdk_fixtures(scope: Scope, extra: Sequence[str] = ()) -> tuple[Callable[..., Any], ...]:
+    """The `server`, `client` (the SDK) and `http` (plain httpx) fixtures on one live server of
+    `scope`, started with `extra` flags on the `model_path` fixture's checkpoint. A test module
+    or conftest binds them at its top level: `server, client, http = sdk_fixtures("module")`."""
+
+    @pytest.fixture(scope=scope, name="server")
+    def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+        running = start_server(model_path, tmp_path_factory.mktemp("serve") / "server.log", extra)
+        family = descendants(running.proc.pid)
+        yield running
+        survivors = running.stop()
+        assert running.proc.returncode is not None
+        assert len(family) >= 2, f"expected engine + tokenizer processes, found {family}"
+        assert survivors == [], f"processes left behind: {survivors}\n{running.log_tail()}"
+
+    @pytest.fixture(scope=scope, name="client")
+    def client(server: Server) -> Iterator[openai.OpenAI]:
+        with sdk_client(server) as sdk:
+            yield sdk
+
+    @pytest.fixture(scope=scope, name="http")
+    def http(server: Server) -> Iterator[httpx.Client]:
+        with bearer_client(server) as plain:
+            yield plain
+
+    return server, client, http

@@ -4,13 +4,13 @@ the engine receives it (`MediaInput` with the pixels in shared memory)."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from helpers.core_runs import CoreRun, run_to_end
 from m3serve.core.engine_core import EngineCore
 from m3serve.core.media import ReqMedia, read_media
 from m3serve.core.req import Req
@@ -121,24 +121,12 @@ def image_prompt(
 def core_outputs(
     core: EngineCore, reqs: list[Req], abort_after: dict[str, int] | None = None
 ) -> dict[str, list[int]]:
-    """Each request's output tokens; `abort_after`: abort a request after that many steps."""
+    """Each request's output tokens through the overlap loop; `abort_after`: abort a request after
+    that many steps."""
 
-    async def go() -> dict[str, list[int]]:
-        for req in reqs:
-            core.add(req)
-        out: dict[str, list[int]] = {req.rid: [] for req in reqs}
-        steps = 0
-        while core.has_work or core._in_flight is not None:
-            step = await core.overlap_step()
-            steps += 1
-            for rid, after in (abort_after or {}).items():
-                if steps == after:
-                    core.abort(rid)
-            if step is None:
-                continue
-            for batch in step.batches.values():
-                for rid, ids in zip(batch.rids, batch.new_ids, strict=True):
-                    out[rid].extend(ids)
-        return out
+    def abort(run: CoreRun) -> None:
+        for rid, after in (abort_after or {}).items():
+            if run.steps == after:
+                core.abort(rid)
 
-    return asyncio.run(go())
+    return run_to_end(core, reqs, overlap=True, after_step=abort).outputs

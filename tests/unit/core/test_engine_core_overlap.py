@@ -3,9 +3,8 @@ decode that request again, and its output is the one without overlap."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
+from helpers.core_runs import run_to_end
 
 from m3serve.core.engine_core import EngineCore
 from m3serve.core.req import Req
@@ -21,20 +20,7 @@ def _req(rid: str, stop_ids: frozenset[int], max_new: int = 12) -> Req:
 
 
 def _generate(core: EngineCore, reqs: list[Req], overlap: bool) -> dict[str, list[int]]:
-    async def go() -> dict[str, list[int]]:
-        for req in reqs:
-            core.add(req)
-        out: dict[str, list[int]] = {req.rid: [] for req in reqs}
-        while core.has_work or core._in_flight is not None:
-            step = await (core.overlap_step() if overlap else core.step())
-            if step is None:
-                break
-            for batch in step.batches.values():
-                for rid, ids in zip(batch.rids, batch.new_ids, strict=True):
-                    out[rid].extend(ids)
-        return out
-
-    return asyncio.run(go())
+    return run_to_end(core, reqs, overlap=overlap).outputs
 
 
 def _decode_rows(core: EngineCore, monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:

@@ -15,7 +15,8 @@ from helpers.media_server import (
     serve_bytes,
 )
 
-from m3serve.media import MediaError, MediaPolicy, check_image_header, fetch_media
+from m3serve.media import MediaError, MediaPolicy, fetch_media
+from m3serve.model.vision.processor import MediaDecodeError, open_image
 
 PNG = png_bytes()
 MB = 1 << 20
@@ -197,5 +198,5 @@ async def test_served_pixel_bomb_is_refused_by_its_header(server: MediaServer) -
     server.routes["/bomb.png"] = serve_bytes(bomb)
     data = await fetch_media(f"{server.url}/bomb.png", policy("127.0.0.1"))
     assert len(data) < 1024
-    with pytest.raises(MediaError, match=r"pixels"):
-        check_image_header(data, max_pixels=16 * MB)
+    with pytest.raises(MediaDecodeError, match=r"pixels"):
+        open_image(data, max_pixels=16 * MB)

@@ -4,12 +4,11 @@ the agreeing draft."""
 
 from __future__ import annotations
 
-import asyncio
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.core_runs import CoreRun, run_to_end
 
 from m3serve.core.engine_core import EngineCore
 from m3serve.core.req import Req
@@ -23,13 +22,6 @@ SPEC = TinySpec(dtype="float32", seed=21, dspark=True)
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0)
 DSPARK = {"speculative_algorithm": "DSPARK"}
 PROMPTS = [list(range(5, 5 + n)) for n in (6, 13, 29)]
-
-
-@dataclass
-class Run:
-    outputs: dict[str, list[int]] = field(default_factory=dict)
-    accepted: dict[str, list[int]] = field(default_factory=dict)  # per verify step
-    cached: dict[str, int] = field(default_factory=dict)
 
 
 def make_core(path: Path, **kwargs: Any) -> EngineCore:
@@ -55,34 +47,16 @@ def generate(
     reqs: list[Req],
     abort_after: dict[str, int] | None = None,
     overlap: bool = False,
-) -> Run:
+) -> CoreRun:
     """Run requests to the end; `abort_after[rid]`: abort it once it has that many tokens (with
     overlap, while its next step is in flight)."""
-    run = Run()
 
-    async def go() -> None:
-        for req in reqs:
-            core.add(req)
-            run.outputs[req.rid], run.accepted[req.rid] = [], []
-        while core.has_work or core._in_flight is not None:
-            out = await (core.overlap_step() if overlap else core.step())
-            if out is None:
-                break
-            for batch in out.batches.values():
-                rows = zip(
-                    batch.rids, batch.new_ids, batch.spec_accepted, batch.cached_tokens, strict=True
-                )
-                for rid, ids, accepted, cached in rows:
-                    run.outputs[rid].extend(ids)
-                    run.cached[rid] = cached
-                    if accepted:
-                        run.accepted[rid].append(accepted)
-            for rid, after in (abort_after or {}).items():
-                if len(run.outputs.get(rid, ())) >= after:
-                    core.abort(rid)
+    def abort(run: CoreRun) -> None:
+        for rid, after in (abort_after or {}).items():
+            if len(run.outputs.get(rid, ())) >= after:
+                core.abort(rid)
 
-    asyncio.run(go())
-    return run
+    return run_to_end(core, reqs, overlap=overlap, after_step=abort)
 
 
 def at_baseline(core: EngineCore) -> None:

@@ -1,0 +1,55 @@
+"""Driving an EngineCore in-process until every request has finished, collecting what each step
+handed back: the one loop the engine-core, vision and speculative-decoding tests share."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from m3serve.core.engine_core import EngineCore
+from m3serve.core.req import Req
+
+# A core that keeps work it can never run would spin forever; fail instead of hanging the suite.
+MAX_STEPS = 100_000
+
+
+@dataclass
+class CoreRun:
+    outputs: dict[str, list[int]] = field(default_factory=dict)
+    accepted: dict[str, list[int]] = field(default_factory=dict)  # per verify step
+    cached: dict[str, int] = field(default_factory=dict)  # the prefix-cache hit, as usage reports
+    steps: int = 0  # core steps taken so far, empty ones included
+
+
+def run_to_end(
+    core: EngineCore,
+    reqs: list[Req],
+    overlap: bool = True,
+    after_step: Callable[[CoreRun], None] | None = None,
+) -> CoreRun:
+    """Add `reqs`, then step (`overlap_step` or serial `step`) until the core has no work and
+    nothing in flight. `after_step` sees the run after every step (a test aborts from there)."""
+    run = CoreRun()
+
+    async def go() -> None:
+        for req in reqs:
+            core.add(req)
+            run.outputs[req.rid], run.accepted[req.rid] = [], []
+        while core.has_work or core._in_flight is not None:
+            assert run.steps < MAX_STEPS, "the engine core never finished its requests"
+            out = await (core.overlap_step() if overlap else core.step())
+            run.steps += 1
+            for batch in out.batches.values() if out is not None else ():
+                accepted = batch.spec_accepted or [0] * len(batch.rids)
+                rows = zip(batch.rids, batch.new_ids, accepted, batch.cached_tokens, strict=True)
+                for rid, ids, verified, cached in rows:
+                    run.outputs[rid].extend(ids)
+                    run.cached[rid] = cached
+                    if verified:
+                        run.accepted[rid].append(verified)
+            if after_step is not None:
+                after_step(run)
+
+    asyncio.run(go())
+    return run
