@@ -20,7 +20,6 @@ activations, top-4 of uniform random scores per token.
         [--ablations] [--out PATH]
 
 `--ablations` adds, at T in {1, 8, 32}: the plain-Triton decode (no inline PTX), the other route,
-the slots route on each kernel (GEMV, MMA) and the GEMV tile variants,
 no PDL, and a few tile/stage/warp variants (`ABLATIONS`); and tile variants of the prefill
 (`PREFILL_ABLATIONS`), to guide tuning of `_plan`.
 Prints a table; writes JSON to $OUT/bench_nvfp4_moe.json when $OUT is set, else to
@@ -205,13 +204,6 @@ ABLATIONS = {
     "stages2": NVFP4MoEConfig(num_stages=2),
     "block_n128_w8": NVFP4MoEConfig(block_n=128, num_warps=8),
     "warps8": NVFP4MoEConfig(num_warps=8),
-    # The two slots kernels against each other (the default takes GEMV up to 8 pairs), and the
-    # GEMV tiles.
-    "kernel_mma": NVFP4MoEConfig(route="slots", kernel="mma"),
-    "kernel_gemv": NVFP4MoEConfig(route="slots", kernel="gemv"),
-    "gemv_n32": NVFP4MoEConfig(route="slots", kernel="gemv", block_n=32),
-    "gemv_k256": NVFP4MoEConfig(route="slots", kernel="gemv", block_k=256),
-    "gemv_stages4": NVFP4MoEConfig(route="slots", kernel="gemv", num_stages=4),
 }
 
 

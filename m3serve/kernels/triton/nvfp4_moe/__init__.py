@@ -42,9 +42,7 @@ Two kernels and a combine, in order on one stream:
   atomics anywhere: results are bitwise deterministic.
 
 Grouping pairs by expert (two routes, chosen from shapes):
-* "slots" (decode: T*k <= 32 by default, up to 512 when asked for): no sort. Up to
-  `GEMV_MAX_PAIRS` pairs (T <= 2) its tiles run on CUDA cores (`nvfp4_gemv`: 16 weight rows, one
-  pair at a time, no padding of the pairs to the MMA's 16), above on the tensor cores. Program
+* "slots" (decode: T*k <= 32 by default, up to 512 when asked for): no sort. Program
   (n-tile, s) handles the s-th distinct expert present in topk_ids (ascending id), found
   in-kernel from a histogram of the ids; it gathers its
   pairs BLOCK_M = 16 at a time (looping if there are more). Every selected expert's weights are
@@ -160,8 +158,7 @@ def nvfp4_moe(
     out = torch.empty_like(x)
     if num_pairs == 0:
         return out
-    plan = plan_moe(num_pairs, num_experts, hidden, inter, config.route, config.kernel)
-    plan = overridden(plan, config)
+    plan = overridden(plan_moe(num_pairs, num_experts, hidden, inter, config.route), config)
     if hidden % plan.block_k_h or inter % plan.block_k_i:
         raise ValueError(f"block_k must divide H ({hidden}) and I ({inter})")
     on_gpu = not interpreted(x)
@@ -191,7 +188,6 @@ def nvfp4_moe(
         "BLOCK_M": plan.block_m,
         "DEQUANT": dequant,
         "DOT": dot,
-        "GEMV": plan.gemv,
         "PDL": pdl,
         "num_warps": plan.num_warps,
         "num_stages": plan.num_stages,

@@ -1,7 +1,6 @@
 """Device helpers of the NVFP4 MoE kernels: E2M1 nibbles and e4m3 group scales to exact bf16
-tiles (inline PTX on the GPU, plain Triton in the interpreter), the MMA K order, the W4A16 tile
-product with the exact split of fp32 activations, and its CUDA-core (GEMV) twin for one or two
-pairs per expert."""
+tiles (inline PTX on the GPU, plain Triton in the interpreter), the MMA K order, and the
+W4A16 tile product with the exact split of fp32 activations."""
 
 from __future__ import annotations
 
@@ -163,51 +162,4 @@ def _dot_exact(w, a, acc, DOT: tl.constexpr):
         acc = tl.dot(w, mid, acc, input_precision="ieee")
         lo = (rest - mid.to(tl.float32)).to(DOT)
         acc = tl.dot(w, lo, acc, input_precision="ieee")
-    return acc
-
-
-@triton.jit
-def nvfp4_gemv(
-    a_ptr,
-    a_rows,
-    a_ok,
-    w_ptr,
-    s_ptr,
-    w_rows,
-    w_ok,
-    k_end,
-    stride_wn,
-    stride_sn,
-    BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DEQUANT: tl.constexpr,
-    DOT: tl.constexpr,
-):
-    """`nvfp4_mma`'s result (the same scaling) on CUDA cores: the decoded tile stays in the
-    layout it was loaded in, and each of the BLOCK_M activation rows (one or two: the cost grows
-    with them) is multiplied and summed over K in fp32. No MMA, so no operand reorder and no
-    padding of the pairs to 16."""
-    HALF: tl.constexpr = BLOCK_K // 2
-    kb = tl.arange(0, HALF)
-    kg = tl.arange(0, BLOCK_K // 16)
-    kk = tl.arange(0, BLOCK_K)
-    rm = tl.arange(0, BLOCK_M)
-    w_tile = w_ptr + w_rows[:, None] * stride_wn + kb[None, :]
-    s_tile = s_ptr + w_rows[:, None] * stride_sn + kg[None, :]
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, k_end, BLOCK_K):
-        b = tl.load(w_tile + k0 // 2, mask=w_ok[:, None], other=0)
-        s = _group_scales(tl.load(s_tile + k0 // 16, mask=w_ok[:, None], other=0.0), DEQUANT)
-        s = tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_N, BLOCK_K // 16, 8]), [BLOCK_N, HALF])
-        lo, hi = _dequant(b, s, DEQUANT, DOT)
-        lo = lo.to(tl.float32)
-        hi = hi.to(tl.float32)
-        for m in tl.static_range(BLOCK_M):
-            row = tl.sum(tl.where(rm == m, a_rows, 0), 0)
-            ok = tl.sum(tl.where(rm == m, a_ok.to(tl.int32), 0), 0)
-            a = tl.load(a_ptr + row + k0 + kk, mask=tl.full([BLOCK_K], 0, tl.int32) < ok, other=0.0)
-            a_even, a_odd = tl.split(tl.reshape(a.to(tl.float32), [HALF, 2]))
-            part = tl.sum(lo * a_even[None, :] + hi * a_odd[None, :], 1)
-            acc = tl.where(rm[None, :] == m, acc + part[:, None], acc)
     return acc

@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from m3serve.kernels.triton.nvfp4_moe.decode import ACC_SCALE, nvfp4_gemv, nvfp4_mma
+from m3serve.kernels.triton.nvfp4_moe.decode import ACC_SCALE, nvfp4_mma
 
 
 @triton.jit
@@ -68,7 +68,6 @@ def _gate_up_tile(
     BLOCK_K: tl.constexpr,
     DEQUANT: tl.constexpr,
     DOT: tl.constexpr,
-    GEMV: tl.constexpr,
 ):
     HALF_N: tl.constexpr = BLOCK_N // 2
     r = tl.arange(0, BLOCK_N)
@@ -77,8 +76,7 @@ def _gate_up_tile(
     is_up = r >= HALF_N
     w_rows = tl.where(is_up, inter + j, j)
     tok = (pair // TOP_K).to(tl.int64)
-    product = nvfp4_gemv if GEMV else nvfp4_mma
-    acc = product(
+    acc = nvfp4_mma(
         x_ptr,
         tok * stride_xt,
         pair_ok,
@@ -139,7 +137,6 @@ def gate_up_kernel(
     BLOCK_K: tl.constexpr,
     DEQUANT: tl.constexpr,
     DOT: tl.constexpr,
-    GEMV: tl.constexpr,
     PDL: tl.constexpr,
 ):
     if PDL:  # the down kernel may start launching; it waits for this grid on the device
@@ -154,7 +151,7 @@ def gate_up_kernel(
             _gate_up_tile(
                 x_ptr, stride_xt, w_base, s_base, g_ptr, act_ptr, stride_ap, expert, pair,
                 pair_ok, hidden, inter, stride_wn, stride_sn, alpha, limit, TOP_K, BLOCK_N,
-                BLOCK_M, BLOCK_K, DEQUANT, DOT, GEMV,
+                BLOCK_M, BLOCK_K, DEQUANT, DOT,
             )  # fmt: skip
     else:
         expert = tl.load(block_expert_ptr + tl.program_id(1))
@@ -165,7 +162,7 @@ def gate_up_kernel(
             _gate_up_tile(
                 x_ptr, stride_xt, w_base, s_base, g_ptr, act_ptr, stride_ap, expert,
                 tl.maximum(pair, 0), pair >= 0, hidden, inter, stride_wn, stride_sn, alpha, limit,
-                TOP_K, BLOCK_N, BLOCK_M, BLOCK_K, DEQUANT, DOT, GEMV,
+                TOP_K, BLOCK_N, BLOCK_M, BLOCK_K, DEQUANT, DOT,
             )  # fmt: skip
 
 
@@ -191,12 +188,10 @@ def _down_tile(
     BLOCK_K: tl.constexpr,
     DEQUANT: tl.constexpr,
     DOT: tl.constexpr,
-    GEMV: tl.constexpr,
 ):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     pair64 = pair.to(tl.int64)
-    product = nvfp4_gemv if GEMV else nvfp4_mma
-    acc = product(
+    acc = nvfp4_mma(
         act_ptr,
         pair64 * stride_ap,
         pair_ok,
@@ -247,7 +242,6 @@ def down_kernel(
     BLOCK_K: tl.constexpr,
     DEQUANT: tl.constexpr,
     DOT: tl.constexpr,
-    GEMV: tl.constexpr,
     PDL: tl.constexpr,
 ):
     if PDL:
@@ -264,7 +258,7 @@ def down_kernel(
             _down_tile(
                 act_ptr, stride_ap, w_base, s_base, g_ptr, tw_ptr, y_ptr, stride_yp, expert, pair,
                 pair_ok, hidden, inter, stride_wn, stride_sn, BLOCK_N, BLOCK_M, BLOCK_K, DEQUANT,
-                DOT, GEMV,
+                DOT,
             )  # fmt: skip
     else:
         expert = tl.load(block_expert_ptr + tl.program_id(1))
@@ -277,7 +271,7 @@ def down_kernel(
             _down_tile(
                 act_ptr, stride_ap, w_base, s_base, g_ptr, tw_ptr, y_ptr, stride_yp, expert,
                 tl.maximum(pair, 0), pair >= 0, hidden, inter, stride_wn, stride_sn, BLOCK_N,
-                BLOCK_M, BLOCK_K, DEQUANT, DOT, GEMV,
+                BLOCK_M, BLOCK_K, DEQUANT, DOT,
             )  # fmt: skip
 
 

@@ -15,8 +15,6 @@ SLOTS_MAX_PAIRS = 512
 # The auto route takes slots up to here and sorts above (on the H200 at 128 pairs, T = 32:
 # 1465 µs slots vs 1171 µs sorted; at 32 pairs the two are within 4 %).
 SLOTS_AUTO_MAX_PAIRS = 32
-# Pair counts up to this take the GEMV tiles (CUDA cores, one pair at a time): decode at T <= 2.
-GEMV_MAX_PAIRS = 8
 # Padded pair-vector sizes of the slots route (the compiled variants).
 _SLOT_PAIR_BUCKETS = (32, 128, SLOTS_MAX_PAIRS)
 
@@ -31,8 +29,6 @@ class NVFP4MoEConfig:
     """Overrides for tests and benchmarks; the defaults pick everything from shapes."""
 
     route: Literal["auto", "slots", "sorted"] = "auto"
-    # "gemv": CUDA-core tiles, one pair at a time (slots route only); "mma": tensor cores.
-    kernel: Literal["auto", "mma", "gemv"] = "auto"
     # "asm": inline-PTX nibble decode (GPU only); "triton": plain Triton ops (slower, same values).
     dequant: Literal["auto", "asm", "triton"] = "auto"
     pdl: bool = True
@@ -60,7 +56,6 @@ class Plan:
     num_warps: int
     num_stages: int
     p_pad: int  # slots route: padded pair vector
-    gemv: bool = False  # CUDA-core tiles (block_m 1: the pairs of an expert one at a time)
 
 
 def _block_k(k: int, cap: int) -> int:
@@ -71,21 +66,13 @@ def _block_k(k: int, cap: int) -> int:
     return bk
 
 
-def plan_moe(
-    num_pairs: int, num_experts: int, hidden: int, inter: int, route: str, kernel: str = "auto"
-) -> Plan:
+def plan_moe(num_pairs: int, num_experts: int, hidden: int, inter: int, route: str) -> Plan:
     """Tiles from shapes only (a handful of compiled variants per model shape)."""
     use_slots = route == "slots" or (route == "auto" and num_pairs <= SLOTS_AUTO_MAX_PAIRS)
-    if kernel == "gemv" and not use_slots:
-        raise ValueError("the GEMV tiles run on the slots route only")
     if use_slots:
         if num_pairs > SLOTS_MAX_PAIRS:
             raise ValueError(f"the slots route takes at most {SLOTS_MAX_PAIRS} pairs")
         p_pad = next(b for b in _SLOT_PAIR_BUCKETS if num_pairs <= b)
-        if kernel == "gemv" or (kernel == "auto" and num_pairs <= GEMV_MAX_PAIRS):
-            # 16 weight rows x 256 bytes per K step: many small programs keep HBM busy.
-            bk_h, bk_i = _block_k(hidden, 512), _block_k(inter, 512)
-            return Plan(ROUTE_SLOTS, 1, 16, 16, bk_h, bk_i, 4, 3, p_pad, gemv=True)
         # Decode: memory-bound. 64-row weight tiles (one warpgroup MMA), 16 pairs (the smallest
         # MMA N), K steps of 128 (measured on the H200: 93.7 -> 75.2 µs at T = 1 vs 256).
         return Plan(

@@ -28,18 +28,7 @@ H = 64
 ALPHA = 1.702
 LIMIT = 7.0
 TOP_K = 2
-# The slots route on either kernel (GEMV: CUDA cores, one pair at a time; MMA: tensor cores),
-# and the sorted route (tensor cores).
-ROUTES = ["slots-gemv", "slots-mma", "sorted"]
-# Past GEMV_MAX_PAIRS the auto plan never takes the GEMV tiles (and the interpreter runs them
-# one pair at a time): tests with many pairs leave them out.
-MANY_PAIR_ROUTES = ["slots-mma", "sorted"]
-
-
-def config_for(route: str) -> NVFP4MoEConfig:
-    """ "slots-gemv" -> the slots route on the GEMV kernel; a bare route takes the auto kernel."""
-    name, _, kernel = route.partition("-")
-    return NVFP4MoEConfig(route=name, kernel=kernel or "auto")  # type: ignore[arg-type]
+ROUTES = ["slots", "sorted"]
 
 
 class Experts:
@@ -138,7 +127,7 @@ def run(
         *ex.args(),
         ALPHA,
         limit,
-        config=config_for(route),
+        config=NVFP4MoEConfig(route=route),
     )
     assert out.shape == x.shape and out.dtype == x.dtype
     return out.cpu()
@@ -160,10 +149,8 @@ def assert_exact(got: torch.Tensor, ref: torch.Tensor) -> None:
 # ------------------------------------------------------------------------------ correctness
 
 
-@pytest.mark.parametrize(
-    "tokens, route",
-    [(t, r) for t in (1, 3) for r in ROUTES] + [(20, r) for r in MANY_PAIR_ROUTES],
-)
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("tokens", [1, 3, 20])
 def test_matches_reference(tokens: int, route: str) -> None:
     ex = Experts(num_experts=6, inter=32, seed=tokens)
     x = activations(tokens, seed=100 + tokens)
@@ -184,19 +171,7 @@ def test_bf16_activations_within_output_rounding(route: str) -> None:
     assert ((got - ref).abs() <= ref.abs() * 2.0**-7 + 1e-6 * ref.abs().max()).all()
 
 
-def test_gemv_tiles_take_an_experts_pairs_one_at_a_time() -> None:
-    """4 tokens all pick expert 0 (4 pairs of it: the GEMV loop runs four times) and one of
-    experts 1-3; 8 pairs, so the auto plan takes the GEMV tiles."""
-    ex = Experts(num_experts=4, inter=32, seed=30)
-    x = activations(4, seed=31)
-    ids = torch.stack([torch.zeros(4, dtype=torch.long), torch.tensor([1, 2, 3, 1])], 1)
-    ids[1] = ids[1].flip(0)
-    weights = torch.rand(4, TOP_K, generator=torch.Generator().manual_seed(32))
-    assert planning.plan_moe(8, 4, H, 32, "auto").gemv
-    assert_exact(run(ex, x, weights, ids), reference(ex, x, weights, ids))
-
-
-@pytest.mark.parametrize("route", MANY_PAIR_ROUTES)
+@pytest.mark.parametrize("route", ROUTES)
 def test_shared_experts_unused_expert_and_more_pairs_than_a_block(route: str) -> None:
     """20 tokens all pick expert 0 (20 pairs: more than one 16-pair block) and one of experts
     1-2; expert 3 is used by no token, and the slot order differs from the token order."""
@@ -209,16 +184,14 @@ def test_shared_experts_unused_expert_and_more_pairs_than_a_block(route: str) ->
     assert_exact(run(ex, x, weights, ids, route), reference(ex, x, weights, ids))
 
 
-@pytest.mark.parametrize("route", MANY_PAIR_ROUTES)
+@pytest.mark.parametrize("route", ROUTES)
 def test_many_pairs_per_expert(route: str) -> None:
     """65 pairs per expert on average: sorted takes BLOCK_M 128 and the 128-row tiles of the
     prefill plan; slots loops over five 16-pair chunks per expert."""
     ex = Experts(num_experts=4, inter=64, seed=14)
     x = activations(130, seed=15)
     weights, ids = routing(130, 4, seed=16)
-    config = config_for(route)
-    plan = planning.plan_moe(260, 4, H, 64, config.route, config.kernel)
-    assert not plan.gemv
+    plan = planning.plan_moe(260, 4, H, 64, route)
     if route == "sorted":
         assert plan.block_m == 128 and plan.gate_up_n == 128 and plan.num_warps == 8
     assert_exact(run(ex, x, weights, ids, route), reference(ex, x, weights, ids))
