@@ -23,13 +23,16 @@ operands are fp32 instead, since its bf16 dot multiplies raw bits; the split is 
 
 Paths, chosen from shapes only by `plan_mxfp8` (no autotuning, no runtime search):
 
-* GEMV, M <= GEMV_MAX_M (decode at batch 1-4): no tensor cores. A program owns BLOCK_N whole
+* GEMV, M <= GEMV_MAX_M = 2 (decode at batch 1-2): no tensor cores. A program owns BLOCK_N whole
   weight rows; per K step it loads a [BLOCK_N, BLOCK_K] code tile, converts it to fp32, and for
   each token sums the code x activation products of every 32-block before scaling the block sum
   by its power of two (exact, so the order of scaling does not matter). The MMA path below pads M
   to 16 and moves every dequantized tile through shared memory into the MMA's operand layout;
   here the tile stays in the layout it was loaded in, which is what bounds a memory-bound call.
-  Products and sums are fp32 for every activation dtype (no bf16 split needed).
+  Products and sums are fp32 for every activation dtype (no bf16 split needed). BLOCK_N 8,
+  BLOCK_K 512, 4 warps, 3 stages; K is split only when the rows give under 2 programs per SM
+  (never at the model's shapes). On the H200 (perf/bench_mxfp8_linear.py) it beats the MMA path
+  at M 1-2 (qkv at M = 1: 19.1 vs 43.8 µs, 72 % of read bandwidth) and loses from M = 4.
 * decode, M <= 64: BLOCK_M = 16, 32 or 64 (M padded to the next one), BLOCK_N 64, BLOCK_K 128,
   4 warps, 4 stages. One M tile, so every weight byte is read once per call. When the N tiles alone
   do not give ~2 programs per SM, K is split across programs (at least 2 K steps each); each split
@@ -40,11 +43,11 @@ Paths, chosen from shapes only by `plan_mxfp8` (no autotuning, no runtime search
   M tiles (2048 tokens) so the programs running together share their weight tiles through L2.
   Split-K applies too while the tiles leave SMs idle (e.g. M = 128 on a narrow N).
 
-Compiled variants: one per (tile config: the 3 decode buckets + prefill) x (direct store or
-split partials) x x dtype, times EVEN_K (K % BLOCK_K == 0, true for every model shape), plus one
-reduction kernel per output dtype. M is not specialized on (`do_not_specialize`), and every other
-integer argument is a multiple of 16 at the model's shapes, so one call per (layer shape, M
-bucket) compiles everything a server will run.
+Compiled variants: one per (tile config: the 3 decode buckets + prefill, and GEMV at M padded to
+1 or 2) x (direct store or split partials) x x dtype, times EVEN_K (K % BLOCK_K == 0, true for
+every model shape), plus one reduction kernel per output dtype. M is not specialized on
+(`do_not_specialize`), and every other integer argument is a multiple of 16 at the model's
+shapes, so one call per (layer shape, M bucket) compiles everything a server will run.
 
 x may have leading dims ([..., K] -> [..., N], as torch.nn.functional.linear) and any strides;
 `out` rows may be strided (e.g. a column slice of a fused buffer).
