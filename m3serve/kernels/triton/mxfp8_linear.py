@@ -248,6 +248,12 @@ def _mxfp8_linear_kernel(
         s_ptrs += BLOCK_K // 32
         x_ptrs += BLOCK_K * stride_xk
 
+    _store_tile(acc, rn, rm, pid_k, M, N, out_ptr, part_ptr, stride_om, stride_on, DIRECT)
+
+
+@triton.jit
+def _store_tile(acc, rn, rm, pid_k, M, N, out_ptr, part_ptr, stride_om, stride_on, DIRECT):
+    """acc [rows rn, tokens rm] to out (cast to its dtype), or as split pid_k's fp32 partial."""
     ok = (rn < N)[:, None] & (rm < M)[None, :]
     rn64 = rn.to(tl.int64)
     rm64 = rm.to(tl.int64)
@@ -329,15 +335,7 @@ def _mxfp8_gemv_kernel(
         c_ptrs += BLOCK_K
         s_ptrs += BLOCK_K // 32
 
-    ok = (rn < N)[:, None] & (rm < M)[None, :]
-    rn64 = rn.to(tl.int64)
-    rm64 = rm.to(tl.int64)
-    if DIRECT:
-        o_ptrs = out_ptr + rm64[None, :] * stride_om + rn64[:, None] * stride_on
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
-    else:
-        p_ptrs = part_ptr + (pid_k.to(tl.int64) * M + rm64)[None, :] * N + rn64[:, None]
-        tl.store(p_ptrs, acc, mask=ok)
+    _store_tile(acc, rn, rm, pid_k, M, N, out_ptr, part_ptr, stride_om, stride_on, DIRECT)
 
 
 @triton.jit(do_not_specialize=["M"])
