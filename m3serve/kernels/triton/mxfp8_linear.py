@@ -252,7 +252,9 @@ def _mxfp8_linear_kernel(
 
 
 @triton.jit
-def _store_tile(acc, rn, rm, pid_k, M, N, out_ptr, part_ptr, stride_om, stride_on, DIRECT):
+def _store_tile(
+    acc, rn, rm, pid_k, M, N, out_ptr, part_ptr, stride_om, stride_on, DIRECT: tl.constexpr
+):
     """acc [rows rn, tokens rm] to out (cast to its dtype), or as split pid_k's fp32 partial."""
     ok = (rn < N)[:, None] & (rm < M)[None, :]
     rn64 = rn.to(tl.int64)
