@@ -122,7 +122,7 @@ async def test_health_stays_responsive_while_a_large_tokenize_runs(server: Live)
     (worker,) = [a for a in server.engine.actors if isinstance(a, TokenizerActor)]
     watched = Watched(worker.tokenizer)
     word = "a" * (16 * CONTEXT)  # the longest prompt allowed: seconds in the tokenizer
-    worker.tokenizer = watched
+    worker.prompts.tokenizer = watched
     try:
         async with httpx.AsyncClient(base_url=server.url, timeout=120.0) as http:
             big = asyncio.create_task(http.post("/v1/tokenize", json={"prompt": word}))
@@ -131,7 +131,7 @@ async def test_health_stays_responsive_while_a_large_tokenize_runs(server: Live)
             during = not watched.ended.is_set()
             tokens = (await big).json()
     finally:
-        worker.tokenizer = watched.tokenizer
+        worker.prompts.tokenizer = watched.tokenizer
     # /health was answered while the tokenizer was still encoding, not after it.
     assert health.status_code == 200 and during
     assert tokens["count"] == len(tokens["tokens"]) == len(word)

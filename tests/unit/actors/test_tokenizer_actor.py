@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from m3serve.actors.tokenizer import THREAD_MIN_CHARS, TokenizerActor
+from m3serve.actors.prompt import THREAD_MIN_CHARS
+from m3serve.actors.tokenizer import TokenizerActor
 from m3serve.model.tiny.checkpoint import TinySpec
 from m3serve.runtime.codec import Codec
 from m3serve.runtime.messages import (
@@ -170,9 +171,9 @@ class Spy:
 async def test_a_prompt_over_max_prompt_chars_never_reaches_the_tokenizer(wired, kind) -> None:
     actor, _, api, _, _ = wired
     await actor.on_start()
-    assert actor.max_prompt_chars == 16 * 1_000_000  # the default: per token of context
-    actor.max_prompt_chars = 1000
-    actor.tokenizer = spy = Spy(actor.tokenizer)
+    assert actor.prompts.max_prompt_chars == 16 * 1_000_000  # the default: per token of context
+    actor.prompts.max_prompt_chars = 1000
+    actor.prompts.tokenizer = spy = Spy(actor.tokenizer)
     word = "a" * 1001  # one word: the tokenizer's worst case
     if kind == "generate":
         await actor.on_generate(GenerateReq(rid="w", prompt=word))
