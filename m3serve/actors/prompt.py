@@ -54,6 +54,9 @@ class ModelFacts:
 
 
 class PromptEncoder:
+    """One worker's request-to-ids path; `load` gives it the model's tokenizer and template
+    (without them it takes token ids only)."""
+
     def __init__(
         self, facts: ModelFacts, media: MediaPreprocessor, max_prompt_chars: int | None = None
     ) -> None:
@@ -104,6 +107,8 @@ class PromptEncoder:
     async def encode_chat(
         self, req: GenerateReq, prepared: list[Prepared], add_generation_prompt: bool = True
     ) -> tuple[list[int], list[list[tuple[int, int]]]]:
+        """The chat's ids, each of `prepared`'s media expanded to its placeholder run, and each
+        one's spans in the ids."""
         vision = self.vision
         if not prepared:
             text = self.render(req, add_generation_prompt=add_generation_prompt)
