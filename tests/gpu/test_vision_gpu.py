@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from helpers.core_runs import closing_cores
 from helpers.vision import ImagePrompt, core_outputs, image_prompt
 
 from m3serve.core.engine_core import EngineCore
@@ -27,8 +28,6 @@ def path(tiny_checkpoint: Callable[[TinySpec], Path]) -> Path:
 
 @pytest.fixture
 def cores(path: Path) -> Iterator[Callable[..., EngineCore]]:
-    made: list[EngineCore] = []
-
     def make(**kwargs: object) -> EngineCore:
         args = ServerArgs.from_kwargs(
             model_path=str(path),
@@ -37,12 +36,9 @@ def cores(path: Path) -> Iterator[Callable[..., EngineCore]]:
             skip_warmup=True,
             **kwargs,
         )
-        made.append(EngineCore(args, path))
-        return made[-1]
+        return EngineCore(args, path)
 
-    yield make
-    for core in made:
-        core.close()
+    yield from closing_cores(make)
 
 
 def prompts() -> list[ImagePrompt]:

@@ -1,10 +1,11 @@
 """Driving an EngineCore in-process until every request has finished, collecting what each step
-handed back: the one loop the engine-core, vision and speculative-decoding tests share."""
+handed back: the one loop the engine-core, vision and speculative-decoding tests share; and the
+factory fixture body that closes every core a test made."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from m3serve.core.engine_core import EngineCore
@@ -53,3 +54,18 @@ def run_to_end(
 
     asyncio.run(go())
     return run
+
+
+def closing_cores(build: Callable[..., EngineCore]) -> Iterator[Callable[..., EngineCore]]:
+    """A fixture's body: yields `build` (kwargs -> a new core) and closes every core it made."""
+    made: list[EngineCore] = []
+
+    def make(**kwargs: object) -> EngineCore:
+        made.append(build(**kwargs))
+        return made[-1]
+
+    try:
+        yield make
+    finally:
+        for core in made:
+            core.close()

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
+from helpers.core_runs import closing_cores
 
 from m3serve.core.engine_core import EngineCore
 from m3serve.model.tiny.checkpoint import TinySpec
@@ -22,12 +22,4 @@ def path(tiny_checkpoint: Callable[[TinySpec], Path]) -> Path:
 
 @pytest.fixture
 def cores(path: Path) -> Iterator[Callable[..., EngineCore]]:
-    made: list[EngineCore] = []
-
-    def make(**kwargs: Any) -> EngineCore:
-        made.append(make_core(path, **kwargs))
-        return made[-1]
-
-    yield make
-    for core in made:
-        core.close()
+    yield from closing_cores(lambda **kwargs: make_core(path, **kwargs))
