@@ -2,13 +2,19 @@
 
 Same config.json schema (composite `minimax_m3_vl`, raw text keys), same tensor names and, with
 `quant="modelopt-mixed"`, the same ModelOpt MIXED_PRECISION formats (MXFP8 dense projections,
-NVFP4 experts) as the released checkpoint — only the sizes are small. Deterministic per seed.
+NVFP4 experts) as the released checkpoint — only the sizes are small. Deterministic per seed
+(and device).
+
+Tensors are drawn, quantized and written one shard at a time, so a slice at real widths (tens of
+GB) never sits in host memory whole; `device="cuda"` draws and quantizes on the GPU, which makes
+such a slice quick to write on the GPU machine.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -21,7 +27,11 @@ from m3serve.model.config import ModelConfig, parse_model_config
 from m3serve.model.inventory import TensorSpec, text_inventory
 from m3serve.model.tiny.dspark import write_tiny_dspark
 from m3serve.model.tiny.tokenizer import special_token_ids, write_tokenizer_files
-from m3serve.model.vision.config import DEFAULT_PROJECTOR_HIDDEN, parse_vision_config
+from m3serve.model.vision.config import (
+    DEFAULT_PROJECTOR_HIDDEN,
+    VisionConfig,
+    parse_vision_config,
+)
 from m3serve.model.vision.inventory import vision_inventory
 from m3serve.runtime.options import option
 
@@ -53,7 +63,12 @@ class TinySpec:
     dtype: Literal["float32", "bfloat16"] = option("bfloat16", "dtype of unquantized tensors")
     quant: QuantMode = option("none", "modelopt-mixed: MXFP8 projections, NVFP4 experts")
     seed: int = option(0, "random seed; the same seed writes byte-identical files")
-    shards: int = option(1, "number of safetensors shards (>1 writes an index file)")
+    shards: int = option(
+        1, "safetensors shards, contiguous in layer order (>1 writes an index file)"
+    )
+    device: str = option(
+        "cpu", "where weights are drawn and quantized (cuda: fast at real widths; other bytes)"
+    )
     dspark: bool = option(False, "also write a random DSpark draft into dspark/")
     dspark_layers: int = option(2, "DSpark draft decoder layers (the real draft has 5)")
     dspark_window: int = option(16, "DSpark draft attention window (sliding_window)")
@@ -187,16 +202,29 @@ def make_tiny(out_dir: str | Path, spec: TinySpec | None = None) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = spec.text_model_config()
-    generator = torch.Generator().manual_seed(spec.seed)
-    tensors = _text_tensors(spec, cfg, generator)
-    tensors.update(_vision_tensors(spec, generator))
-    _save_shards(out, tensors, spec.shards)
+    vision = parse_vision_config(
+        spec.vision_config(), spec.hidden_size, spec.projector_hidden_size()
+    )
+    generator = torch.Generator(device=spec.device).manual_seed(spec.seed)
+    total = sum(math.prod(s.shape) for s in [*text_inventory(cfg.text), *vision_inventory(vision)])
+    parts = _chain(_text_tensors(spec, cfg, generator), _vision_tensors(spec, vision, generator))
+    _save_shards(out, parts, total, spec.shards)
     (out / "config.json").write_text(json.dumps(spec.config(), indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(_generation_config(spec), indent=2))
     write_tokenizer_files(out, spec.vocab_size)
     if spec.dspark:
         write_tiny_dspark(out, spec)
     return out
+
+
+# What one logical weight is stored as (name -> host tensor), after its element count; the
+# stored tensors of w1 come out with its expert's w3 (the two share one global scale).
+Part = tuple[int, dict[str, torch.Tensor]]
+
+
+def _chain(*parts: Iterator[Part]) -> Iterator[Part]:
+    for part in parts:
+        yield from part
 
 
 def _generation_config(spec: TinySpec) -> dict[str, Any]:
@@ -219,10 +247,9 @@ def _random_value(spec: TensorSpec, generator: torch.Generator) -> torch.Tensor:
     """Scales chosen so activations stay O(1), logits are well separated (greedy ties would
     make parity flaky) and the SwiGLU-OAI clamps at +-7 really trigger."""
     shape = spec.shape
-    if spec.kind == "norm":
-        return torch.randn(shape, generator=generator) * 0.1
-    if spec.kind == "bias":
-        return torch.randn(shape, generator=generator) * 0.1
+    noise = torch.randn(shape, generator=generator, device=generator.device)
+    if spec.kind in ("norm", "bias"):
+        return noise * 0.1
     fan_in = shape[-1]
     if spec.name.endswith("embed_tokens.weight"):
         std = 1.0
@@ -230,46 +257,51 @@ def _random_value(spec: TensorSpec, generator: torch.Generator) -> torch.Tensor:
         std = 3.0 / math.sqrt(fan_in)
     else:
         std = 1.0 / math.sqrt(fan_in)
-    return torch.randn(shape, generator=generator) * std
+    return noise * std
 
 
-def _text_tensors(
-    spec: TinySpec, cfg: ModelConfig, generator: torch.Generator
-) -> dict[str, torch.Tensor]:
+def _text_tensors(spec: TinySpec, cfg: ModelConfig, generator: torch.Generator) -> Iterator[Part]:
     dtype = _torch_dtype(spec)
-    specs = text_inventory(cfg.text)
-    values = {s.name: _random_value(s, generator) for s in specs}
-    tensors: dict[str, torch.Tensor] = {}
-    for s in specs:
-        value = values[s.name]
+    waiting: dict[str, torch.Tensor] = {}  # w1 values, by expert, until their w3 is drawn
+    for s in text_inventory(cfg.text):
+        value = _random_value(s, generator)
+        numel = value.numel()
         algo = _quant_algo(spec, s)
         if algo is None:
             stored = torch.float32 if s.kind == "bias" else dtype
-            tensors[s.name] = value.to(stored)
+            yield numel, {s.name: value.to(stored).cpu()}
         elif algo == "MXFP8":
             weight, scale = quant.quant_mxfp8(value)
-            tensors[f"{s.module}.weight"] = weight
-            tensors[f"{s.module}.weight_scale_inv"] = scale
+            yield (
+                numel,
+                {f"{s.module}.weight": weight.cpu(), f"{s.module}.weight_scale_inv": scale.cpu()},
+            )
+        elif s.module.endswith(".w1"):
+            waiting[s.module.removesuffix(".w1")] = value
+            yield numel, {}
+        elif s.module.endswith(".w3"):
+            expert = s.module.removesuffix(".w3")
+            w1 = waiting.pop(expert)
+            amax = max(w1.abs().max().item(), value.abs().max().item())
+            shared = amax / (6.0 * 448.0)
+            yield (
+                numel,
+                _nvfp4_tensors(f"{expert}.w1", w1, shared)
+                | _nvfp4_tensors(s.module, value, shared),
+            )
         else:
-            tensors.update(_nvfp4_tensors(s, value, values))
-    return tensors
+            yield numel, _nvfp4_tensors(s.module, value, None)
 
 
 def _nvfp4_tensors(
-    s: TensorSpec, value: torch.Tensor, values: dict[str, torch.Tensor]
+    module: str, value: torch.Tensor, scale_2: float | None
 ) -> dict[str, torch.Tensor]:
-    # w1 and w3 of one expert share a global scale, so a fused w13 has a single one.
-    scale_2 = None
-    if s.module.endswith((".w1", ".w3")):
-        expert = s.module.rsplit(".", 1)[0]
-        amax = max(values[f"{expert}.{w}.weight"].abs().max().item() for w in ("w1", "w3"))
-        scale_2 = amax / (6.0 * 448.0)
     packed, scales, global_scale = quant.quant_nvfp4(value, scale_2)
     return {
-        f"{s.module}.weight": packed,
-        f"{s.module}.weight_scale": scales,
-        f"{s.module}.weight_scale_2": global_scale,
-        f"{s.module}.input_scale": torch.tensor(1.0 / 448.0, dtype=torch.float32),
+        f"{module}.weight": packed.cpu(),
+        f"{module}.weight_scale": scales.cpu(),
+        f"{module}.weight_scale_2": global_scale.cpu(),
+        f"{module}.input_scale": torch.tensor(1.0 / 448.0, dtype=torch.float32),
     }
 
 
@@ -297,14 +329,14 @@ def _quantization_config(spec: TinySpec, cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
-def _vision_tensors(spec: TinySpec, generator: torch.Generator) -> dict[str, torch.Tensor]:
+def _vision_tensors(
+    spec: TinySpec, cfg: VisionConfig, generator: torch.Generator
+) -> Iterator[Part]:
     """The vision tower and projector under the checkpoint's names (model/vision/inventory.py),
     scaled so activations stay O(1): features that matter to the logits make parity meaningful."""
-    cfg = parse_vision_config(spec.vision_config(), spec.hidden_size, spec.projector_hidden_size())
     dtype = _torch_dtype(spec)
-    tensors = {}
     for s in vision_inventory(cfg):
-        noise = torch.randn(s.shape, generator=generator)
+        noise = torch.randn(s.shape, generator=generator, device=generator.device)
         if s.kind == "norm":
             value = 1.0 + 0.1 * noise  # LayerNorm scales the input by w itself (not 1 + w)
         elif s.kind == "bias":
@@ -312,24 +344,49 @@ def _vision_tensors(spec: TinySpec, generator: torch.Generator) -> dict[str, tor
         else:
             fan_in = math.prod(s.shape[1:])
             value = noise / math.sqrt(fan_in)
-        tensors[s.name] = value.to(dtype)
-    return tensors
+        yield noise.numel(), {s.name: value.to(dtype).cpu()}
 
 
-def _save_shards(out: Path, tensors: dict[str, torch.Tensor], shards: int) -> None:
+def _save_shards(out: Path, parts: Iterator[Part], total: int, shards: int) -> None:
+    """Write the parts as `shards` files, each the parts whose first element falls in its
+    1/shards of `total` (fewer files if a part spans several); one shard is in memory at once."""
     for old in out.glob("model*.safetensors*"):
         old.unlink()
-    names = sorted(tensors)
     if shards <= 1:
-        save_file({n: tensors[n].contiguous() for n in names}, out / "model.safetensors")
+        tensors: dict[str, torch.Tensor] = {}
+        for _, stored in parts:
+            tensors.update(stored)
+        save_file(_sorted(tensors), out / "model.safetensors")
         return
-    per_shard = -(-len(names) // shards)
+    written: list[tuple[Path, list[str]]] = []
+    current: dict[str, torch.Tensor] = {}
+    done = index = size = 0
+
+    def flush() -> None:
+        nonlocal size
+        if current:
+            staged = out / f"model-part-{len(written)}.safetensors.tmp"
+            save_file(_sorted(current), staged)
+            written.append((staged, sorted(current)))
+            size += sum(t.numel() * t.element_size() for t in current.values())
+            current.clear()
+
+    for numel, stored in parts:
+        shard = min(done * shards // max(total, 1), shards - 1)
+        if shard != index:
+            flush()
+            index = shard
+        current.update(stored)
+        done += numel
+    flush()
     weight_map: dict[str, str] = {}
-    for k in range(shards):
-        part = names[k * per_shard : (k + 1) * per_shard]
-        file = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
-        save_file({n: tensors[n].contiguous() for n in part}, out / file)
-        weight_map.update(dict.fromkeys(part, file))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    for k, (staged, names) in enumerate(written):
+        file = f"model-{k + 1:05d}-of-{len(written):05d}.safetensors"
+        staged.rename(out / file)
+        weight_map.update(dict.fromkeys(names, file))
+    index_json = {"metadata": {"total_size": size}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2) + "\n")
+
+
+def _sorted(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: tensors[n].contiguous() for n in sorted(tensors)}

@@ -5,6 +5,7 @@ SwiGLU clamp, and the once-only, process-safe built-in default model."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import multiprocessing
 import queue
@@ -357,3 +358,22 @@ def test_real_vision_spec_writes_m31s_tower_sizes() -> None:
     assert cfg.projector_hidden_size == 6144 and cfg.text_hidden_size == spec.hidden_size
     tiny = vision_config(parse_model_config(TinySpec().config()))
     assert tiny is not None and tiny.num_layers == 2
+
+
+def test_shards_hold_contiguous_layers_in_order(tmp_path: Path) -> None:
+    # Written one shard at a time, in inventory order: a layer never spans back to an earlier
+    # file, so the writer holds one shard in memory, not the model.
+    spec = dataclasses.replace(SMALL_SPEC, num_layers=4, quant="modelopt-mixed", shards=4)
+    path = make_tiny(tmp_path / "s", spec)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) == 4 and files[-1].endswith("-of-00004.safetensors")
+    layers_of = {f: set() for f in files}
+    for name, file in index["weight_map"].items():
+        if ".layers." in name and name.startswith("language_model."):
+            layers_of[file].add(int(name.split(".layers.")[1].split(".")[0]))
+    spans = [(min(ls), max(ls)) for ls in layers_of.values() if ls]
+    assert spans == sorted(spans)
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+    stored = sum(t.numel() * t.element_size() for f in files for t in load_file(path / f).values())
+    assert index["metadata"]["total_size"] == stored
