@@ -50,6 +50,24 @@ def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dt
     return DTYPES.get(cfg.torch_dtype, torch.bfloat16)
 
 
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters and buffers, each storage counted once (views share one)."""
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in (*model.parameters(), *model.buffers())
+    }
+    return sum(storages.values())
+
+
+def checkpoint_bytes(path: Path) -> int:
+    """Bytes of the target model's safetensors files (the draft's, in its own folder, apart)."""
+    return sum(f.stat().st_size for f in path.glob("model*.safetensors"))
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
 def load_model(
     model_path: str | Path | None,
     backend: Backend,
@@ -77,12 +95,18 @@ def load_model(
     model = M3ForCausalLM(config.text, backend, torch_dtype, device, formats, parallel, tower)
     load_weights(model, path, config, progress=progress, parallel=parallel)
     model.eval()
+    seconds = time.monotonic() - started
+    stored = checkpoint_bytes(path)
     log.info(
-        "loaded %s (%s, %s, backend %s) in %.1fs",
+        "loaded %s (%s, %s, backend %s) in %.1fs: weights %s on the device, checkpoint %s "
+        "(%.2f GB/s)",
         path,
         str(torch_dtype).removeprefix("torch."),
         device,
         backend.name,
-        time.monotonic() - started,
+        seconds,
+        _size(weight_bytes(model)),
+        _size(stored),
+        stored / 1e9 / max(seconds, 1e-9),
     )
     return LoadedModel(model, config, path, backend, torch_dtype, device)
