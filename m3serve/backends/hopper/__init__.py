@@ -1,7 +1,7 @@
 """The Hopper (sm_90) backend: Triton kernels for the norms, fused norm/RoPE/KV writes, the
 lightning indexer, sparse paged attention, the DSpark draft's block attention, the router,
-W8A16 MXFP8 projections and the W4A16 NVFP4 fused MoE; the shared expert runs on a side stream
-beside the routed experts.
+the SwiGLU-OAI activation, W8A16 MXFP8 projections and the W4A16 NVFP4 fused MoE; the shared
+expert runs on a side stream beside the routed experts.
 
 Weights stay in the checkpoint's formats (`weight_formats`); dense (bf16) projections run as
 torch matmuls and dense experts as grouped bf16 matmuls (`--moe-runner-backend torch`, or a
@@ -69,6 +69,7 @@ class HopperBackend(ReferenceBackend):
             nvfp4_moe,
             rope_kv,
             router,
+            swiglu,
         )
 
         super().__init__(device)
@@ -80,6 +81,7 @@ class HopperBackend(ReferenceBackend):
         self._mxfp8 = mxfp8_linear
         self._router = router
         self._nvfp4_moe = nvfp4_moe
+        self._swiglu = swiglu
         # The torch runner reads dense experts: NVFP4 ones are dequantized to bf16 at load.
         experts = {"NVFP4"} if moe_runner in ("auto", "triton") else set()
         self.weight_formats = frozenset({"MXFP8", *experts})
@@ -92,6 +94,9 @@ class HopperBackend(ReferenceBackend):
             y = self._mxfp8.mxfp8_linear(x, weight.codes, weight.scales)
             return y if bias is None else y + bias
         return torch.nn.functional.linear(x, weight, bias)  # the bias in cuBLAS's epilogue
+
+    def swiglu(self, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+        return self._swiglu.swiglu_oai(gate_up, alpha, limit)
 
     def concurrently(self, first: Callable[[], A], second: Callable[[], B]) -> tuple[A, B]:
         """`second` on a side stream while `first` runs on the current one (also inside a CUDA
