@@ -8,9 +8,14 @@ bounds the gap's tail: with stretch 2.5, ITL p99 stays within 3x its median. A s
 decodes keeps the whole `--chunked-prefill-size` budget: nobody is waiting on it.
 
 The measurement is a handful of timed forwards after the CUDA graphs are captured: decode
-steps at each captured batch size over a short context, and prefills of a few lengths, fitted
-to a per-token cost. Budgets are rounded to whole pages, so a restart on the same machine
-lands on the same budgets, and never drop below one page, so a prompt always advances.
+steps at each captured batch size over a short context, prefills of a few lengths, fitted to a
+per-token cost, and one mixed step (decode rows plus a short chunk), whose time beyond its
+decode rows and its tokens is the fixed cost of leaving the decode graph: the prompt path's
+eager and piecewise launches. That fixed part is a few ms on the H200 (a 4-layer slice: ~3 ms
+against a 2.4 ms decode step at batch 16), so a budget from the per-token cost alone lets a
+short chunk stretch a step well past `stretch`. Budgets are rounded to whole pages, so a
+restart on the same machine lands on the same budgets, and never drop below one page, so a
+prompt always advances.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from m3serve.runtime.messages import SeqStep
 class StepCost:
     decode_ms: dict[int, float]  # batch size -> ms of a pure decode step
     prefill_ms_per_token: float  # the marginal cost of one prompt token
+    mixed_fixed_ms: float = 0.0  # what a step pays for carrying any prompt chunk at all
 
     def decode(self, batch: int) -> float:
         """The step time of the smallest measured batch >= `batch` (the largest past them)."""
@@ -34,8 +40,8 @@ class StepCost:
 
     def mixed_budget(self, decodes: int, stretch: float, page: int) -> int:
         """Prompt tokens a step with `decodes` decode rows may carry."""
-        extra_ms = (stretch - 1.0) * self.decode(decodes)
-        tokens = int(extra_ms / self.prefill_ms_per_token) // page * page
+        extra_ms = (stretch - 1.0) * self.decode(decodes) - self.mixed_fixed_ms
+        tokens = int(max(extra_ms, 0.0) / self.prefill_ms_per_token) // page * page
         return max(tokens, page)
 
     def describe(self, stretch: float, page: int) -> str:
@@ -45,7 +51,8 @@ class StepCost:
         )
         return (
             f"mixed-step prompt budget (stretch {stretch:g}; decode batch: step -> tokens): "
-            f"{budgets}; prefill {1e3 * self.prefill_ms_per_token:.1f} us/token"
+            f"{budgets}; prefill {1e3 * self.prefill_ms_per_token:.1f} us/token, "
+            f"{self.mixed_fixed_ms:.2f} ms fixed per mixed step"
         )
 
 
@@ -86,18 +93,38 @@ def measure_step_cost(
     num_pages: int,
     max_step_tokens: int,
 ) -> StepCost:
-    """Time `forward` on synthetic decode and prefill steps over the (still unused) KV pool."""
+    """Time `forward` on synthetic decode, prefill and mixed steps over the (still unused) KV
+    pool."""
     decode_ms = {}
     for size in decode_sizes:
-        pages_each = max(1, min(DECODE_CONTEXT // page, num_pages // size))
-        seqs = [
-            SeqStep([1], pages_each * page - 1, list(range(i * pages_each, (i + 1) * pages_each)))
-            for i in range(size)
-        ]
+        seqs = _decode_rows(size, page, num_pages)
         decode_ms[size] = best_ms(lambda seqs=seqs: forward(seqs), sync)
     longest = min(max_step_tokens, num_pages * page)
     prefill_ms = {}
     for length in [n for n in PREFILL_LENGTHS if n <= longest] or [longest]:
         seq = SeqStep([1] * length, 0, list(range(-(-length // page))))
         prefill_ms[length] = best_ms(lambda seq=seq: forward([seq]), sync)
-    return StepCost(decode_ms, fit_per_token(prefill_ms))
+    per_token = fit_per_token(prefill_ms)
+    fixed = 0.0
+    size = decode_sizes[len(decode_sizes) // 2] if decode_sizes else 0
+    chunk = MIXED_PROBE_PAGES * page
+    if size and chunk <= max_step_tokens - size and num_pages - MIXED_PROBE_PAGES >= size:
+        rows = _decode_rows(size, page, num_pages - MIXED_PROBE_PAGES, first=MIXED_PROBE_PAGES)
+        seqs = [SeqStep([1] * chunk, 0, list(range(MIXED_PROBE_PAGES))), *rows]
+        mixed = best_ms(lambda: forward(seqs), sync)
+        fixed = max(0.0, mixed - decode_ms[size] - per_token * chunk)
+    return StepCost(decode_ms, per_token, fixed)
+
+
+# Pages of prompt in the mixed step that measures the fixed cost (a short chunk, as a tight
+# budget carries).
+MIXED_PROBE_PAGES = 2
+
+
+def _decode_rows(size: int, page: int, num_pages: int, first: int = 0) -> list[SeqStep]:
+    """`size` decode rows over distinct pages from `first` on (at most `num_pages` of them)."""
+    each = max(1, min(DECODE_CONTEXT // page, num_pages // size))
+    return [
+        SeqStep([1], each * page - 1, list(range(first + i * each, first + (i + 1) * each)))
+        for i in range(size)
+    ]

@@ -20,6 +20,16 @@ def test_a_mixed_step_may_add_stretch_minus_one_decode_steps_of_prompt_work() ->
     assert COST.mixed_budget(200, 2.5, 128) == 512  # past the largest bucket: its time
 
 
+def test_the_fixed_cost_of_a_mixed_step_comes_off_its_prompt_work() -> None:
+    # 3.75 ms of stretch at batch 16, 1.5 ms of it spent leaving the decode graph: 225 tokens.
+    fixed = StepCost(COST.decode_ms, prefill_ms_per_token=0.01, mixed_fixed_ms=1.5)
+    assert fixed.mixed_budget(16, 2.5, 128) == 128
+    assert fixed.mixed_budget(64, 2.5, 128) == 384  # 6 - 1.5 ms -> 450 tokens
+    # More fixed cost than stretch: still one page, so prompts advance.
+    assert StepCost({1: 1.0}, 0.01, mixed_fixed_ms=5.0).mixed_budget(1, 2.5, 128) == 128
+    assert "1.50 ms fixed per mixed step" in fixed.describe(2.5, 128)
+
+
 def test_the_budget_is_never_below_one_page() -> None:
     slow = StepCost({1: 0.1}, prefill_ms_per_token=1.0)
     assert slow.mixed_budget(1, 1.5, 128) == 128
@@ -30,6 +40,11 @@ def test_the_per_token_cost_is_the_slope_not_the_mean() -> None:
     samples = {n: 1.0 + 0.02 * n for n in (256, 512, 1024)}
     assert fit_per_token(samples) == pytest.approx(0.02)
     assert fit_per_token({100: 5.0}) == pytest.approx(0.05)
+
+
+def test_a_pool_too_small_for_the_mixed_probe_measures_no_fixed_cost() -> None:
+    cost = measure_step_cost(lambda seqs: None, lambda: None, [1, 8, 64], 128, 9, 2048)
+    assert cost.mixed_fixed_ms == 0.0
 
 
 def test_the_measured_steps_are_valid_batches_over_distinct_pages() -> None:
@@ -43,9 +58,13 @@ def test_the_measured_steps_are_valid_batches_over_distinct_pages() -> None:
 
     cost = measure_step_cost(forward, lambda: None, [1, 8, 64], 128, 300, 2048)
     assert sorted(cost.decode_ms) == [1, 8, 64]
-    assert cost.prefill_ms_per_token > 0
+    assert cost.prefill_ms_per_token > 0 and cost.mixed_fixed_ms >= 0
     decode_rows = {len(seqs) for seqs in steps if all(s.extend == 1 for s in seqs)}
     assert decode_rows == {1, 8, 64}
+    # The mixed probe: a two-page chunk beside the middle batch size's decode rows.
+    mixed = [seqs for seqs in steps if len(seqs) > 1 and seqs[0].extend > 1]
+    assert mixed and all(len(seqs) == 9 and seqs[0].extend == 256 for seqs in mixed)
+    assert all(s.extend == 1 for s in mixed[0][1:])
     assert {seqs[0].extend for seqs in steps if len(seqs) == 1 and seqs[0].extend > 1} == {
         256,
         512,
