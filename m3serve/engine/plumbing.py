@@ -29,6 +29,19 @@ from m3serve.runtime.messages import (
 )
 
 
+def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one request as one (the first is not its last): the new text,
+    ids and logprobs of both; the later one's finish and (cumulative) usage."""
+    return RequestOutput(
+        first.rid,
+        first.text + later.text,
+        first.output_ids + later.output_ids,
+        later.finish,
+        later.usage,
+        first.logprobs + later.logprobs,
+    )
+
+
 @dataclass
 class _Stream:
     worker: int  # the tokenizer worker that tokenizes and detokenizes the request
@@ -92,8 +105,22 @@ class RequestPlumbing:
         self._streams[req.rid] = state
         try:
             await workers.outboxes[worker].send(req)
+            held: RequestOutput | BaseException | None = None
             while True:
-                item = await state.queue.get()
+                item = held if held is not None else await state.queue.get()
+                held = None
+                # A consumer that fell behind (a busy event loop, a slow client) takes what
+                # queued up meanwhile as one output: under load the per-output work (SSE frame,
+                # write, wake-up) then scales with requests, not tokens, so it cannot fall
+                # further behind.
+                while isinstance(item, RequestOutput) and item.finish is None:
+                    if state.queue.empty():
+                        break
+                    later = state.queue.get_nowait()
+                    if isinstance(later, BaseException):
+                        held = later
+                        break
+                    item = merge_outputs(item, later)
                 if isinstance(item, BaseException):
                     state.done = True
                     raise item
