@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from m3serve.kernels.activation import swiglu_oai
+from m3serve.kernels.moe import local_expert_ids
 from m3serve.kernels.quant import dequant_nvfp4
 from m3serve.kernels.triton.nvfp4_moe import SLOTS_MAX_PAIRS, NVFP4MoEConfig, nvfp4_moe
 
@@ -180,6 +181,29 @@ def test_int64_ids_and_repeated_experts(experts: Experts) -> None:
     ref = reference(experts, x, weights, ids, torch.arange(tokens, device=DEV))
     for route in ("slots", "sorted"):
         assert_close(run(experts, x, weights, ids, route=route), ref)
+
+
+@pytest.mark.parametrize("route", ["slots", "sorted"])
+@pytest.mark.parametrize("tokens", [1, 8, 257])
+def test_expert_parallel_rank_skips_the_pairs_it_does_not_hold(
+    experts: Experts, tokens: int, route: str
+) -> None:
+    """One of two EP ranks: it holds experts 64..127 (a strided slice of the pool) and gets
+    `local_expert_ids`; pairs routed to 0..63 add nothing, the rest match the reference."""
+    if route == "slots" and tokens * TOP_K > SLOTS_MAX_PAIRS:
+        pytest.skip("more pairs than the slots route takes")
+    held = E // 2
+    x = activations(tokens, seed=30 + tokens)
+    weights, ids = routing(tokens, seed=40 + tokens)
+    mine = Experts(*(t[held:] for t in experts.args()))
+    got = run(mine, x, weights, local_expert_ids(ids, held, held), route=route)
+    # The reference over all experts with the other rank's pairs weighted 0.
+    kept = torch.where(ids >= held, weights, 0.0)
+    rows = torch.arange(tokens, device=DEV)
+    ref = reference(experts, x, kept, ids, rows)
+    has_local = (ids >= held).any(dim=1)
+    assert torch.equal(got[~has_local].float(), torch.zeros_like(ref[~has_local]))
+    assert_close(got[has_local], ref[has_local])
 
 
 def test_repeated_calls_are_bitwise_identical(experts: Experts) -> None:

@@ -23,6 +23,7 @@ from m3serve.backends.hopper.moe import (
     moe_experts_masked,
 )
 from m3serve.backends.reference import ReferenceBackend
+from m3serve.kernels.moe import local_expert_ids
 from m3serve.model.batch import ForwardBatch
 from m3serve.model.kv_cache import LayerKV
 from m3serve.model.weights import ExpertWeights, LinearWeight, Mxfp8Weight, Nvfp4Experts
@@ -235,16 +236,21 @@ class HopperBackend(ReferenceBackend):
         scale: float,
         first_expert: int = 0,
     ) -> torch.Tensor:
-        if experts.w13.shape[0] != router_weight.shape[0]:
-            raise NotImplementedError("expert parallelism on the hopper backend is not built yet")
         # The routed scaling factor rides on the mixing weights (2.0: exact).
         weights, ids = self._router.route(x, router_weight, bias, top_k, scale)
+        held = experts.w13.shape[0]
+        partial = held != router_weight.shape[0]
+        if partial:  # expert parallelism: pairs routed to other ranks' experts are skipped
+            ids = local_expert_ids(ids, first_expert, held)
         if isinstance(experts, Nvfp4Experts):
             e = experts
             return self._nvfp4_moe.nvfp4_moe(
                 x, weights, ids, e.w13, e.w13_scale, e.w13_global, e.w2, e.w2_scale,
                 e.w2_global, alpha, limit,
             )  # fmt: skip
-        if grouped_mm_available(x.device, x.dtype):
+        # The grouped path sorts every pair into an expert's group; skipped ones have none,
+        # so dense experts under expert parallelism take the masked path (every held expert
+        # over every token: exact, slow at real sizes; NVFP4 experts are the served case).
+        if grouped_mm_available(x.device, x.dtype) and not partial:
             return moe_experts_grouped(x, weights, ids, experts.w13, experts.w2, alpha, limit)
         return moe_experts_masked(x, weights, ids, experts.w13, experts.w2, alpha, limit)

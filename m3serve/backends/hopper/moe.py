@@ -53,8 +53,9 @@ def moe_experts_masked(
     alpha: float,
     limit: float,
 ) -> torch.Tensor:
-    """Sync-free fallback: every expert over every token, masked by the routing weights.
-    Exact but reads all experts each step; only for small expert counts (tests)."""
+    """Sync-free fallback: every expert over every token, masked by the routing weights (ids
+    >= E, experts held elsewhere, match none). Exact but reads all experts each step: small
+    expert counts (tests), and dense experts under expert parallelism."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for expert in range(w13.shape[0]):
         share = (weights * (ids == expert)).sum(dim=1, keepdim=True)

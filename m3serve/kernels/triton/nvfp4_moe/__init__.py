@@ -145,7 +145,8 @@ def nvfp4_moe(
     """[T, H] in x.dtype: sum_j topk_weights[t, j] * Expert_{topk_ids[t, j]}(x[t]).
 
     x [T, H] bf16 (or fp32, split into three bf16 terms for the GPU's MMA); topk_weights
-    [T, k] fp32, already renormalized and scaled; topk_ids [T, k] int32/int64 in [0, E);
+    [T, k] fp32, already renormalized and scaled; topk_ids [T, k] int32/int64 in [0, E], where
+    E (`local_expert_ids`' mark for an expert held by another rank) skips the pair;
     weights in the checkpoint's NVFP4 layout (module docstring). No host sync: capturable in a
     CUDA graph. `config` overrides the route, decode or tiles (tests, benchmarks); the default
     derives all from shapes.
@@ -195,19 +196,21 @@ def nvfp4_moe(
     gate_up_kernel[(triton.cdiv(inter, plan.gate_up_n // 2), grid_r)](
         x, x.stride(0), flat_ids, sorted_pairs, block_expert,
         w13, w13.stride(0), w13.stride(1), w13_scale, w13_scale.stride(0), w13_scale.stride(1),
-        w13_global, act, act.stride(0), num_pairs, hidden, inter, float(alpha), float(limit),
+        w13_global, act, act.stride(0), num_pairs, num_experts, hidden, inter, float(alpha),
+        float(limit),
         TOP_K=top_k, ROUTE=plan.route, BLOCK_N=plan.gate_up_n, BLOCK_K=plan.block_k_h, **common,
     )  # fmt: skip
     launch_pdl = {"launch_pdl": True} if pdl else {}
     down_kernel[(triton.cdiv(hidden, plan.down_n), grid_r)](
         act, act.stride(0), flat_ids, sorted_pairs, block_expert,
         w2, w2.stride(0), w2.stride(1), w2_scale, w2_scale.stride(0), w2_scale.stride(1),
-        w2_global, mix, y, y.stride(0), num_pairs, hidden, inter,
+        w2_global, mix, y, y.stride(0), num_pairs, num_experts, hidden, inter,
         ROUTE=plan.route, BLOCK_N=plan.down_n, BLOCK_K=plan.block_k_i, **common, **launch_pdl,
     )  # fmt: skip
     block = min(triton.next_power_of_2(hidden), 2048)
     combine_kernel[(tokens, triton.cdiv(hidden, block))](
-        y, y.stride(0), out, out.stride(0), hidden, TOP_K=top_k, BLOCK=block, PDL=pdl,
+        y, y.stride(0), flat_ids, num_experts, out, out.stride(0), hidden, TOP_K=top_k,
+        BLOCK=block, PDL=pdl,
         num_warps=4, **launch_pdl,
     )  # fmt: skip
     return out

@@ -10,15 +10,17 @@ from m3serve.kernels.triton.nvfp4_moe.decode import ACC_SCALE, nvfp4_mma
 
 
 @triton.jit
-def _slot_expert(ids_ptr, num_pairs, slot, P_PAD: tl.constexpr, E_PAD: tl.constexpr):
+def _slot_expert(ids_ptr, num_pairs, num_experts, slot, P_PAD: tl.constexpr, E_PAD: tl.constexpr):
     """(expert, its pair count) of the slot-th distinct expert present in the ids, ascending;
-    count 0 past the last one."""
+    count 0 past the last one. Ids >= num_experts (experts held by other ranks) are skipped."""
     pairs = tl.arange(0, P_PAD)
-    ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=0).to(tl.int32)
+    raw = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=num_experts).to(tl.int32)
+    held = raw < num_experts
     experts = tl.arange(0, E_PAD)
-    # Padding lanes read id 0: take them back out of bin 0.
-    counts = tl.histogram(ids, E_PAD)
-    counts = tl.where(experts == 0, counts - (P_PAD - num_pairs), counts)
+    # Padding lanes and skipped ids are binned as id 0 (a histogram bin must exist for every
+    # value): take them back out of bin 0.
+    counts = tl.histogram(tl.where(held, raw, 0), E_PAD)
+    counts = tl.where(experts == 0, counts - (P_PAD - tl.sum(held.to(tl.int32), 0)), counts)
     present = (counts > 0).to(tl.int32)
     mine = (present > 0) & (tl.cumsum(present, 0) - 1 == slot)
     return tl.sum(tl.where(mine, experts, 0), 0), tl.sum(tl.where(mine, counts, 0), 0)
@@ -107,7 +109,7 @@ def _gate_up_tile(
     tl.store(ptrs, h.to(act_ptr.dtype.element_ty), mask=(n < inter)[:, None] & pair_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit(do_not_specialize=["num_pairs", "num_experts"])
 def gate_up_kernel(
     x_ptr,
     stride_xt,
@@ -124,6 +126,7 @@ def gate_up_kernel(
     act_ptr,
     stride_ap,
     num_pairs,
+    num_experts,
     hidden,
     inter,
     alpha,
@@ -142,7 +145,9 @@ def gate_up_kernel(
     if PDL:  # the down kernel may start launching; it waits for this grid on the device
         tl.extra.cuda.gdc_launch_dependents()
     if ROUTE == 0:  # slots
-        expert, count = _slot_expert(ids_ptr, num_pairs, tl.program_id(1), P_PAD, E_PAD)
+        expert, count = _slot_expert(
+            ids_ptr, num_pairs, num_experts, tl.program_id(1), P_PAD, E_PAD
+        )
         w_base = w_ptr + expert.to(tl.int64) * stride_we
         s_base = s_ptr + expert.to(tl.int64) * stride_se
         for first in range(0, count, BLOCK_M):
@@ -214,7 +219,7 @@ def _down_tile(
     tl.store(ptrs, acc, mask=(n < hidden)[:, None] & pair_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit(do_not_specialize=["num_pairs", "num_experts"])
 def down_kernel(
     act_ptr,
     stride_ap,
@@ -232,6 +237,7 @@ def down_kernel(
     y_ptr,
     stride_yp,
     num_pairs,
+    num_experts,
     hidden,
     inter,
     ROUTE: tl.constexpr,
@@ -247,7 +253,9 @@ def down_kernel(
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     if ROUTE == 0:  # slots
-        expert, count = _slot_expert(ids_ptr, num_pairs, tl.program_id(1), P_PAD, E_PAD)
+        expert, count = _slot_expert(
+            ids_ptr, num_pairs, num_experts, tl.program_id(1), P_PAD, E_PAD
+        )
         w_base = w_ptr + expert.to(tl.int64) * stride_we
         s_base = s_ptr + expert.to(tl.int64) * stride_se
         if PDL:  # routing needs only the ids; act is the gate_up grid's output
@@ -275,10 +283,12 @@ def down_kernel(
             )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_experts"])
 def combine_kernel(
     y_ptr,
     stride_yp,
+    ids_ptr,
+    num_experts,
     out_ptr,
     stride_ot,
     hidden,
@@ -293,5 +303,8 @@ def combine_kernel(
         tl.extra.cuda.gdc_wait()
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(TOP_K):  # slot order: the sum is the same on every run
-        acc += tl.load(y_ptr + (t * TOP_K + j) * stride_yp + n, mask=ok, other=0.0)
+        # A skipped pair (its expert is held elsewhere) has no y row: it adds nothing.
+        held = tl.load(ids_ptr + t * TOP_K + j) < num_experts
+        width = tl.where(held, hidden, 0)
+        acc += tl.load(y_ptr + (t * TOP_K + j) * stride_yp + n, mask=n < width, other=0.0)
     tl.store(out_ptr + t * stride_ot + n, acc.to(out_ptr.dtype.element_ty), mask=ok)

@@ -19,7 +19,7 @@ import pytest
 import torch
 from helpers.devices import DEVICE, ON_GPU
 
-from m3serve.kernels.moe import moe_experts
+from m3serve.kernels.moe import local_expert_ids, moe_experts
 from m3serve.kernels.quant import dequant_nvfp4, quant_nvfp4, unpack_e2m1
 from m3serve.kernels.triton.nvfp4_moe import NVFP4MoEConfig, decode, nvfp4_moe
 from m3serve.kernels.triton.nvfp4_moe import plan as planning
@@ -197,6 +197,21 @@ def test_many_pairs_per_expert(route: str) -> None:
     assert_exact(run(ex, x, weights, ids, route), reference(ex, x, weights, ids))
 
 
+@pytest.mark.parametrize("route", ROUTES)
+def test_pairs_of_experts_held_elsewhere_are_skipped(route: str) -> None:
+    """Expert parallelism: `local_expert_ids` marks experts other ranks hold with id E. Those
+    pairs add nothing (the reference skips them too), also for a token with no held expert."""
+    ex = Experts(num_experts=4, inter=32, seed=21)
+    x = activations(7, seed=22)
+    weights, ids = routing(7, 8, seed=23)  # 8 global experts, this rank holds 4..7
+    local = local_expert_ids(ids.long(), 4, 4)
+    local[0] = 4  # token 0: both of its experts elsewhere
+    assert (local == 4).any() and (local < 4).any()
+    got = run(ex, x, weights, local.to(ids.dtype), route)
+    assert_exact(got, reference(ex, x, weights, local))
+    assert torch.equal(got[0], torch.zeros(H))
+
+
 def test_edge_scales() -> None:
     """Zero groups, e4m3 scales at 448 and at the subnormal 2^-9, -0 codes, and w1/w3 globals
     three orders of magnitude apart."""
@@ -291,6 +306,14 @@ def test_align_pairs(block_m: int) -> None:
     for e in range(6):
         mine = sorted_pairs[(owner == e) & (sorted_pairs >= 0)]
         assert torch.equal(mine, mine.sort().values)
+
+
+def test_align_pairs_leaves_out_experts_held_elsewhere() -> None:
+    ids = torch.tensor([3, 0, 3, 2, 1, 3, 0, 3])  # id 3: held by another rank (E = 3 here)
+    sorted_pairs, block_expert, _ = planning.align_pairs(ids.to(DEVICE), 3, 16)
+    sorted_pairs, block_expert = sorted_pairs.cpu(), block_expert.cpu()
+    assert sorted(sorted_pairs[sorted_pairs >= 0].tolist()) == [1, 3, 4, 6]
+    assert block_expert[block_expert >= 0].tolist() == [0, 1, 2]
 
 
 # ----------------------------------------------------------------------- the GPU's PTX decode
