@@ -196,7 +196,11 @@ def test_expert_parallel_rank_skips_the_pairs_it_does_not_hold(
     x = activations(tokens, seed=30 + tokens)
     weights, ids = routing(tokens, seed=40 + tokens)
     mine = Experts(*(t[held:] for t in experts.args()))
-    got = run(mine, x, weights, local_expert_ids(ids, held, held), route=route)
+    local = local_expert_ids(ids, held, held)
+    got = nvfp4_moe(
+        x, weights, local, *mine.args(), ALPHA, LIMIT, skips=True,
+        config=NVFP4MoEConfig(route=route),
+    )  # fmt: skip
     # The reference over all experts with the other rank's pairs weighted 0.
     kept = torch.where(ids >= held, weights, 0.0)
     rows = torch.arange(tokens, device=DEV)

@@ -246,7 +246,7 @@ class HopperBackend(ReferenceBackend):
             e = experts
             return self._nvfp4_moe.nvfp4_moe(
                 x, weights, ids, e.w13, e.w13_scale, e.w13_global, e.w2, e.w2_scale,
-                e.w2_global, alpha, limit,
+                e.w2_global, alpha, limit, skips=partial,
             )  # fmt: skip
         # The grouped path sorts every pair into an expert's group; skipped ones have none,
         # so dense experts under expert parallelism take the masked path (every held expert

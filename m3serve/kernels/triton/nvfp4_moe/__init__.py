@@ -52,6 +52,11 @@ Grouping pairs by expert (two routes, chosen from shapes):
   BLOCK_M; program (n-tile, block) runs one expert over BLOCK_M pairs on the tensor cores. The
   block count is bounded from shapes (blocks past the end do nothing).
 
+Expert parallelism: a rank holding E of the experts gets ids from `local_expert_ids`, where E
+marks a pair whose expert another rank holds. With `skips` those pairs are left out of the slots
+histogram, the sorted metadata and the combine (a SKIPS constexpr variant, so the single-rank
+kernels compile as before); the rank's output is its partial sum, which the MoE all-reduces.
+
 Variants: the block sizes come from `plan_moe` (a few fixed tiles, by route and mean pairs per
 expert), there is no autotuning; pair and token counts are not specialized on. Grids and buffers
 depend on shapes only and nothing reads back to the host, so a call can be captured in a CUDA
@@ -140,13 +145,15 @@ def nvfp4_moe(
     alpha: float,
     limit: float,
     *,
+    skips: bool = False,
     config: NVFP4MoEConfig = DEFAULT_CONFIG,
 ) -> Tensor:
     """[T, H] in x.dtype: sum_j topk_weights[t, j] * Expert_{topk_ids[t, j]}(x[t]).
 
     x [T, H] bf16 (or fp32, split into three bf16 terms for the GPU's MMA); topk_weights
-    [T, k] fp32, already renormalized and scaled; topk_ids [T, k] int32/int64 in [0, E], where
-    E (`local_expert_ids`' mark for an expert held by another rank) skips the pair;
+    [T, k] fp32, already renormalized and scaled; topk_ids [T, k] int32/int64 in [0, E), or
+    with `skips` in [0, E], where E (`local_expert_ids`' mark for an expert another rank holds)
+    skips the pair (its own compiled variant: the single-rank kernels stay as they are);
     weights in the checkpoint's NVFP4 layout (module docstring). No host sync: capturable in a
     CUDA graph. `config` overrides the route, decode or tiles (tests, benchmarks); the default
     derives all from shapes.
@@ -186,6 +193,7 @@ def nvfp4_moe(
     common = {
         "P_PAD": plan.p_pad,
         "E_PAD": triton.next_power_of_2(num_experts),
+        "SKIPS": skips,
         "BLOCK_M": plan.block_m,
         "DEQUANT": dequant,
         "DOT": dot,
@@ -210,7 +218,6 @@ def nvfp4_moe(
     block = min(triton.next_power_of_2(hidden), 2048)
     combine_kernel[(tokens, triton.cdiv(hidden, block))](
         y, y.stride(0), flat_ids, num_experts, out, out.stride(0), hidden, TOP_K=top_k,
-        BLOCK=block, PDL=pdl,
-        num_warps=4, **launch_pdl,
+        BLOCK=block, SKIPS=skips, PDL=pdl, num_warps=4, **launch_pdl,
     )  # fmt: skip
     return out

@@ -10,17 +10,32 @@ from m3serve.kernels.triton.nvfp4_moe.decode import ACC_SCALE, nvfp4_mma
 
 
 @triton.jit
-def _slot_expert(ids_ptr, num_pairs, num_experts, slot, P_PAD: tl.constexpr, E_PAD: tl.constexpr):
+def _slot_expert(
+    ids_ptr,
+    num_pairs,
+    num_experts,
+    slot,
+    P_PAD: tl.constexpr,
+    E_PAD: tl.constexpr,
+    SKIPS: tl.constexpr,
+):
     """(expert, its pair count) of the slot-th distinct expert present in the ids, ascending;
-    count 0 past the last one. Ids >= num_experts (experts held by other ranks) are skipped."""
+    count 0 past the last one. With SKIPS, ids >= num_experts (experts another rank holds)
+    are left out."""
     pairs = tl.arange(0, P_PAD)
-    raw = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=num_experts).to(tl.int32)
-    held = raw < num_experts
     experts = tl.arange(0, E_PAD)
-    # Padding lanes and skipped ids are binned as id 0 (a histogram bin must exist for every
-    # value): take them back out of bin 0.
-    counts = tl.histogram(tl.where(held, raw, 0), E_PAD)
-    counts = tl.where(experts == 0, counts - (P_PAD - tl.sum(held.to(tl.int32), 0)), counts)
+    if SKIPS:
+        raw = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=num_experts).to(tl.int32)
+        held = raw < num_experts
+        # Padding lanes and skipped ids are binned as id 0 (every value needs a bin): take
+        # them back out of bin 0.
+        counts = tl.histogram(tl.where(held, raw, 0), E_PAD)
+        counts = tl.where(experts == 0, counts - (P_PAD - tl.sum(held.to(tl.int32), 0)), counts)
+    else:
+        ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=0).to(tl.int32)
+        # Padding lanes read id 0: take them back out of bin 0.
+        counts = tl.histogram(ids, E_PAD)
+        counts = tl.where(experts == 0, counts - (P_PAD - num_pairs), counts)
     present = (counts > 0).to(tl.int32)
     mine = (present > 0) & (tl.cumsum(present, 0) - 1 == slot)
     return tl.sum(tl.where(mine, experts, 0), 0), tl.sum(tl.where(mine, counts, 0), 0)
@@ -135,6 +150,7 @@ def gate_up_kernel(
     ROUTE: tl.constexpr,
     P_PAD: tl.constexpr,
     E_PAD: tl.constexpr,
+    SKIPS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -146,7 +162,7 @@ def gate_up_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     if ROUTE == 0:  # slots
         expert, count = _slot_expert(
-            ids_ptr, num_pairs, num_experts, tl.program_id(1), P_PAD, E_PAD
+            ids_ptr, num_pairs, num_experts, tl.program_id(1), P_PAD, E_PAD, SKIPS
         )
         w_base = w_ptr + expert.to(tl.int64) * stride_we
         s_base = s_ptr + expert.to(tl.int64) * stride_se
@@ -243,6 +259,7 @@ def down_kernel(
     ROUTE: tl.constexpr,
     P_PAD: tl.constexpr,
     E_PAD: tl.constexpr,
+    SKIPS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -254,7 +271,7 @@ def down_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     if ROUTE == 0:  # slots
         expert, count = _slot_expert(
-            ids_ptr, num_pairs, num_experts, tl.program_id(1), P_PAD, E_PAD
+            ids_ptr, num_pairs, num_experts, tl.program_id(1), P_PAD, E_PAD, SKIPS
         )
         w_base = w_ptr + expert.to(tl.int64) * stride_we
         s_base = s_ptr + expert.to(tl.int64) * stride_se
@@ -294,6 +311,7 @@ def combine_kernel(
     hidden,
     TOP_K: tl.constexpr,
     BLOCK: tl.constexpr,
+    SKIPS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -303,8 +321,10 @@ def combine_kernel(
         tl.extra.cuda.gdc_wait()
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(TOP_K):  # slot order: the sum is the same on every run
-        # A skipped pair (its expert is held elsewhere) has no y row: it adds nothing.
-        held = tl.load(ids_ptr + t * TOP_K + j) < num_experts
-        width = tl.where(held, hidden, 0)
-        acc += tl.load(y_ptr + (t * TOP_K + j) * stride_yp + n, mask=n < width, other=0.0)
+        row = y_ptr + (t * TOP_K + j) * stride_yp + n
+        if SKIPS:  # a skipped pair (its expert is held elsewhere) has no y row: it adds nothing
+            held = tl.load(ids_ptr + t * TOP_K + j) < num_experts
+            acc += tl.load(row, mask=n < tl.where(held, hidden, 0), other=0.0)
+        else:
+            acc += tl.load(row, mask=ok, other=0.0)
     tl.store(out_ptr + t * stride_ot + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
