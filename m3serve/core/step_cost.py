@@ -11,11 +11,11 @@ The measurement is a handful of timed forwards after the CUDA graphs are capture
 steps at each captured batch size over a short context, prefills of a few lengths, fitted to a
 per-token cost, and one mixed step (decode rows plus a short chunk), whose time beyond its
 decode rows and its tokens is the fixed cost of leaving the decode graph: the prompt path's
-eager and piecewise launches. That fixed part is a few ms on the H200 (a 4-layer slice: ~3 ms
-against a 2.4 ms decode step at batch 16), so a budget from the per-token cost alone lets a
-short chunk stretch a step well past `stretch`. Budgets are rounded to whole pages, so a
-restart on the same machine lands on the same budgets, and never drop below one page, so a
-prompt always advances.
+eager and piecewise launches. On the H200 that fixed part is about one decode step (a 4-layer
+slice: 1.9 ms, against 2.1 ms for a decode step at batch 16), so a budget from the per-token
+cost alone lets a short chunk stretch a step well past `stretch`. Budgets are rounded to whole
+pages, so a restart on the same machine lands on the same budgets, and never drop below one
+page, so a prompt always advances.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import json
 import math
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from itertools import chain
 from pathlib import Path
 from typing import Any, Literal
 
@@ -207,7 +208,7 @@ def make_tiny(out_dir: str | Path, spec: TinySpec | None = None) -> Path:
     )
     generator = torch.Generator(device=spec.device).manual_seed(spec.seed)
     total = sum(math.prod(s.shape) for s in [*text_inventory(cfg.text), *vision_inventory(vision)])
-    parts = _chain(_text_tensors(spec, cfg, generator), _vision_tensors(spec, vision, generator))
+    parts = chain(_text_tensors(spec, cfg, generator), _vision_tensors(spec, vision, generator))
     _save_shards(out, parts, total, spec.shards)
     (out / "config.json").write_text(json.dumps(spec.config(), indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(_generation_config(spec), indent=2))
@@ -220,11 +221,6 @@ def make_tiny(out_dir: str | Path, spec: TinySpec | None = None) -> Path:
 # What one logical weight is stored as (name -> host tensor), after its element count; the
 # stored tensors of w1 come out with its expert's w3 (the two share one global scale).
 Part = tuple[int, dict[str, torch.Tensor]]
-
-
-def _chain(*parts: Iterator[Part]) -> Iterator[Part]:
-    for part in parts:
-        yield from part
 
 
 def _generation_config(spec: TinySpec) -> dict[str, Any]:
