@@ -1,0 +1,173 @@
+"""What a step that carries prompt tokens costs beside the decode rows it runs with, and where.
+
+The engine's own step path on a checkpoint (`StepRunner.time_step`, with the decode CUDA graphs
+and the piecewise prefill graphs captured as `m3serve serve` captures them): for each decode
+batch B, a pure decode step, then B decode rows plus a prompt chunk of each of `--chunks`
+tokens. Per step: wall ms (synchronized: host and device), device-busy ms (the sum of its
+kernels' times, torch profiler; GPU only) and kernel launches. The summary line fits
+mixed(B, P) = decode(B) + fixed + P x per-token, which is the model the mixed-step budget uses
+(`core/step_cost.py`), and says whether the fixed part is host-bound (wall above device-busy).
+
+    python perf/bench_mixed_step.py --model-path DIR [--batches 1 16 64] [--chunks 128 512 1024]
+        [--context 1024] [--top 12]
+
+`--top N` prints the N ops with the most device time (CPU time on a CPU) of the mixed step of
+the middle batch and the smallest chunk. JSON goes to $OUT/bench_mixed_step.json when $OUT is
+set, else perf/results/ (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from m3serve.backends import auto_backend, create_backend
+from m3serve.core.graphs import DecodeGraphs
+from m3serve.core.matchers import GrammarMatchers
+from m3serve.core.piecewise import PiecewiseGraphs
+from m3serve.core.sampler import Sampler
+from m3serve.core.step_cost import best_ms, fit_per_token
+from m3serve.core.step_runner import StepRunner
+from m3serve.model.build import load_model, resolve_device
+from m3serve.model.kv_cache import KVCache
+from m3serve.runtime.messages import SeqStep
+
+
+def runner_for(path: str, batches: list[int], chunk: int, context: int) -> StepRunner:
+    """The engine's step runner on the checkpoint, its CUDA graphs captured where the backend
+    can: KV pages for every decode row and the chunk, plus the graphs' scratch page (the last)."""
+    device = resolve_device("auto")
+    backend = create_backend(auto_backend(device), device)
+    loaded = load_model(path, backend, "auto", progress=False)
+    model, cfg = loaded.model, loaded.model.cfg
+    page = cfg.page_size
+    row_pages = -(-(context + 1) // page)
+    usable = max(batches) * row_pages + -(-chunk // page)
+    kv = KVCache.allocate(cfg, usable + 1, model.dtype, device)
+    sampler = Sampler(max(batches), cfg.vocab_size, device)
+    runner = StepRunner(model, kv, page, sampler, GrammarMatchers(cfg.vocab_size), {}, None)
+    if backend.capturable:
+        runner.graphs = DecodeGraphs(model, kv, usable, max(batches), row_pages)
+        runner.graphs.capture()
+        runner.piecewise = PiecewiseGraphs(model, kv, usable, max(batches) + chunk)
+        runner.piecewise.capture()
+    return runner
+
+
+def step(batch: int, chunk: int, page: int, context: int, vocab: int) -> list[SeqStep]:
+    """`batch` decode rows over `context` tokens each, then a fresh `chunk`-token prompt of
+    distinct tokens (so that routing spreads as real text does)."""
+    row_pages = -(-(context + 1) // page)
+    rows = [
+        SeqStep([1 + b % (vocab - 1)], context, list(range(b * row_pages, (b + 1) * row_pages)))
+        for b in range(batch)
+    ]
+    if not chunk:
+        return rows
+    first = batch * row_pages
+    ids = [1 + (i * 7919) % (vocab - 1) for i in range(chunk)]
+    return [*rows, SeqStep(ids, 0, list(range(first, first + -(-chunk // page))))]
+
+
+def profiled(runner: StepRunner, seqs: list[SeqStep], sync: Any) -> tuple[float, int, Any]:
+    """(device-busy ms, kernel launches, the profile) of one step."""
+    on_gpu = runner.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities) as prof:
+        runner.time_step(seqs)
+        sync()
+    if not on_gpu:
+        return float("nan"), 0, prof
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.time_range.elapsed_us() for e in kernels) / 1e3
+    return busy, len(kernels), prof
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--chunks", type=int, nargs="+", default=[128, 512, 1024])
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    runner = runner_for(args.model_path, args.batches, max(args.chunks), args.context)
+    page, vocab = runner.page_size, runner.model.cfg.vocab_size
+    device = runner.device
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    rows: list[dict[str, Any]] = []
+    profiles = {}
+    with torch.inference_mode():
+        for batch in args.batches:
+            for chunk in (0, *args.chunks):
+                seqs = step(batch, chunk, page, args.context, vocab)
+                wall = best_ms(lambda seqs=seqs: runner.time_step(seqs), sync)
+                busy, launches, prof = profiled(runner, seqs, sync)
+                profiles[(batch, chunk)] = prof
+                rows.append(
+                    {"batch": batch, "chunk": chunk, "wall_ms": wall, "device_busy_ms": busy,
+                     "launches": launches}
+                )  # fmt: skip
+        prefill = {
+            c: best_ms(lambda c=c: runner.time_step(step(0, c, page, 0, vocab)), sync)
+            for c in args.chunks
+        }
+    per_token = fit_per_token(prefill)
+    decode = {r["batch"]: r["wall_ms"] for r in rows if r["chunk"] == 0}
+    for r in rows:
+        if r["chunk"]:
+            r["fixed_ms"] = r["wall_ms"] - decode[r["batch"]] - per_token * r["chunk"]
+    print(
+        f"{'batch':>5} {'chunk':>6} {'wall ms':>8} {'busy ms':>8} {'launches':>8} {'fixed ms':>9}"
+    )
+    for r in rows:
+        fixed = f"{r['fixed_ms']:9.2f}" if "fixed_ms" in r else f"{'-':>9}"
+        print(
+            f"{r['batch']:5d} {r['chunk']:6d} {r['wall_ms']:8.2f} {r['device_busy_ms']:8.2f} "
+            f"{r['launches']:8d} {fixed}"
+        )
+    mixed = [r for r in rows if r["chunk"]]
+    fixed = sorted(r["fixed_ms"] for r in mixed)[len(mixed) // 2]
+    if device.type == "cuda":
+        host_bound = sum(r["wall_ms"] > 1.2 * r["device_busy_ms"] for r in mixed)
+        bound = f"{host_bound}/{len(mixed)} mixed steps have wall > 1.2x device-busy (host-bound)"
+    else:
+        bound = "device-busy: GPU only"
+    print(
+        f"prefill {1e3 * per_token:.1f} us/token; fixed cost per mixed step (median) "
+        f"{fixed:.2f} ms; {bound}"
+    )
+    if args.top:
+        key = (args.batches[len(args.batches) // 2], min(args.chunks))
+        sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        print(f"== top ops of the mixed step batch {key[0]} + chunk {key[1]}")
+        print(profiles[key].key_averages().table(sort_by=sort, row_limit=args.top))
+    result = {
+        "benchmark": "bench_mixed_step",
+        "model_path": args.model_path,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "context": args.context,
+        "prefill_ms_per_token": per_token,
+        "fixed_ms_median": fixed,
+        "rows": rows,
+    }
+    out = args.out or Path(os.environ.get("OUT") or Path(__file__).parent / "results")
+    out = out / "bench_mixed_step.json" if out.suffix != ".json" else out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
