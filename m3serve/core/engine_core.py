@@ -70,6 +70,7 @@ from m3serve.core.warmup import use_kernel_cache
 from m3serve.model.build import load_model, resolve_device
 from m3serve.model.kv_cache import KVCache
 from m3serve.model.parallel import Parallel, RankGroup
+from m3serve.model.slot_pages import SlotPages
 from m3serve.runtime.config import ServerArgs
 from m3serve.runtime.messages import RankAddress
 from m3serve.runtime.paths import cache_root
@@ -174,6 +175,9 @@ class EngineCore(StepLoop):
             self.host,
             self.inputs.step_media,
         )
+        # Slot page lists on the device: the scheduler's rows carry only their changes. No
+        # request holds more pages than the pool.
+        self.runner.slot_pages = SlotPages(slots, self.budget.num_pages, self.device)
         if self.spec is not None:
             with self.startup.phase("DSpark draft"):
                 self.spec.attach(self.runner, self.model, self.backend, self.budget, kv_dtype)
@@ -215,6 +219,7 @@ class EngineCore(StepLoop):
             mixed_budget=budget,
             cache=cache,
             storage=self.storage,
+            page_deltas=True,
         )
         if self.spec is not None:
             self.scheduler.spec_draft = self.spec.settings.block_size

@@ -66,13 +66,17 @@ class Scheduler(StepCommit):
         mixed_budget: Callable[[int], int] | None = None,
         cache: PrefixCache | None = None,
         storage: StorageTier | None = None,
+        page_deltas: bool = False,
     ) -> None:
         """`mixed_budget(decodes)`: the prompt tokens a step with that many decode rows may
         carry (core/step_cost.py); None lets every step fill the whole prefill budget.
         `cache`: the prefix cache over `num_pages` device pages, when it is not the plain one
-        (HiCache's tiered cache); `storage`: HiCache's L3 tier over it."""
+        (HiCache's tiered cache); `storage`: HiCache's L3 tier over it. `page_deltas`: rows
+        carry only the page-list changes since their slot's last step (an engine core that
+        keeps slot page lists, `SlotPages`); else every row its whole list."""
         self.args = args
         self.mixed_budget = mixed_budget
+        self.page_deltas = page_deltas
         self.page_size = page_size
         self.cache = cache or PrefixCache(PagePool(num_pages), page_size, enabled=radix)
         self.storage = storage
@@ -266,6 +270,7 @@ class Scheduler(StepCommit):
             self.cache.release(tokens[: match.num_tokens], match.pages, match)
             return False
         req.slot, req.match, req.pages = slot, loaded, list(loaded.pages)
+        req.pages_synced = 0
         req.kv_len = loaded.num_tokens
         req.phase, req.prefilled = Phase.RUNNING, False
         if not req.admitted_once:
@@ -300,7 +305,10 @@ class Scheduler(StepCommit):
     def _decode_seq(self, req: Req) -> SeqStep:
         # A verify row's anchor is committed now; its accepted drafts when the step is processed.
         # With a verify step of it in flight, `start` is a lower bound the executor corrects.
-        seq = SeqStep(None, req.kv_len, list(req.pages), slot=req.slot, draft=self._drafts(req))
+        pages, page_start = self._page_update(req)
+        seq = SeqStep(
+            None, req.kv_len, pages, slot=req.slot, draft=self._drafts(req), page_start=page_start
+        )
         req.kv_len += 1
         req.inflight += 1
         req.spec_unseen += seq.draft
@@ -310,13 +318,15 @@ class Scheduler(StepCommit):
         start = req.kv_len
         last = start + chunk == req.prefill_target
         new = start == req.match.num_tokens if req.match else start == 0
+        pages, page_start = self._page_update(req)
         seq = SeqStep(
             req.tokens[start : start + chunk],
             start,
-            list(req.pages),
+            pages,
             slot=req.slot,
             sample=last,
             new_request=new,
+            page_start=page_start,
         )
         if new:
             plan.sampling[req.slot] = req.sampling
@@ -329,6 +339,14 @@ class Scheduler(StepCommit):
             req.prefilled = True
             req.inflight += 1
         return seq
+
+    def _page_update(self, req: Req) -> tuple[list[int], int]:
+        """The pages a row of `req` carries, and the index they start at in its list."""
+        if not self.page_deltas:
+            return list(req.pages), 0
+        start = req.pages_synced
+        req.pages_synced = len(req.pages)
+        return req.pages[start:], start
 
     def _retract(self, req: Req) -> None:
         """Give a running request's KV back (cached in the tree) and queue it for recompute."""

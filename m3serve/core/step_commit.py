@@ -131,6 +131,7 @@ class StepCommit:
         if len(req.pages) > keep:
             self.cache.free_tail(req.pages[keep:])
             del req.pages[keep:]
+            req.pages_synced = min(req.pages_synced, keep)
 
     def take_errors(self) -> Outputs | None:
         """Errors waiting for the next processed step, now (None when there are none)."""
@@ -182,3 +183,4 @@ class StepCommit:
         if req in self.running:
             self.running.remove(req)
         req.match, req.pages, req.slot = None, [], None
+        req.pages_synced = 0

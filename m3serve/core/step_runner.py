@@ -30,6 +30,7 @@ from m3serve.core.sampler import Sampler
 from m3serve.model.batch import ForwardBatch
 from m3serve.model.kv_cache import KVCache
 from m3serve.model.m3 import M3ForCausalLM
+from m3serve.model.slot_pages import SlotPages
 from m3serve.runtime.messages import (
     SKIPPED_TOKEN,
     SamplingParams,
@@ -70,6 +71,9 @@ class StepRunner:
         self.step_media = step_media if step_media is not None else {}
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
+        # Each slot's page list on the device, when the scheduler sends page deltas (set by
+        # the engine core); without it every row carries its whole list.
+        self.slot_pages: SlotPages | None = None
         # Set by a tensor-parallel engine core.
         self.share: TokenShare | None = None
         self.media_share: MediaShare | None = None
@@ -142,7 +146,7 @@ class StepRunner:
         if spec is not None:
             # Overlap: a decode's planned start lags by the drafts accepted since it was planned.
             seqs = spec.lengths.resolve(seqs)
-        batch = ForwardBatch.build(seqs, self.page_size, self.device)
+        batch = ForwardBatch.build(seqs, self.page_size, self.device, slot_pages=self.slot_pages)
         self._fill_slot_tokens(seqs, batch)
         batch = self._with_media(plan, seqs, batch)
         if spec is not None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from m3serve.model.slot_pages import SlotPages
 from m3serve.runtime.messages import SeqStep
 
 
@@ -54,27 +55,40 @@ class ForwardBatch:
         page_size: int,
         device: torch.device | str,
         all_logits: bool = False,
+        slot_pages: SlotPages | None = None,
     ) -> ForwardBatch:
         """The batch of `seqs`. Logits are for the last new token of each sampled seq, or with
         `all_logits` for every new token (parity tests). A seq without input ids gets a
         placeholder token (a verify row: one per token) its caller overwrites on the device.
+
+        With `slot_pages` the seqs' page changes are applied to it and the page table is its
+        rows, gathered on the device; without, every seq carries its whole page list.
 
         Per-token metadata is computed with numpy, not per token in Python: a step of a few
         thousand prompt tokens would otherwise spend milliseconds here before it launches."""
         if not seqs:
             raise ValueError("a forward batch needs at least one request")
         for seq in seqs:
-            _check_seq(seq, page_size)
+            _check_seq(seq, page_size, whole=slot_pages is None)
         starts = np.fromiter((s.start for s in seqs), np.int64, len(seqs))
         extends = np.fromiter((s.extend for s in seqs), np.int64, len(seqs))
         ends = np.cumsum(extends)
         rows = np.repeat(np.arange(len(seqs)), extends)  # the seq each new token belongs to
         positions = starts[rows] + np.arange(int(ends[-1])) - (ends - extends)[rows]
-        max_pages = max(len(s.pages) for s in seqs)
-        table = np.full((len(seqs), max_pages), -1, np.int64)
-        for i, seq in enumerate(seqs):
-            table[i, : len(seq.pages)] = seq.pages
-        slots = table[rows, positions // page_size] * page_size + positions % page_size
+        max_pages = max(s.num_pages for s in seqs)
+        if slot_pages is None:
+            table = np.full((len(seqs), max_pages), -1, np.int64)
+            for i, seq in enumerate(seqs):
+                table[i, : len(seq.pages)] = seq.pages
+            slots = table[rows, positions // page_size] * page_size + positions % page_size
+            page_table = torch.as_tensor(table, dtype=torch.int32).to(device)
+        else:
+            slot_pages.update(seqs)
+            held = np.fromiter((s.slot for s in seqs), np.int64, len(seqs))
+            pages = slot_pages.host[held[rows], positions // page_size]
+            slots = pages * page_size + positions % page_size
+            index = torch.as_tensor(held).to(device)
+            page_table = slot_pages.table[index, :max_pages]
         if all_logits:
             logit_rows = np.arange(int(ends[-1]))
         else:
@@ -89,7 +103,7 @@ class ForwardBatch:
             input_ids=tensor(ids, torch.int64),
             positions=tensor(positions, torch.int64),
             out_slots=tensor(slots, torch.int64),
-            page_table=tensor(table, torch.int32),
+            page_table=page_table,
             seq_lens=seq_lens,
             extend_lens=extends.tolist(),
             logit_rows=tensor(logit_rows.astype(np.int64), torch.int64),
@@ -100,10 +114,12 @@ class ForwardBatch:
         )
 
 
-def _check_seq(seq: SeqStep, page_size: int) -> None:
+def _check_seq(seq: SeqStep, page_size: int, whole: bool) -> None:
     if seq.extend == 0:
         raise ValueError("a request in a forward batch has no new tokens")
+    if whole and seq.page_start:
+        raise ValueError("a batch without slot pages needs every seq's whole page list")
     end = seq.start + seq.extend
     needed = -(-end // page_size)
-    if len(seq.pages) < needed:
-        raise ValueError(f"{end} tokens need {needed} pages, the request has {len(seq.pages)}")
+    if seq.num_pages < needed:
+        raise ValueError(f"{end} tokens need {needed} pages, the request has {seq.num_pages}")

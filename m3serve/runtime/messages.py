@@ -286,7 +286,12 @@ class RankAddress(msgspec.Struct, array_like=True, frozen=True):
 
 class SeqStep(msgspec.Struct, array_like=True):
     """One request's part of a step: new tokens at positions [start, start + extend), whose KV is
-    written to `pages` (the request's pages, covering every position up to the end).
+    written to the request's pages, which cover every position up to the end.
+
+    `pages` are those pages from index `page_start` on. The engine core keeps each slot's page
+    list on the device (`model/slot_pages.py`), so a running request sends only what changed
+    since its slot's last step (usually nothing; a page every page_size tokens); 0 sends the
+    whole list, and replaces the slot's.
 
     `input_ids` None is one token: the one this slot sampled last step, which may not have
     reached the CPU yet (overlap); the engine core reads it from its device-side token table.
@@ -301,10 +306,16 @@ class SeqStep(msgspec.Struct, array_like=True):
     # Speculative verify row: this many draft tokens follow the anchor (the `input_ids` None
     # token); the engine core proposes them and verifies all of them in this step.
     draft: int = 0
+    page_start: int = 0
 
     @property
     def extend(self) -> int:
         return 1 + self.draft if self.input_ids is None else len(self.input_ids)
+
+    @property
+    def num_pages(self) -> int:
+        """The request's page count after this step's update."""
+        return self.page_start + len(self.pages)
 
 
 class PageCopy(msgspec.Struct, array_like=True):

@@ -9,8 +9,12 @@ change the tokens, and a test only has to compare against the same hash run alon
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
-from m3serve.runtime.messages import StepPlan, StepResult
+import msgspec
+
+from m3serve.model.slot_pages import SlotPages
+from m3serve.runtime.messages import SeqStep, StepPlan, StepResult
 
 VOCAB = 1000
 
@@ -32,14 +36,30 @@ def reference_output(prompt: list[int], max_new: int, stop: frozenset[int]) -> l
 
 
 class FakeModel:
-    def __init__(self, num_pages: int, page_size: int, max_slots: int) -> None:
+    """`deltas`: the plans' rows carry page-list changes (the scheduler's `page_deltas`), which
+    this model applies to slot lists (`SlotPages`) as the engine core does before it reads."""
+
+    def __init__(self, num_pages: int, page_size: int, max_slots: int, deltas: bool = False):
         self.page_size = page_size
         self.kv: list[int | None] = [None] * (num_pages * page_size)
         self.last_tokens = [0] * max_slots
+        self.slot_pages = SlotPages(max_slots, num_pages, "cpu") if deltas else None
+
+    def whole_pages(self, seqs: Sequence[SeqStep]) -> list[SeqStep]:
+        """The rows with whole page lists: with deltas, each row's change applied to its slot's
+        list and the list read back."""
+        if self.slot_pages is None:
+            return list(seqs)
+        self.slot_pages.update(seqs)
+        host, lengths = self.slot_pages.host, self.slot_pages.lengths
+        return [
+            msgspec.structs.replace(s, pages=host[s.slot, : lengths[s.slot]].tolist(), page_start=0)
+            for s in seqs
+        ]
 
     def run(self, plan: StepPlan) -> StepResult:
         slots, tokens = [], []
-        for seq in plan.seqs:
+        for seq in self.whole_pages(plan.seqs):
             inputs = seq.input_ids if seq.input_ids is not None else [self.last_tokens[seq.slot]]
             assert len(inputs) == seq.extend
             for offset, token in enumerate(inputs):

@@ -30,10 +30,12 @@ class Run:
     finishes: dict[str, str]
 
 
-def make(num_pages: int, radix: bool = True, **sched: float | str) -> Run:
+def make(num_pages: int, radix: bool = True, deltas: bool = False, **sched: float | str) -> Run:
+    """`deltas`: rows carry page-list changes only, as the engine core's scheduler sends them."""
     args = SchedArgs(**{"max_running_requests": 8, "max_prefill_tokens": 64, **sched})
-    scheduler = Scheduler(args, num_pages, PAGE, radix)
-    return Run(scheduler, FakeModel(num_pages, PAGE, args.max_running_requests), {}, {})
+    scheduler = Scheduler(args, num_pages, PAGE, radix, page_deltas=deltas)
+    model = FakeModel(num_pages, PAGE, args.max_running_requests, deltas=deltas)
+    return Run(scheduler, model, {}, {})
 
 
 def request(rid: str, prompt: list[int], max_new: int) -> Req:
@@ -93,10 +95,11 @@ def prompts(seed: int, count: int, low: int = 1, high: int = 40) -> list[list[in
     return [[rng.randrange(8, 1000) for _ in range(rng.randint(low, high))] for _ in range(count)]
 
 
+@pytest.mark.parametrize("deltas", [False, True], ids=["whole-lists", "page-deltas"])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 @pytest.mark.parametrize("chunk", [-1, 5], ids=["whole-prefill", "chunk-5"])
-def test_batched_outputs_equal_solo_outputs(overlap: bool, chunk: int) -> None:
-    run = make(256, chunked_prefill_size=chunk)
+def test_batched_outputs_equal_solo_outputs(overlap: bool, chunk: int, deltas: bool) -> None:
+    run = make(256, deltas=deltas, chunked_prefill_size=chunk)
     reqs = [request(f"r{i}", p, 12) for i, p in enumerate(prompts(1, 16))]
     for req in reqs:
         run.scheduler.add(req)
@@ -120,10 +123,17 @@ def test_shared_prefix_is_served_from_the_cache() -> None:
     assert_all_pages_back(run)
 
 
-def test_small_pool_retracts_and_still_completes_correctly() -> None:
+@pytest.mark.parametrize("deltas", [False, True], ids=["whole-lists", "page-deltas"])
+def test_small_pool_retracts_and_still_completes_correctly(deltas: bool) -> None:
     # 24 pages = 96 tokens for 8 requests that each grow to ~45 tokens, admitted optimistically
     # (a small reservation ratio), so decode outgrows the pool.
-    run = make(24, max_running_requests=8, init_new_token_ratio=0.05, min_new_token_ratio=0.05)
+    run = make(
+        24,
+        deltas=deltas,
+        max_running_requests=8,
+        init_new_token_ratio=0.05,
+        min_new_token_ratio=0.05,
+    )
     reqs = [request(f"r{i}", p, 30) for i, p in enumerate(prompts(2, 8, 10, 20))]
     for req in reqs:
         run.scheduler.add(req)
@@ -247,6 +257,7 @@ workload = st.lists(
     radix=st.booleans(),
     ratio=st.sampled_from([0.05, 0.7]),
     policy=st.sampled_from(["fcfs", "lpm"]),
+    deltas=st.booleans(),
 )
 def test_random_workload_is_correct_and_leaks_nothing(
     jobs: list[tuple[list[int], int, int, int]],
@@ -256,10 +267,12 @@ def test_random_workload_is_correct_and_leaks_nothing(
     radix: bool,
     ratio: float,
     policy: str,
+    deltas: bool,
 ) -> None:
     run = make(
         num_pages,
         radix=radix,
+        deltas=deltas,
         chunked_prefill_size=chunk,
         init_new_token_ratio=ratio,
         min_new_token_ratio=min(ratio, 0.1),

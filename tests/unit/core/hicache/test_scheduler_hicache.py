@@ -33,7 +33,7 @@ class TieredFake:
     """The fake model plus a host KV tier; jobs run in the order they were submitted."""
 
     def __init__(self, num_pages: int, host_pages: int, max_slots: int) -> None:
-        self.model = FakeModel(num_pages, PAGE, max_slots)
+        self.model = FakeModel(num_pages, PAGE, max_slots, deltas=True)
         self.host: list[int | None] = [None] * (host_pages * PAGE)
         self.jobs: deque[StepPlan | Ticket] = deque()
         self.results: dict[int, StepResult] = {}
@@ -106,7 +106,7 @@ def test_multi_turn_sessions_over_a_small_pool_are_correct_and_leak_nothing(
     args = SchedArgs(max_running_requests=4, max_prefill_tokens=64, chunked_prefill_size=chunk)
     fake = TieredFake(num_pages, ratio * num_pages, args.max_running_requests)
     cache = HiPrefixCache(num_pages, ratio * num_pages, PAGE, policy, fake.tracker)
-    scheduler = Scheduler(args, num_pages, PAGE, True, cache=cache)
+    scheduler = Scheduler(args, num_pages, PAGE, True, cache=cache, page_deltas=True)
     arrivals: list[tuple[int, Req]] = []
     for s, turns in enumerate(sessions(seed, count, turns=4)):
         for t, prompt in enumerate(turns):

@@ -38,9 +38,9 @@ def test_verify_rows_over_a_tiered_cache_are_correct_and_leak_nothing(
 ) -> None:
     args = SchedArgs(max_running_requests=4, max_prefill_tokens=64, chunked_prefill_size=chunk)
     fake = TieredFake(num_pages, ratio * num_pages, args.max_running_requests)
-    model = fake.model = VerifyingModel(num_pages, PAGE, args.max_running_requests)
+    model = fake.model = VerifyingModel(num_pages, PAGE, args.max_running_requests, deltas=True)
     cache = HiPrefixCache(num_pages, ratio * num_pages, PAGE, policy, fake.tracker)
-    scheduler = Scheduler(args, num_pages, PAGE, True, cache=cache)
+    scheduler = Scheduler(args, num_pages, PAGE, True, cache=cache, page_deltas=True)
     scheduler.spec_draft = DRAFTS
     reqs = []
     for s, turns in enumerate(sessions(seed, count, turns=3)):

@@ -39,8 +39,8 @@ class VerifyingModel(FakeModel):
     (`SlotLengths`: the planned start lags under overlap) and drops the rows of slots whose last
     committed tokens held a stop token (SKIPPED_TOKEN), so their KV is never written."""
 
-    def __init__(self, num_pages: int, page_size: int, max_slots: int) -> None:
-        super().__init__(num_pages, page_size, max_slots)
+    def __init__(self, num_pages: int, page_size: int, max_slots: int, deltas: bool) -> None:
+        super().__init__(num_pages, page_size, max_slots, deltas)
         self.accepts: list[int] = []
         self.lengths = SlotLengths(max_slots)
         self.stops: dict[int, frozenset[int]] = {}
@@ -52,7 +52,7 @@ class VerifyingModel(FakeModel):
                 self.stops[seq.slot] = frozenset(plan.stop_ids.get(seq.slot, ()))
                 self.ended.discard(seq.slot)
         live = [s for s in plan.seqs if s.input_ids is not None or s.slot not in self.ended]
-        seqs = self.lengths.resolve(live)
+        seqs = self.lengths.resolve(self.whole_pages(live))
         for seq in seqs:  # the resolved block lies inside the pages planned for the worst case
             assert len(seq.pages) * self.page_size >= seq.start + seq.extend
         plain = StepPlan(step=plan.step, seqs=[s for s in seqs if not s.draft])
@@ -110,11 +110,15 @@ def _hash(*values: int) -> int:
     return int.from_bytes(hashlib.blake2b(repr(values).encode(), digest_size=4).digest(), "little")
 
 
-def _scheduler(num_pages: int, **sched: float | str) -> tuple[Scheduler, VerifyingModel]:
+def _scheduler(
+    num_pages: int, deltas: bool = True, **sched: float | str
+) -> tuple[Scheduler, VerifyingModel]:
+    """Rows carry page deltas, as the engine core's scheduler sends them (the pages verify
+    steps give back are sent again from there), unless `deltas` is False."""
     args = SchedArgs(**{"max_running_requests": 8, "max_prefill_tokens": 64, **sched})
-    scheduler = Scheduler(args, num_pages, PAGE, radix=True)
+    scheduler = Scheduler(args, num_pages, PAGE, radix=True, page_deltas=deltas)
     scheduler.spec_draft = DRAFTS
-    return scheduler, VerifyingModel(num_pages, PAGE, args.max_running_requests)
+    return scheduler, VerifyingModel(num_pages, PAGE, args.max_running_requests, deltas)
 
 
 def _request(rid: str, prompt: list[int], max_new: int) -> Req:
@@ -147,7 +151,7 @@ def _drive(
         if plan is not None:
             for seq in plan.seqs:
                 if seq.draft:  # the block's pages are there before the step runs
-                    assert len(seq.pages) * PAGE >= seq.start + 1 + seq.draft
+                    assert seq.num_pages * PAGE >= seq.start + 1 + seq.draft
             launched = model.run(plan)
         previous = launched
         if overlap:

@@ -1,0 +1,60 @@
+"""Each slot's KV page list, kept where the kernels read it: a device table updated by the
+changes a step's rows carry (`SeqStep.page_start` on), and a host copy for the few entries the
+batch builder reads (the pages its new tokens are written to).
+
+A running request changes its list only when it crosses a page boundary (or a speculative step
+gives pages back), so a step writes a handful of entries, not every request's whole list: at a
+1M-token context that list is 8192 pages. A slot's row is -1 past its list, as a batch's page
+table is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from m3serve.runtime.messages import SeqStep
+
+
+class SlotPages:
+    def __init__(self, num_slots: int, max_pages: int, device: torch.device | str) -> None:
+        self.host = np.full((num_slots, max_pages), -1, np.int64)
+        self.lengths = np.zeros(num_slots, np.int64)
+        self.table = torch.full((num_slots, max_pages), -1, dtype=torch.int32, device=device)
+
+    @property
+    def max_pages(self) -> int:
+        return self.host.shape[1]
+
+    def update(self, seqs: Sequence[SeqStep]) -> None:
+        """Apply each row's change to its slot's list: `pages` from `page_start` on, the rest
+        of the old list dropped. One host-to-device copy for all rows (none if none changed)."""
+        rows: list[np.ndarray] = []
+        cols: list[np.ndarray] = []
+        values: list[np.ndarray] = []
+        for seq in seqs:
+            old, new = int(self.lengths[seq.slot]), seq.num_pages
+            if seq.page_start > old:
+                raise ValueError(
+                    f"slot {seq.slot}: pages from index {seq.page_start} on, but the slot "
+                    f"holds {old}"
+                )
+            if new > self.max_pages:
+                raise ValueError(f"slot {seq.slot}: {new} pages, the table holds {self.max_pages}")
+            if not seq.pages and new == old:
+                continue
+            row = self.host[seq.slot]
+            row[seq.page_start : new] = seq.pages
+            row[new:old] = -1
+            self.lengths[seq.slot] = new
+            changed = np.arange(seq.page_start, max(new, old))
+            rows.append(np.full(len(changed), seq.slot, np.int64))
+            cols.append(changed)
+            values.append(row[changed])
+        if rows:
+            index = torch.as_tensor(np.stack([np.concatenate(rows), np.concatenate(cols)]))
+            value = torch.as_tensor(np.concatenate(values), dtype=torch.int32)
+            index, value = index.to(self.table.device), value.to(self.table.device)
+            self.table[index[0], index[1]] = value
