@@ -34,7 +34,7 @@ class Req:
     slot: int | None = None
     pages: list[int] = field(default_factory=list)  # match pages first, then own pages
     # Leading pages its slot's device list already holds as they are (page deltas): a step sends
-    # pages from here on. Lowered when pages are given back, 0 when the slot is new.
+    # pages from here on. Lowered when pages are given back, 0 at each admission (a new list).
     pages_synced: int = 0
     match: Match | None = None
     kv_len: int = 0  # tokens whose KV is computed or scheduled in a step in flight

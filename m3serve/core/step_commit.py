@@ -183,4 +183,3 @@ class StepCommit:
         if req in self.running:
             self.running.remove(req)
         req.match, req.pages, req.slot = None, [], None
-        req.pages_synced = 0

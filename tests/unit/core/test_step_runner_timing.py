@@ -30,7 +30,12 @@ def test_timed_decode_steps_start_each_slot_once(
     sampler = Sampler(8, cfg.vocab_size, torch.device("cpu"))
     started: list[int] = []
     start = sampler.start
-    sampler.start = lambda slot, *a, **k: (started.append(slot), start(slot, *a, **k))[1]
+
+    def counted_start(slot: int, *args: object, **kwargs: object) -> object:
+        started.append(slot)
+        return start(slot, *args, **kwargs)
+
+    sampler.start = counted_start  # type: ignore[method-assign]
     runner = StepRunner(
         model, kv, cfg.page_size, sampler, GrammarMatchers(cfg.vocab_size), {}, None
     )
