@@ -16,9 +16,12 @@ Shapes (N, K) are the model's MXFP8 projections: fused q/k/v/index-q/index-k (98
 * the two decode kernels side by side at M <= 8 (`gemv_us`, `mma_us`: each forced, whatever
   `plan_mxfp8` picks), the measurement behind `GEMV_MAX_M`; `--gemv-sweep` times the GEMV
   kernel's tile choices at M 1 and 4 on the first shape.
+* the MMA tiles against the dequantized path (W to bf16, then cuBLAS), each forced, at the
+  `--crossover-ms` sizes: the measurement behind `DEQUANT_MIN_M`.
 
     python perf/bench_mxfp8_linear.py [--ms 1,8,32,64,128] [--prefill-m 2048]
-        [--shapes qkv_index,o_proj,...] [--gemv-sweep] [--out PATH]
+        [--crossover-ms 64,96,128,...] [--shapes qkv_index,o_proj,...] [--gemv-sweep]
+        [--out PATH]
 
 Timing and the bandwidth measurement come from perf/gpu_timing.py (run the script by path, so
 that perf/ is on sys.path).
@@ -142,6 +145,26 @@ def gemv_sweep(name: str, bandwidth: float) -> list[dict[str, float | int | str]
     return rows
 
 
+def crossover(name: str, weight: Weight, ms: list[int]) -> list[dict[str, float | int | str]]:
+    """The MMA tiles and the dequantized path, each forced, at each M (graph replay)."""
+    n, k = SHAPES[name]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows: list[dict[str, float | int | str]] = []
+    for m in ms:
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        outs = [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for _ in weight.codes]
+        mma = plan_mxfp8(m, n, k, sms, dequant_min_m=1 << 30)
+        dq = plan_mxfp8(m, n, k, sms, dequant_min_m=0)
+        mma_us = graph_us(_calls(x, weight, outs, mma))
+        dq_us = graph_us(_calls(x, weight, outs, dq))
+        rows.append(
+            {"shape": name, "m": m, "mma_us": mma_us, "dequant_us": dq_us,
+             "mma_tflops": 2 * m * n * k / mma_us / 1e6,
+             "dequant_tflops": 2 * m * n * k / dq_us / 1e6}
+        )  # fmt: skip
+    return rows
+
+
 def _calls(
     x: torch.Tensor, weight: Weight, outs: list[torch.Tensor], plan: Mxfp8Plan
 ) -> list[Callable[[], object]]:
@@ -155,17 +178,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ms", default="1,8,32,64,128")
     parser.add_argument("--prefill-m", type=int, default=2048)
+    parser.add_argument("--crossover-ms", default="64,96,128,160,192,256,384,512,1024,2048")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--gemv-sweep", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     ms = [int(m) for m in args.ms.split(",")]
+    cross_ms = [int(m) for m in args.crossover_ms.split(",") if m]
     shapes = args.shapes.split(",")
 
     bandwidth = read_bandwidth()
     print(f"device read-only bandwidth: {bandwidth / 1e12:.2f} TB/s")
 
-    decode, prefill = [], []
+    decode, prefill, cross = [], [], []
     sweep = gemv_sweep(shapes[0], bandwidth) if args.gemv_sweep else []
     print("\ndecode (CUDA-graph replay; GB/s of weight bytes = codes + scales)")
     print(
@@ -188,6 +213,7 @@ def main() -> None:
 
         # Prefill now, while this shape's weights exist: one shape's copies in memory at a time.
         prefill.append(point(name, weight, args.prefill_m, bandwidth, "prefill"))
+        cross += crossover(name, weight, cross_ms)
         del weight
         torch.cuda.empty_cache()
 
@@ -204,6 +230,15 @@ def main() -> None:
             f"{100 * r['speedup_vs_torch_bf16']:>6.0f}% {r['rel_diff_vs_torch']:>9.2e}"
         )
 
+    print("\nMMA tiles vs dequantized + cuBLAS, each forced (CUDA-graph replay)")
+    print(f"{'shape':>15} {'M':>5} {'mma µs':>9} {'dequant µs':>11} {'ratio':>7}  faster")
+    for r in cross:
+        print(
+            f"{r['shape']:>15} {r['m']:>5} {r['mma_us']:>9.1f} {r['dequant_us']:>11.1f} "
+            f"{r['mma_us'] / r['dequant_us']:>7.2f}  "
+            f"{'dequant' if r['dequant_us'] < r['mma_us'] else 'mma'}"
+        )
+
     result = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -213,6 +248,7 @@ def main() -> None:
         "decode": decode,
         "prefill": prefill,
         "gemv_sweep": sweep,
+        "crossover": cross,
     }
     if args.out is not None:
         path = args.out

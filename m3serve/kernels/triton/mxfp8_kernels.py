@@ -1,6 +1,7 @@
 """The MXFP8 linear's Triton kernels: the MMA tile kernel (decode and prefill), the GEMV kernel
-(M <= 2), and the split-K reduction; the tile math and the launch plans are described in
-`m3serve.kernels.triton.mxfp8_linear`, which launches them."""
+(M <= 2), the split-K reduction, and the whole-weight dequantization that feeds cuBLAS at larger M;
+the tile math and the launch plans are described in `m3serve.kernels.triton.mxfp8_linear`, which
+launches them."""
 
 from __future__ import annotations
 
@@ -208,3 +209,33 @@ def splitk_reduce_kernel(
         acc += tl.load(ptrs, mask=ok, other=0.0)
         ptrs += split_stride
     tl.store(out_ptr + m * stride_om + n * stride_on, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def mxfp8_dequant_kernel(
+    codes_ptr,
+    scales_ptr,
+    w_ptr,
+    N,
+    K,
+    stride_cn,
+    stride_sn,
+    stride_wn,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """W [N, K] = codes x 2**(scale - 127), written in w's dtype (bf16: exact for normal W)."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    rg = tl.program_id(1) * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
+    rn64 = rn.to(tl.int64)
+    ok = (rn < N)[:, None] & (rk < K)[None, :]
+    codes = tl.load(codes_ptr + rn64[:, None] * stride_cn + rk[None, :], mask=ok, other=0.0)
+    e = tl.load(
+        scales_ptr + rn64[:, None] * stride_sn + rg[None, :],
+        mask=(rn < N)[:, None] & (rg < K // 32)[None, :],
+        other=127,
+    )
+    w = tl.reshape(codes.to(tl.float32), [BLOCK_N, BLOCK_K // 32, 32]) * _e8m0_scale(e)[:, :, None]
+    w = tl.reshape(w, [BLOCK_N, BLOCK_K])
+    tl.store(w_ptr + rn64[:, None] * stride_wn + rk[None, :], w.to(w_ptr.dtype.element_ty), mask=ok)

@@ -1,4 +1,5 @@
-"""W8A16 MXFP8 linear in Triton: ``y = x @ W^T`` with W dequantized in registers.
+"""W8A16 MXFP8 linear in Triton: ``y = x @ W^T`` with W dequantized in registers (or, at prefill
+sizes, into a bf16 scratch for cuBLAS).
 
 Layout (the checkpoint's, unchanged: `prepare_mxfp8` only validates and makes it contiguous):
 codes [N, K] float8_e4m3fn, row-major (K contiguous); scales [N, K/32] uint8 E8M0, row-major.
@@ -42,12 +43,20 @@ Paths, chosen from shapes only by `plan_mxfp8` (no autotuning, no runtime search
 * prefill, M > 64: BLOCK_M 128, BLOCK_N 128, BLOCK_K 64, 8 warps, 3 stages; tiles in groups of 16
   M tiles (2048 tokens) so the programs running together share their weight tiles through L2.
   Split-K applies too while the tiles leave SMs idle (e.g. M = 128 on a narrow N).
+* dequantized, M >= DEQUANT_MIN_M and bf16 x (the served model's dtype): one memory-bound kernel
+  writes W as bf16 into a scratch buffer (exact, as above), then cuBLAS multiplies. Converting
+  in the MMA kernel's registers costs every M tile the whole conversion again and keeps that
+  kernel near half of cuBLAS's bf16 rate; the dequantization reads 1 and writes 2 bytes per
+  weight once per call, which the GEMM's own work hides from this M on (perf/bench_mxfp8_linear.py
+  measures both paths). The scratch comes from the caching allocator (the graph pool under
+  capture) and is at most the largest projection in bf16. Other x dtypes keep the MMA tiles.
 
 Compiled variants: one per (tile config: the 3 decode buckets + prefill, and GEMV at M padded to
 1 or 2) x (direct store or split partials) x x dtype, times EVEN_K (K % BLOCK_K == 0, true for
-every model shape), plus one reduction kernel per output dtype. M is not specialized on
-(`do_not_specialize`), and every other integer argument is a multiple of 16 at the model's
-shapes, so one call per (layer shape, M bucket) compiles everything a server will run.
+every model shape), plus one reduction kernel per output dtype and one dequantization kernel.
+M is not specialized on (`do_not_specialize`), and every other integer argument is a multiple of
+16 at the model's shapes, so one call per (layer shape, M bucket) compiles everything a server
+will run.
 
 x may have leading dims ([..., K] -> [..., N], as torch.nn.functional.linear) and any strides;
 `out` rows may be strided (e.g. a column slice of a fused buffer).
@@ -70,6 +79,7 @@ from torch import Tensor
 
 from m3serve.kernels.quant import MXFP8_BLOCK
 from m3serve.kernels.triton.mxfp8_kernels import (
+    mxfp8_dequant_kernel,
     mxfp8_gemv_kernel,
     mxfp8_mma_kernel,
     splitk_reduce_kernel,
@@ -77,6 +87,11 @@ from m3serve.kernels.triton.mxfp8_kernels import (
 
 # M up to this is the decode path: one M tile, so the weights are read once per call.
 DECODE_MAX_M = 64
+# Past one 128-row MMA tile, bf16 x takes the dequantized path (W to bf16 once, then cuBLAS):
+# on the H200 it is 1.2-2x faster from M 160 on and 0.7-0.9x at M 64-128 (bench_mxfp8_linear).
+DEQUANT_MIN_M = 129
+_DEQUANT_BLOCK_N = 32
+_DEQUANT_BLOCK_K = 256
 # M up to this takes the GEMV kernel (CUDA cores; its cost grows with M, the MMA path's does not).
 GEMV_MAX_M = 2
 _GEMV_BLOCK_N = 8
@@ -110,6 +125,8 @@ class Mxfp8Plan:
     num_warps: int
     num_stages: int
     gemv: bool = False  # the CUDA-core kernel (block_m is then M padded to a power of two)
+    # bf16 x: W dequantized to bf16, then cuBLAS (the tiles above serve other x dtypes)
+    dequant: bool = False
 
 
 @cache
@@ -131,9 +148,17 @@ def _num_sms(t: Tensor) -> int:
     return 1 if _interpreted(t) else _sm_count(t.device.index or 0)
 
 
-def plan_mxfp8(m: int, n: int, k: int, num_sms: int, gemv_max_m: int = GEMV_MAX_M) -> Mxfp8Plan:
+def plan_mxfp8(
+    m: int,
+    n: int,
+    k: int,
+    num_sms: int,
+    gemv_max_m: int = GEMV_MAX_M,
+    dequant_min_m: int = DEQUANT_MIN_M,
+) -> Mxfp8Plan:
     """Tiles and split count for x [m, k] @ W[n, k]^T on a device with `num_sms` SMs; M up to
-    `gemv_max_m` takes the GEMV kernel (benchmarks move the crossover)."""
+    `gemv_max_m` takes the GEMV kernel, M from `dequant_min_m` the dequantized path (benchmarks
+    move the crossovers)."""
     if m <= gemv_max_m:
         return _plan_gemv(m, n, k, num_sms)
     if m <= DECODE_MAX_M:
@@ -151,7 +176,7 @@ def plan_mxfp8(m: int, n: int, k: int, num_sms: int, gemv_max_m: int = GEMV_MAX_
         wanted = min(triton.next_power_of_2(triton.cdiv(target, tiles)), _MAX_SPLIT)
         steps = max(triton.cdiv(k_steps, wanted), min(_MIN_STEPS_PER_SPLIT, k_steps))
         split = triton.cdiv(k_steps, steps)
-    return Mxfp8Plan(block_m, block_n, block_k, split, warps, stages)
+    return Mxfp8Plan(block_m, block_n, block_k, split, warps, stages, dequant=m >= dequant_min_m)
 
 
 def _plan_gemv(m: int, n: int, k: int, num_sms: int) -> Mxfp8Plan:
@@ -256,6 +281,9 @@ def mxfp8_linear(
 
     p = plan or plan_mxfp8(m, n, k, _num_sms(x))
     _check_plan(p, m)
+    if p.dequant and x2.dtype == torch.bfloat16:
+        _dequantized_matmul(x2, codes, scales, out2)
+        return out
     k_steps = triton.cdiv(k, p.block_k)
     steps_per_split = triton.cdiv(k_steps, max(p.split_k, 1))
     split = triton.cdiv(k_steps, steps_per_split)  # no empty splits
@@ -281,6 +309,26 @@ def mxfp8_linear(
             **({"launch_pdl": True} if pdl else {}),
         )  # fmt: skip
     return out
+
+
+def dequant_mxfp8_bf16(codes: Tensor, scales: Tensor) -> Tensor:
+    """W [N, K] in bf16 from an MXFP8 weight, on its device (one Triton kernel)."""
+    n, k = _check_weight(codes, scales)
+    w = torch.empty(n, k, dtype=torch.bfloat16, device=codes.device)
+    grid = (triton.cdiv(n, _DEQUANT_BLOCK_N), triton.cdiv(k, _DEQUANT_BLOCK_K))
+    mxfp8_dequant_kernel[grid](
+        codes, scales, w, n, k, codes.stride(0), scales.stride(0), w.stride(0),
+        BLOCK_N=_DEQUANT_BLOCK_N, BLOCK_K=_DEQUANT_BLOCK_K, num_warps=4,
+    )  # fmt: skip
+    return w
+
+
+def _dequantized_matmul(x2: Tensor, codes: Tensor, scales: Tensor, out2: Tensor) -> None:
+    w = dequant_mxfp8_bf16(codes, scales)
+    if out2.is_contiguous():
+        torch.mm(x2, w.t(), out=out2)
+    else:  # a column slice of a fused buffer: cuBLAS writes dense rows
+        out2.copy_(torch.mm(x2, w.t()))
 
 
 def _mxfp8_mma(

@@ -18,11 +18,13 @@ import torch
 from helpers.devices import DEVICE
 
 from m3serve.kernels.linear import mxfp8_linear_reference
-from m3serve.kernels.quant import quant_mxfp8
+from m3serve.kernels.quant import dequant_mxfp8, quant_mxfp8
 from m3serve.kernels.triton.mxfp8_linear import (
     DECODE_MAX_M,
+    DEQUANT_MIN_M,
     GEMV_MAX_M,
     Mxfp8Plan,
+    dequant_mxfp8_bf16,
     mxfp8_linear,
     plan_mxfp8,
     prepare_mxfp8,
@@ -333,6 +335,36 @@ def test_gemv_refuses_more_rows_than_its_plan_takes() -> None:
         run(x, codes, scales, plan=Mxfp8Plan(32, 16, 64, 1, 4, 1, gemv=True))
 
 
+# ----------------------------------------------------------------------- the dequantized path
+
+
+def test_whole_weight_dequantization_is_exact() -> None:
+    # N and K tails past the kernel's 32 x 256 blocks; scales spanning four decades.
+    codes, scales = weight(45, 288, seed=40)
+    got = dequant_mxfp8_bf16(codes.to(DEVICE), scales.to(DEVICE)).cpu()
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, dequant_mxfp8(codes, scales).to(torch.bfloat16))
+
+
+def test_bf16_rows_from_the_crossover_take_cublas_and_match_reference() -> None:
+    codes, scales = weight(40, 96, seed=41)
+    x = activations(DEQUANT_MIN_M + 3, 96, torch.bfloat16, seed=42)
+    assert plan_mxfp8(x.shape[0], 40, 96, H200_SMS).dequant
+    assert_matches_reference(run(x, codes, scales), x, codes, scales)
+    # A column slice of a fused buffer as out: cuBLAS writes dense rows, copied in.
+    buf = torch.full((x.shape[0], 56), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    mxfp8_linear(x.to(DEVICE), codes.to(DEVICE), scales.to(DEVICE), out=buf[:, 8:48])
+    assert torch.isnan(buf[:, :8]).all() and torch.isnan(buf[:, 48:]).all()
+    assert_matches_reference(buf[:, 8:48].cpu(), x, codes, scales)
+
+
+def test_fp32_rows_past_the_crossover_keep_the_exact_tiles() -> None:
+    # The dequantized path is bf16 only: fp32 x keeps all 24 bits through the MMA tiles.
+    codes, scales = weight(24, 64, seed=43)
+    x = activations(DEQUANT_MIN_M + 1, 64, torch.float32, seed=44)
+    assert_matches_reference(run(x, codes, scales), x, codes, scales)
+
+
 # ------------------------------------------------------------------------------ the heuristic
 
 
@@ -342,7 +374,7 @@ def test_decode_plans_read_the_weight_once_and_fill_the_gpu() -> None:
             p = plan_mxfp8(m, n, k, H200_SMS)
             # One M tile (the MMA path) or every row in each program (GEMV): weights read once.
             assert p.block_m >= m and p.block_m in ((1, 2, 4) if p.gemv else (16, 32, 64))
-            assert p.gemv == (m <= GEMV_MAX_M)
+            assert p.gemv == (m <= GEMV_MAX_M) and not p.dequant
             tiles = -(-n // p.block_n)
             steps = -(-k // p.block_k)
             assert p.split_k <= steps
