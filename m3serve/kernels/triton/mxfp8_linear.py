@@ -88,7 +88,7 @@ from m3serve.kernels.triton.mxfp8_kernels import (
 # M up to this is the decode path: one M tile, so the weights are read once per call.
 DECODE_MAX_M = 64
 # Past one 128-row MMA tile, bf16 x takes the dequantized path (W to bf16 once, then cuBLAS):
-# on the H200 it is 1.2-2x faster from M 160 on and 0.7-0.9x at M 64-128 (bench_mxfp8_linear).
+# on the H200 it is 1.2-2.1x faster from M 160 on and 0.7-1.1x at M 64-128 (bench_mxfp8_linear).
 DEQUANT_MIN_M = 129
 _DEQUANT_BLOCK_N = 32
 _DEQUANT_BLOCK_K = 256
