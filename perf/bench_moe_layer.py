@@ -87,6 +87,7 @@ def quantized_model(cfg: TextConfig, backend: HopperBackend) -> M3ForCausalLM:
             fan_in = param.shape[-1]
             std = 0.1 if param.ndim == 1 else 1.0 / math.sqrt(fan_in)
             param.normal_(0.0, std, generator=gen)
+    backend.prepare_weights(model)  # as load_model does: the layouts the kernels read
     return model.eval()
 
 

@@ -41,6 +41,7 @@ import triton
 from gpu_timing import graph_us, launch_us, read_bandwidth
 
 from m3serve.backends.hopper.moe import grouped_mm_available, moe_experts_grouped
+from m3serve.kernels.nvfp4_tiles import tile_experts
 from m3serve.kernels.quant import dequant_nvfp4
 from m3serve.kernels.triton.nvfp4_moe import NVFP4MoEConfig, nvfp4_moe
 
@@ -59,9 +60,17 @@ class Experts:
     w2: torch.Tensor
     w2_scale: torch.Tensor
     w2_global: torch.Tensor
+    tiled: tuple[torch.Tensor, ...] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        # What the kernel reads: the same values with their rows tiled (the backend's layout).
+        w13, w13_scale, w2, w2_scale = tile_experts(
+            self.w13, self.w13_scale, self.w2, self.w2_scale
+        )
+        self.tiled = (w13, w13_scale, self.w13_global, w2, w2_scale, self.w2_global)
 
     def args(self) -> tuple[torch.Tensor, ...]:
-        return (self.w13, self.w13_scale, self.w13_global, self.w2, self.w2_scale, self.w2_global)
+        return self.tiled
 
     def bytes_per_expert(self) -> int:
         tensors = (self.w13, self.w13_scale, self.w2, self.w2_scale)
@@ -199,9 +208,9 @@ ABLATIONS = {
     "dequant_triton": NVFP4MoEConfig(dequant="triton"),
     "route_sorted": NVFP4MoEConfig(route="sorted"),
     "no_pdl": NVFP4MoEConfig(pdl=False),
-    "block_k128": NVFP4MoEConfig(block_k=128),
+    "block_k256": NVFP4MoEConfig(block_k=256),
     "stages4": NVFP4MoEConfig(num_stages=4),
-    "stages2": NVFP4MoEConfig(num_stages=2),
+    "stages5": NVFP4MoEConfig(num_stages=5),
     "block_n128_w8": NVFP4MoEConfig(block_n=128, num_warps=8),
     "warps8": NVFP4MoEConfig(num_warps=8),
 }
@@ -213,8 +222,8 @@ PREFILL_ABLATIONS = {
     "block_m128": NVFP4MoEConfig(block_m=128),
     "block_m128_n128_w8": NVFP4MoEConfig(block_m=128, block_n=128, num_warps=8),
     "stages4": NVFP4MoEConfig(num_stages=4),
-    "block_k64": NVFP4MoEConfig(block_k=64),
-    "dequant_triton": NVFP4MoEConfig(dequant="triton"),
+    "block_k256": NVFP4MoEConfig(block_k=256),
+    "block_m64_n64_w4": NVFP4MoEConfig(block_m=64, block_n=64, num_warps=4),
 }
 
 

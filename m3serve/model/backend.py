@@ -29,6 +29,11 @@ class Backend(Protocol):
     # any other format are dequantized at load.
     weight_formats: frozenset[str]
 
+    def prepare_weights(self, model: torch.nn.Module) -> None:
+        """Once the checkpoint is loaded: rearrange what this backend's kernels read in another
+        layout than the checkpoint's (in place, values unchanged)."""
+        ...
+
     def linear(
         self, x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None
     ) -> torch.Tensor:

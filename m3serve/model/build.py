@@ -94,6 +94,7 @@ def load_model(
     tower = vision_config(config) if vision and has_vision_weights(path) else None
     model = M3ForCausalLM(config.text, backend, torch_dtype, device, formats, parallel, tower)
     load_weights(model, path, config, progress=progress, parallel=parallel)
+    backend.prepare_weights(model)
     model.eval()
     seconds = time.monotonic() - started
     stored = checkpoint_bytes(path)

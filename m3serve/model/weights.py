@@ -34,7 +34,10 @@ class Mxfp8Weight:
 class Nvfp4Experts:
     """A layer's routed experts as NVFP4 (E2M1 codes two per byte, element 2i in the low nibble;
     an e4m3 scale per 16 along K; a float32 global scale). w13's rows are w1 (gate) then w3 (up),
-    each half with its own global scale."""
+    each half with its own global scale.
+
+    `tiled`: the codes and scales are held with their rows tiled for the MoE kernels
+    (`m3serve.kernels.nvfp4_tiles`), as 5-d views [E, R/32, K/TK, 32, TK/2 or TK/16]."""
 
     w13: Tensor  # [E, 2I, H/2] uint8
     w13_scale: Tensor  # [E, 2I, H/16] float8_e4m3fn
@@ -42,6 +45,7 @@ class Nvfp4Experts:
     w2: Tensor  # [E, H, I/2] uint8
     w2_scale: Tensor  # [E, H, I/16] float8_e4m3fn
     w2_global: Tensor  # [E] float32
+    tiled: bool = False
 
 
 @dataclass(frozen=True)

@@ -17,13 +17,14 @@ warm call with host syncs made errors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 import torch
 
 from m3serve.kernels.activation import swiglu_oai
 from m3serve.kernels.moe import local_expert_ids
+from m3serve.kernels.nvfp4_tiles import tile_experts
 from m3serve.kernels.quant import dequant_nvfp4
 from m3serve.kernels.triton.nvfp4_moe import SLOTS_MAX_PAIRS, NVFP4MoEConfig, nvfp4_moe
 
@@ -48,9 +49,17 @@ class Experts:
     w2: torch.Tensor
     w2_scale: torch.Tensor
     w2_global: torch.Tensor
+    tiled: tuple[torch.Tensor, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        # The kernel's inputs: the same values with their rows tiled, as the backend holds them.
+        w13, w13_scale, w2, w2_scale = tile_experts(
+            self.w13, self.w13_scale, self.w2, self.w2_scale
+        )
+        self.tiled = (w13, w13_scale, self.w13_global, w2, w2_scale, self.w2_global)
 
     def args(self) -> tuple[torch.Tensor, ...]:
-        return (self.w13, self.w13_scale, self.w13_global, self.w2, self.w2_scale, self.w2_global)
+        return self.tiled
 
     def dequantized(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 w13 [2I, H] (each half with its own global) and w2 [H, I] of expert e."""
@@ -195,10 +204,10 @@ def test_expert_parallel_rank_skips_the_pairs_it_does_not_hold(
     held = E // 2
     x = activations(tokens, seed=30 + tokens)
     weights, ids = routing(tokens, seed=40 + tokens)
-    mine = Experts(*(t[held:] for t in experts.args()))
+    mine = [t[held:] for t in experts.args()]
     local = local_expert_ids(ids, held, held)
     got = nvfp4_moe(
-        x, weights, local, *mine.args(), ALPHA, LIMIT, skips=True,
+        x, weights, local, *mine, ALPHA, LIMIT, skips=True,
         config=NVFP4MoEConfig(route=route),
     )  # fmt: skip
     # The reference over all experts with the other rank's pairs weighted 0.

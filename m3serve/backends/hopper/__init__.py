@@ -25,6 +25,7 @@ from m3serve.backends.hopper.moe import (
 from m3serve.backends.reference import ReferenceBackend
 from m3serve.kernels.moe import local_expert_ids
 from m3serve.model.batch import ForwardBatch
+from m3serve.model.ffn import Experts
 from m3serve.model.kv_cache import LayerKV
 from m3serve.model.weights import ExpertWeights, LinearWeight, Mxfp8Weight, Nvfp4Experts
 
@@ -87,6 +88,13 @@ class HopperBackend(ReferenceBackend):
         experts = {"NVFP4"} if moe_runner in ("auto", "triton") else set()
         self.weight_formats = frozenset({"MXFP8", *experts})
         self._side = None if interpreter else torch.cuda.Stream(device)
+
+    def prepare_weights(self, model: torch.nn.Module) -> None:
+        """NVFP4 experts are held row-tiled (`m3serve.kernels.nvfp4_tiles`): a K step of the MoE
+        kernels then reads 2 KB runs instead of a 64-byte piece of every row."""
+        for module in model.modules():
+            if isinstance(module, Experts):
+                module.tile_rows_()
 
     def linear(
         self, x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None
@@ -244,6 +252,8 @@ class HopperBackend(ReferenceBackend):
             ids = local_expert_ids(ids, first_expert, held)
         if isinstance(experts, Nvfp4Experts):
             e = experts
+            if not e.tiled:
+                raise ValueError("the NVFP4 MoE reads row-tiled experts: see prepare_weights")
             return self._nvfp4_moe.nvfp4_moe(
                 x, weights, ids, e.w13, e.w13_scale, e.w13_global, e.w2, e.w2_scale,
                 e.w2_global, alpha, limit, skips=partial,

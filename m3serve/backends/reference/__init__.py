@@ -18,6 +18,7 @@ from m3serve.kernels.draft_attention import draft_attention
 from m3serve.kernels.indexer import paged_index_topk
 from m3serve.kernels.moe import local_expert_ids, moe_experts, route_topk
 from m3serve.kernels.norm import add_gemma_rms_norm, gemma_rms_norm
+from m3serve.kernels.nvfp4_tiles import untile_rows
 from m3serve.kernels.quant import NVFP4_GROUP, dequant_mxfp8, unpack_e2m1
 from m3serve.kernels.rope import apply_rope, rope_cos_sin
 from m3serve.model.batch import ForwardBatch
@@ -42,6 +43,9 @@ class ReferenceBackend:
     def __init__(self, device: torch.device, keep_quantized: bool = False) -> None:
         self.device = device
         self.weight_formats = frozenset({"MXFP8", "NVFP4"} if keep_quantized else ())
+
+    def prepare_weights(self, model: torch.nn.Module) -> None:
+        """The torch ops read the checkpoint's layouts."""
 
     def linear(
         self, x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None
@@ -179,12 +183,18 @@ class ReferenceBackend:
 
 def dequant_experts(experts: Nvfp4Experts, dtype: torch.dtype) -> DenseExperts:
     """The experts' exact values: e2m1 * e4m3 (exact in fp32), then times the global scale of
-    each row's half (w1 rows, w3 rows) or of w2, rounded once, as `dequant_nvfp4` does."""
-    w13_rows = experts.w13.shape[1]
-    row_global = experts.w13_global.repeat_interleave(w13_rows // 2, dim=1)
-    w13 = _nvfp4_rows(experts.w13, experts.w13_scale, row_global)
-    w2_global = experts.w2_global[:, None].expand(-1, experts.w2.shape[1])
-    w2 = _nvfp4_rows(experts.w2, experts.w2_scale, w2_global)
+    each row's half (w1 rows, w3 rows) or of w2, rounded once, as `dequant_nvfp4` does. Row-tiled
+    experts (`Nvfp4Experts.tiled`) are read back in row order first."""
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return untile_rows(t) if experts.tiled else t
+
+    w13_codes, w13_scale = rows(experts.w13), rows(experts.w13_scale)
+    w2_codes, w2_scale = rows(experts.w2), rows(experts.w2_scale)
+    row_global = experts.w13_global.repeat_interleave(w13_codes.shape[1] // 2, dim=1)
+    w13 = _nvfp4_rows(w13_codes, w13_scale, row_global)
+    w2_global = experts.w2_global[:, None].expand(-1, w2_codes.shape[1])
+    w2 = _nvfp4_rows(w2_codes, w2_scale, w2_global)
     return DenseExperts(w13.to(dtype), w2.to(dtype))
 
 

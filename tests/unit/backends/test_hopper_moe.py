@@ -1,6 +1,7 @@
 """The hopper backend's MoE under expert parallelism (Triton's interpreter on the CPU): a rank
 holding a slice of the experts gives the reference backend's partial sum for that slice, with
-NVFP4 experts (the fused Triton MoE) and with dense ones (the masked torch path)."""
+NVFP4 experts (the fused Triton MoE, on row-tiled experts as the hopper backend holds them; the
+reference reads them back in row order) and with dense ones (the masked torch path)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from m3serve.backends.hopper import HopperBackend
 from m3serve.backends.reference import ReferenceBackend, dequant_experts
+from m3serve.kernels.nvfp4_tiles import tile_experts
 from m3serve.kernels.quant import quant_nvfp4
 from m3serve.model.weights import DenseExperts, Nvfp4Experts
 
@@ -23,20 +25,24 @@ def nvfp4_experts(seed: int) -> Nvfp4Experts:
     w2 = torch.randn(E, H, INTER, generator=gen) * 0.1
     up = [quant_nvfp4(w13[e]) for e in range(E)]
     down = [quant_nvfp4(w2[e]) for e in range(E)]
-    return Nvfp4Experts(
+    w13, w13_scale, w2, w2_scale = tile_experts(
         torch.stack([u[0] for u in up]),
         torch.stack([u[1] for u in up]),
-        torch.stack([torch.stack([u[2], u[2]]) for u in up]),
         torch.stack([d[0] for d in down]),
         torch.stack([d[1] for d in down]),
-        torch.stack([d[2] for d in down]),
     )
+    w13_global = torch.stack([torch.stack([u[2], u[2]]) for u in up])
+    w2_global = torch.stack([d[2] for d in down])
+    return Nvfp4Experts(w13, w13_scale, w13_global, w2, w2_scale, w2_global, tiled=True)
 
 
 def held(
     experts: Nvfp4Experts | DenseExperts, first: int, count: int
 ) -> Nvfp4Experts | DenseExperts:
-    fields = {k: v[first : first + count] for k, v in vars(experts).items()}
+    fields = {
+        k: v[first : first + count] if isinstance(v, torch.Tensor) else v
+        for k, v in vars(experts).items()
+    }
     return type(experts)(**fields)
 
 

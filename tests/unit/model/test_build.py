@@ -1,5 +1,6 @@
 """Loading a checkpoint onto a backend: the quantized weights stay as stored (the device holds
-about the checkpoint's bytes), and the load line reports both sizes and the read rate."""
+about the checkpoint's bytes; the hopper backend tiles the NVFP4 experts' rows, values
+unchanged), and the load line reports both sizes and the read rate."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import pytest
 import torch
 
 from m3serve.backends.hopper import HopperBackend
-from m3serve.backends.reference import ReferenceBackend
+from m3serve.backends.reference import ReferenceBackend, dequant_experts
 from m3serve.model.build import checkpoint_bytes, load_model, weight_bytes
+from m3serve.model.ffn import Experts
 from m3serve.model.tiny.checkpoint import TinySpec, make_tiny
+from m3serve.model.weights import Nvfp4Experts
 
 # Wide enough that the quantized projections and experts, not the norms, are most of the bytes.
 SPEC = TinySpec(
@@ -43,3 +46,23 @@ def test_weight_bytes_counts_a_shared_storage_once() -> None:
     module.a = torch.nn.Parameter(torch.zeros(10, 4))
     module.register_buffer("view", module.a.data[2:5])
     assert weight_bytes(module) == 10 * 4 * 4
+
+
+def test_the_hopper_backend_holds_nvfp4_experts_row_tiled_with_the_same_values(
+    tmp_path: Path,
+) -> None:
+    path = make_tiny(tmp_path / "q", SPEC)
+    hopper = load_model(path, HopperBackend(torch.device("cpu"), interpreter=True), "bfloat16")
+    stored = load_model(path, ReferenceBackend(torch.device("cpu"), keep_quantized=True))
+    pairs = [
+        (ours, theirs)
+        for ours, theirs in zip(hopper.model.modules(), stored.model.modules(), strict=True)
+        if isinstance(ours, Experts) and ours.fmt == "NVFP4"
+    ]
+    assert pairs, "the checkpoint has NVFP4 experts"
+    for ours, theirs in pairs:
+        held, plain = ours.data, theirs.data
+        assert isinstance(held, Nvfp4Experts) and isinstance(plain, Nvfp4Experts)
+        assert held.tiled and not plain.tiled and held.w13.dim() == 5
+        got, want = dequant_experts(held, torch.float32), dequant_experts(plain, torch.float32)
+        assert torch.equal(got.w13, want.w13) and torch.equal(got.w2, want.w2)

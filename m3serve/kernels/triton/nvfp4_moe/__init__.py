@@ -4,11 +4,15 @@ Semantics are those of `m3serve.kernels.moe.moe_experts` on weights dequantized 
 `m3serve.kernels.quant.dequant_nvfp4`: out[t] = sum_j topk_weights[t, j] * Expert_e(x[t]) with
 e = topk_ids[t, j], Expert_e(x) = w2_e @ swiglu_oai(w13_e @ x), activations bf16, fp32 sums.
 
-Layout: the checkpoint's, used as loaded (there is no prepare step).
-* w13 [E, 2I, H/2] uint8: E2M1 codes two per byte, element 2i in the low nibble; rows [0, I) are
-  w1 (gate), [I, 2I) w3 (up). w13_scale [E, 2I, H/16] float8_e4m3fn, one per 16 elements along
-  H. w13_global [E, 2] float32: the global scale of the w1 rows, then of the w3 rows.
-* w2 [E, H, I/2] uint8, w2_scale [E, H, I/16] float8_e4m3fn, w2_global [E] float32.
+Layout: the checkpoint's values, its rows tiled once at load (`m3serve.kernels.nvfp4_tiles`:
+rows in groups of 32, each group's K in contiguous tiles of TK = `tile_k(K)` elements, so a K
+step reads 2 KB runs instead of a 64-byte piece of every row).
+* w13 [E, 2I/32, H/TK, 32, TK/2] uint8: E2M1 codes two per byte, element 2i in the low nibble;
+  rows [0, I) are w1 (gate), [I, 2I) w3 (up). w13_scale [E, 2I/32, H/TK, 32, TK/16]
+  float8_e4m3fn, one per 16 elements along H. w13_global [E, 2] float32: the global scale of
+  the w1 rows, then of the w3 rows.
+* w2 [E, H/32, I/TK, 32, TK/2] uint8, w2_scale [E, H/32, I/TK, 32, TK/16] float8_e4m3fn,
+  w2_global [E] float32.
 W[n, k] = e2m1(code) * e4m3(scale[n, k // 16]) * global. H and I must be multiples of 32.
 
 Dequantization happens in registers and is exact: e2m1 * e4m3 has at most 6 significant bits,
@@ -47,9 +51,9 @@ Grouping pairs by expert (two routes, chosen from shapes):
   in-kernel from a histogram of the ids; it gathers its
   pairs BLOCK_M = 16 at a time (looping if there are more). Every selected expert's weights are
   read once per n-tile and the grid is (n-tiles, min(E, T*k)), so T = 1 runs 4 x 96 programs.
-* "sorted" (prefill): moe_align-style metadata from sync-free torch ops (stable argsort,
-  scatter-add counts, cumsums): pairs sorted by expert, each expert padded to a multiple of
-  BLOCK_M; program (n-tile, block) runs one expert over BLOCK_M pairs on the tensor cores. The
+* "sorted" (prefill): moe_align-style metadata from two small kernels (`align.py`): pairs
+  grouped by expert in pair order, each expert padded to a multiple of BLOCK_M; program
+  (n-tile, block) runs one expert over BLOCK_M pairs on the tensor cores. The
   block count is bounded from shapes (blocks past the end do nothing).
 
 Expert parallelism: a rank holding E of the experts gets ids from `local_expert_ids`, where E
@@ -71,7 +75,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from m3serve.kernels.nvfp4_tiles import CODES_PER_BYTE, TILE_ROWS, tile_k, tiled_shape
+from m3serve.kernels.quant import NVFP4_GROUP
 from m3serve.kernels.triton.attention.config import interpreted, pdl_supported
+from m3serve.kernels.triton.nvfp4_moe.align import align_pairs
 from m3serve.kernels.triton.nvfp4_moe.decode import DEQUANT_ASM, DEQUANT_TRITON
 from m3serve.kernels.triton.nvfp4_moe.kernels import combine_kernel, down_kernel, gate_up_kernel
 from m3serve.kernels.triton.nvfp4_moe.plan import (
@@ -79,7 +86,6 @@ from m3serve.kernels.triton.nvfp4_moe.plan import (
     ROUTE_SLOTS,
     SLOTS_MAX_PAIRS,
     NVFP4MoEConfig,
-    align_pairs,
     overridden,
     plan_moe,
 )
@@ -109,26 +115,32 @@ def _check(
         raise ValueError("topk_ids must have one row per token of x")
     if topk_ids.dtype not in (torch.int32, torch.int64) or topk_weights.dtype != torch.float32:
         raise ValueError("topk_ids must be int32/int64 and topk_weights float32")
-    num_experts, two_inter, half_h = w13.shape
+    if w13.dim() != 5 or w2.dim() != 5:
+        raise ValueError("w13 and w2 must be row-tiled (m3serve.kernels.nvfp4_tiles), 5-d")
     hidden = x.shape[1]
-    inter = two_inter // 2
+    num_experts, inter = w13.shape[0], w13.shape[1] * TILE_ROWS // 2
+    if hidden % 32 or inter % 32 or inter == 0:
+        raise ValueError(f"H ({hidden}) and I ({inter}) must be multiples of 32")
+    codes, scale = torch.uint8, torch.float8_e4m3fn
     expected = {
-        "w13": (w13, (num_experts, 2 * inter, hidden // 2), torch.uint8),
-        "w13_scale": (w13_scale, (num_experts, 2 * inter, hidden // 16), torch.float8_e4m3fn),
-        "w13_global": (w13_global, (num_experts, 2), torch.float32),
-        "w2": (w2, (num_experts, hidden, inter // 2), torch.uint8),
-        "w2_scale": (w2_scale, (num_experts, hidden, inter // 16), torch.float8_e4m3fn),
-        "w2_global": (w2_global, (num_experts,), torch.float32),
+        "w13": (w13, tiled_shape(2 * inter, hidden, CODES_PER_BYTE), codes),
+        "w13_scale": (w13_scale, tiled_shape(2 * inter, hidden, NVFP4_GROUP), scale),
+        "w13_global": (w13_global, (2,), torch.float32),
+        "w2": (w2, tiled_shape(hidden, inter, CODES_PER_BYTE), codes),
+        "w2_scale": (w2_scale, tiled_shape(hidden, inter, NVFP4_GROUP), scale),
+        "w2_global": (w2_global, (), torch.float32),
     }
-    for name, (t, shape, dtype) in expected.items():
+    for name, (t, per_expert, dtype) in expected.items():
+        shape = (num_experts, *per_expert)
         if tuple(t.shape) != shape or t.dtype != dtype:
-            raise ValueError(f"{name}: expected {dtype} {shape}, got {t.dtype} {tuple(t.shape)}")
-        # Experts may be strided (a slice of a bigger pool); rows and globals are dense.
+            raise ValueError(
+                f"{name}: expected {dtype} {shape} (the row-tiled layout), "
+                f"got {t.dtype} {tuple(t.shape)}"
+            )
+        # Experts may be strided (a slice of a bigger pool); each expert and the globals are dense.
         dense = t.is_contiguous() if t.dim() < 3 else t[0].is_contiguous()
         if not dense:
             raise ValueError(f"{name} must be contiguous apart from the expert dim")
-    if hidden % 32 or inter % 32 or half_h * 2 != hidden:
-        raise ValueError(f"H ({hidden}) and I ({inter}) must be multiples of 32")
     return num_experts, hidden, inter
 
 
@@ -154,9 +166,9 @@ def nvfp4_moe(
     [T, k] fp32, already renormalized and scaled; topk_ids [T, k] int32/int64 in [0, E), or
     with `skips` in [0, E], where E (`local_expert_ids`' mark for an expert another rank holds)
     skips the pair (its own compiled variant: the single-rank kernels stay as they are);
-    weights in the checkpoint's NVFP4 layout (module docstring). No host sync: capturable in a
-    CUDA graph. `config` overrides the route, decode or tiles (tests, benchmarks); the default
-    derives all from shapes.
+    NVFP4 weights row-tiled (module docstring; `m3serve.kernels.nvfp4_tiles`). No host sync:
+    capturable in a CUDA graph. `config` overrides the route, decode or tiles (tests,
+    benchmarks); the default derives all from shapes.
     """
     num_experts, hidden, inter = _check(
         x, topk_weights, topk_ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global
@@ -167,8 +179,11 @@ def nvfp4_moe(
     if num_pairs == 0:
         return out
     plan = overridden(plan_moe(num_pairs, num_experts, hidden, inter, config.route), config)
+    tk_h, tk_i = tile_k(hidden), tile_k(inter)
     if hidden % plan.block_k_h or inter % plan.block_k_i:
         raise ValueError(f"block_k must divide H ({hidden}) and I ({inter})")
+    if plan.block_k_h % tk_h or plan.block_k_i % tk_i:
+        raise ValueError(f"block_k must be whole K tiles ({tk_h} of H, {tk_i} of I)")
     on_gpu = not interpreted(x)
     if config.dequant == "asm" and not on_gpu:
         raise ValueError("the inline-PTX decode needs a CUDA device (not the interpreter)")
@@ -203,17 +218,18 @@ def nvfp4_moe(
     }
     gate_up_kernel[(triton.cdiv(inter, plan.gate_up_n // 2), grid_r)](
         x, x.stride(0), flat_ids, sorted_pairs, block_expert,
-        w13, w13.stride(0), w13.stride(1), w13_scale, w13_scale.stride(0), w13_scale.stride(1),
-        w13_global, act, act.stride(0), num_pairs, num_experts, hidden, inter, float(alpha),
-        float(limit),
-        TOP_K=top_k, ROUTE=plan.route, BLOCK_N=plan.gate_up_n, BLOCK_K=plan.block_k_h, **common,
+        w13, w13.stride(0), w13_scale, w13_scale.stride(0), w13_global, act, act.stride(0),
+        num_pairs, num_experts, hidden, inter, float(alpha), float(limit),
+        TOP_K=top_k, ROUTE=plan.route, BLOCK_N=plan.gate_up_n, BLOCK_K=plan.block_k_h,
+        TILE_K=tk_h, **common,
     )  # fmt: skip
     launch_pdl = {"launch_pdl": True} if pdl else {}
     down_kernel[(triton.cdiv(hidden, plan.down_n), grid_r)](
         act, act.stride(0), flat_ids, sorted_pairs, block_expert,
-        w2, w2.stride(0), w2.stride(1), w2_scale, w2_scale.stride(0), w2_scale.stride(1),
-        w2_global, mix, y, y.stride(0), num_pairs, num_experts, hidden, inter,
-        ROUTE=plan.route, BLOCK_N=plan.down_n, BLOCK_K=plan.block_k_i, **common, **launch_pdl,
+        w2, w2.stride(0), w2_scale, w2_scale.stride(0), w2_global, mix, y, y.stride(0),
+        num_pairs, num_experts, hidden, inter,
+        ROUTE=plan.route, BLOCK_N=plan.down_n, BLOCK_K=plan.block_k_i, TILE_K=tk_i, **common,
+        **launch_pdl,
     )  # fmt: skip
     block = min(triton.next_power_of_2(hidden), 2048)
     combine_kernel[(tokens, triton.cdiv(hidden, block))](

@@ -116,28 +116,41 @@ def nvfp4_mma(
     w_rows,
     w_ok,
     k_end,
-    stride_wn,
-    stride_sn,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    TILE_K: tl.constexpr,
     DEQUANT: tl.constexpr,
     DOT: tl.constexpr,
 ):
     """acc [BLOCK_N, BLOCK_M] fp32 = W[w_rows, :k_end] @ A[a_rows, :k_end]^T, W NVFP4 (without its
-    global scale, times 2^-7), A bf16 at element offsets a_rows (int64) from a_ptr."""
+    global scale, times 2^-7) in the row-tiled layout (`m3serve.kernels.nvfp4_tiles`: rows in
+    groups of 32, each group's K in contiguous tiles of TILE_K elements), A bf16 at element
+    offsets a_rows (int64) from a_ptr. BLOCK_K is a multiple of TILE_K."""
     HALF: tl.constexpr = BLOCK_K // 2
+    TB: tl.constexpr = TILE_K // 2  # bytes of a tile row
+    TG: tl.constexpr = TILE_K // 16  # scales of a tile row
     kb = tl.arange(0, HALF)
     kg = tl.arange(0, BLOCK_K // 16)
     kk = tl.arange(0, BLOCK_K)
-    # Each scale covers 8 bytes: read the [N, K/16] tile once, broadcast it in registers.
-    w_tile = w_ptr + w_rows[:, None] * stride_wn + kb[None, :]
-    s_tile = s_ptr + w_rows[:, None] * stride_sn + kg[None, :]
+    # int32 offsets: an expert's codes are its rows x K/2 bytes (18.9 MB at M3.1's widths).
+    group = w_rows // 32
+    lane = w_rows % 32
+    # A row's place in its group's first tile; a K step of BLOCK_K moves 32 * BLOCK_K/2 bytes
+    # and 32 * BLOCK_K/16 scales on, over whole tiles.
+    w_row = group * (32 * (k_end // 2)) + lane * TB
+    s_row = group * (32 * (k_end // 16)) + lane * TG
+    w_col = (kb // TB) * (32 * TB) + kb % TB
+    s_col = (kg // TG) * (32 * TG) + kg % TG
+    w_tile = w_ptr + w_row[:, None] + w_col[None, :]
+    s_tile = s_ptr + s_row[:, None] + s_col[None, :]
     a_tile = a_ptr + a_rows[:, None] + kk[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(0, k_end, BLOCK_K):
-        b = tl.load(w_tile + k0 // 2, mask=w_ok[:, None], other=0)
-        s = _group_scales(tl.load(s_tile + k0 // 16, mask=w_ok[:, None], other=0.0), DEQUANT)
+        b = tl.load(w_tile + k0 * 16, mask=w_ok[:, None], other=0)
+        s = tl.load(s_tile + k0 * 2, mask=w_ok[:, None], other=0.0)
+        # Each scale covers 8 bytes: read the [N, K/16] tile once, broadcast it in registers.
+        s = _group_scales(s, DEQUANT)
         s = tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_N, BLOCK_K // 16, 8]), [BLOCK_N, HALF])
         lo, hi = _dequant(
             _mma_k_order(b, BLOCK_N, HALF), _mma_k_order(s, BLOCK_N, HALF), DEQUANT, DOT

@@ -75,14 +75,13 @@ def _gate_up_tile(
     pair_ok,
     hidden,
     inter,
-    stride_wn,
-    stride_sn,
     alpha,
     limit,
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    TILE_K: tl.constexpr,
     DEQUANT: tl.constexpr,
     DOT: tl.constexpr,
 ):
@@ -102,11 +101,10 @@ def _gate_up_tile(
         w_rows,
         j < inter,
         hidden,
-        stride_wn,
-        stride_sn,
         BLOCK_N,
         BLOCK_M,
         BLOCK_K,
+        TILE_K,
         DEQUANT,
         DOT,
     )
@@ -133,10 +131,8 @@ def gate_up_kernel(
     block_expert_ptr,
     w_ptr,
     stride_we,
-    stride_wn,
     s_ptr,
     stride_se,
-    stride_sn,
     g_ptr,
     act_ptr,
     stride_ap,
@@ -154,6 +150,7 @@ def gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    TILE_K: tl.constexpr,
     DEQUANT: tl.constexpr,
     DOT: tl.constexpr,
     PDL: tl.constexpr,
@@ -171,8 +168,8 @@ def gate_up_kernel(
             pair_ok = first + tl.arange(0, BLOCK_M) < count
             _gate_up_tile(
                 x_ptr, stride_xt, w_base, s_base, g_ptr, act_ptr, stride_ap, expert, pair,
-                pair_ok, hidden, inter, stride_wn, stride_sn, alpha, limit, TOP_K, BLOCK_N,
-                BLOCK_M, BLOCK_K, DEQUANT, DOT,
+                pair_ok, hidden, inter, alpha, limit, TOP_K, BLOCK_N, BLOCK_M, BLOCK_K, TILE_K,
+                DEQUANT, DOT,
             )  # fmt: skip
     else:
         expert = tl.load(block_expert_ptr + tl.program_id(1))
@@ -182,8 +179,8 @@ def gate_up_kernel(
             s_base = s_ptr + expert.to(tl.int64) * stride_se
             _gate_up_tile(
                 x_ptr, stride_xt, w_base, s_base, g_ptr, act_ptr, stride_ap, expert,
-                tl.maximum(pair, 0), pair >= 0, hidden, inter, stride_wn, stride_sn, alpha, limit,
-                TOP_K, BLOCK_N, BLOCK_M, BLOCK_K, DEQUANT, DOT,
+                tl.maximum(pair, 0), pair >= 0, hidden, inter, alpha, limit, TOP_K, BLOCK_N,
+                BLOCK_M, BLOCK_K, TILE_K, DEQUANT, DOT,
             )  # fmt: skip
 
 
@@ -202,11 +199,10 @@ def _down_tile(
     pair_ok,
     hidden,
     inter,
-    stride_wn,
-    stride_sn,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    TILE_K: tl.constexpr,
     DEQUANT: tl.constexpr,
     DOT: tl.constexpr,
 ):
@@ -221,11 +217,10 @@ def _down_tile(
         n,
         n < hidden,
         inter,
-        stride_wn,
-        stride_sn,
         BLOCK_N,
         BLOCK_M,
         BLOCK_K,
+        TILE_K,
         DEQUANT,
         DOT,
     )
@@ -244,10 +239,8 @@ def down_kernel(
     block_expert_ptr,
     w_ptr,
     stride_we,
-    stride_wn,
     s_ptr,
     stride_se,
-    stride_sn,
     g_ptr,
     tw_ptr,
     y_ptr,
@@ -263,6 +256,7 @@ def down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    TILE_K: tl.constexpr,
     DEQUANT: tl.constexpr,
     DOT: tl.constexpr,
     PDL: tl.constexpr,
@@ -282,8 +276,7 @@ def down_kernel(
             pair_ok = first + tl.arange(0, BLOCK_M) < count
             _down_tile(
                 act_ptr, stride_ap, w_base, s_base, g_ptr, tw_ptr, y_ptr, stride_yp, expert, pair,
-                pair_ok, hidden, inter, stride_wn, stride_sn, BLOCK_N, BLOCK_M, BLOCK_K, DEQUANT,
-                DOT,
+                pair_ok, hidden, inter, BLOCK_N, BLOCK_M, BLOCK_K, TILE_K, DEQUANT, DOT,
             )  # fmt: skip
     else:
         expert = tl.load(block_expert_ptr + tl.program_id(1))
@@ -295,8 +288,8 @@ def down_kernel(
             s_base = s_ptr + expert.to(tl.int64) * stride_se
             _down_tile(
                 act_ptr, stride_ap, w_base, s_base, g_ptr, tw_ptr, y_ptr, stride_yp, expert,
-                tl.maximum(pair, 0), pair >= 0, hidden, inter, stride_wn, stride_sn, BLOCK_N,
-                BLOCK_M, BLOCK_K, DEQUANT, DOT,
+                tl.maximum(pair, 0), pair >= 0, hidden, inter, BLOCK_N, BLOCK_M, BLOCK_K, TILE_K,
+                DEQUANT, DOT,
             )  # fmt: skip
 
 

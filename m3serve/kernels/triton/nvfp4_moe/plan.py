@@ -1,14 +1,12 @@
 """Host side of the NVFP4 MoE: the launch plan from shapes (route, tiles; a handful of compiled
-variants per model shape), the tuning overrides, and the sync-free sorting of pairs by expert."""
+variants per model shape) and the tuning overrides."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Literal
 
-import torch
 import triton
-from torch import Tensor
 
 # Pair counts up to this can take the in-kernel "slots" route; each slot program scans all ids.
 SLOTS_MAX_PAIRS = 512
@@ -103,39 +101,3 @@ def overridden(plan: Plan, config: NVFP4MoEConfig) -> Plan:
     if config.num_stages:
         changes["num_stages"] = config.num_stages
     return dataclasses.replace(plan, **changes)
-
-
-def align_pairs(flat_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor, int]:
-    """(sorted_pairs [blocks * block_m] int32, -1 padded; block_expert [blocks] int32, -1 past
-    the end; blocks), pairs grouped by expert, each expert padded to a multiple of block_m.
-    Pairs with id num_experts (an expert held by another rank) are left out.
-
-    Torch ops that never read back to the host; blocks is an upper bound from shapes: every
-    non-empty block holds at least one pair, and padding adds at most block_m - 1 per expert.
-    """
-    num_pairs = flat_ids.numel()
-    dev = flat_ids.device
-    busy = min(num_experts, num_pairs)
-    blocks = min(num_pairs, (num_pairs + busy * (block_m - 1)) // block_m)
-    ids = flat_ids.to(torch.int64)
-    # One more bin for the skipped pairs: they sort after every held expert's.
-    binned = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev)
-    binned.scatter_add_(0, ids, torch.ones_like(ids))
-    counts = binned[:num_experts]
-    padded = (counts + block_m - 1) // block_m * block_m
-    pad_end = torch.cumsum(padded, 0)
-    pair_start = torch.cumsum(binned, 0) - binned
-    order = torch.argsort(ids, stable=True)
-    sorted_ids = ids[order]
-    rank = torch.arange(num_pairs, device=dev) - pair_start[sorted_ids]
-    held = sorted_ids < num_experts
-    bucket = torch.where(held, sorted_ids, 0)
-    # Skipped pairs all land in one spare slot past the end, dropped below.
-    dest = torch.where(held, (pad_end - padded)[bucket] + rank, blocks * block_m)
-    sorted_pairs = torch.full((blocks * block_m + 1,), -1, dtype=torch.int32, device=dev)
-    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
-    sorted_pairs = sorted_pairs[:-1]
-    block_start = torch.arange(blocks, device=dev) * block_m
-    owner = torch.searchsorted(pad_end, block_start, right=True)
-    block_expert = torch.where(owner < num_experts, owner, -1).to(torch.int32)
-    return sorted_pairs, block_expert, blocks

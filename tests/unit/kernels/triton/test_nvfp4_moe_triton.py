@@ -18,10 +18,13 @@ import struct
 import pytest
 import torch
 from helpers.devices import DEVICE, ON_GPU
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from m3serve.kernels.moe import local_expert_ids, moe_experts
+from m3serve.kernels.nvfp4_tiles import tile_experts
 from m3serve.kernels.quant import dequant_nvfp4, quant_nvfp4, unpack_e2m1
-from m3serve.kernels.triton.nvfp4_moe import NVFP4MoEConfig, decode, nvfp4_moe
+from m3serve.kernels.triton.nvfp4_moe import NVFP4MoEConfig, align, decode, nvfp4_moe
 from m3serve.kernels.triton.nvfp4_moe import plan as planning
 
 H = 64
@@ -34,11 +37,13 @@ ROUTES = ["slots", "sorted"]
 class Experts:
     """NVFP4 experts in the checkpoint layout, built from random fp32 weights by quant_nvfp4."""
 
-    def __init__(self, num_experts: int, inter: int, seed: int, scale: float = 0.08) -> None:
+    def __init__(
+        self, num_experts: int, inter: int, seed: int, scale: float = 0.08, hidden: int = H
+    ) -> None:
         gen = torch.Generator().manual_seed(seed)
         self.num_experts, self.inter = num_experts, inter
-        w13 = torch.randn(num_experts, 2 * inter, H, generator=gen) * scale
-        w2 = torch.randn(num_experts, H, inter, generator=gen) * scale
+        w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) * scale
+        w2 = torch.randn(num_experts, hidden, inter, generator=gen) * scale
         parts = [self._quant_w13(w13[e]) for e in range(num_experts)]
         self.w13 = torch.stack([p[0] for p in parts])
         self.w13_scale = torch.stack([p[1] for p in parts])
@@ -58,17 +63,12 @@ class Experts:
         )
 
     def args(self) -> tuple[torch.Tensor, ...]:
-        return tuple(
-            t.to(DEVICE)
-            for t in (
-                self.w13,
-                self.w13_scale,
-                self.w13_global,
-                self.w2,
-                self.w2_scale,
-                self.w2_global,
-            )
+        """The kernel's inputs: the same values, rows tiled as the hopper backend holds them."""
+        w13, w13_scale, w2, w2_scale = tile_experts(
+            self.w13, self.w13_scale, self.w2, self.w2_scale
         )
+        tensors = (w13, w13_scale, self.w13_global, w2, w2_scale, self.w2_global)
+        return tuple(t.to(DEVICE) for t in tensors)
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         i = self.inter
@@ -135,10 +135,12 @@ def run(
     return out.cpu()
 
 
-def activations(tokens: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def activations(
+    tokens: int, seed: int, dtype: torch.dtype = torch.float32, hidden: int = H
+) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     # bf16-representable values: the GPU rounds fp32 activations to bf16 for the MMA.
-    return (torch.randn(tokens, H, generator=gen) * 2.0).to(torch.bfloat16).to(dtype)
+    return (torch.randn(tokens, hidden, generator=gen) * 2.0).to(torch.bfloat16).to(dtype)
 
 
 def assert_exact(got: torch.Tensor, ref: torch.Tensor) -> None:
@@ -157,6 +159,16 @@ def test_matches_reference(tokens: int, route: str) -> None:
     ex = Experts(num_experts=6, inter=32, seed=tokens)
     x = activations(tokens, seed=100 + tokens)
     weights, ids = routing(tokens, 6, seed=200 + tokens)
+    assert_exact(run(ex, x, weights, ids, route), reference(ex, x, weights, ids))
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_several_k_tiles_per_row(route: str) -> None:
+    """H 512 and I 256: two 128-wide K tiles per row group for down, four for gate_up, which the
+    K loop walks one or two at a time (the small-block sorted plan steps 256 at once)."""
+    ex = Experts(num_experts=3, inter=256, seed=17, hidden=512)
+    x = activations(5, seed=18, hidden=512)
+    weights, ids = routing(5, 3, seed=19)
     assert_exact(run(ex, x, weights, ids, route), reference(ex, x, weights, ids))
 
 
@@ -278,7 +290,11 @@ def test_rejects_bad_inputs() -> None:
         nvfp4_moe(x.half(), weights, ids, *args, ALPHA, LIMIT)
     with pytest.raises(ValueError, match="w13_scale"):
         bad = [*args]
-        bad[1] = bad[1][:, :, :2]
+        bad[1] = bad[1][..., :2]
+        nvfp4_moe(x, weights, ids, *bad, ALPHA, LIMIT)
+    with pytest.raises(ValueError, match="row-tiled"):
+        bad = [*args]
+        bad[0] = ex.w13.to(DEVICE)  # the checkpoint's row-major layout
         nvfp4_moe(x, weights, ids, *bad, ALPHA, LIMIT)
     with pytest.raises(ValueError, match="topk_ids"):
         nvfp4_moe(x, weights, ids[:1], *args, ALPHA, LIMIT)
@@ -292,7 +308,7 @@ def test_align_pairs(block_m: int) -> None:
     gen = torch.Generator().manual_seed(30)
     ids = torch.randint(0, 6, (45,), generator=gen)
     ids[ids == 4] = 5  # expert 4 empty
-    sorted_pairs, block_expert, blocks = planning.align_pairs(ids.to(DEVICE), 6, block_m)
+    sorted_pairs, block_expert, blocks = align.align_pairs(ids.to(DEVICE), 6, block_m)
     sorted_pairs, block_expert = sorted_pairs.cpu(), block_expert.cpu()
     assert sorted_pairs.shape == (blocks * block_m,) and block_expert.shape == (blocks,)
     valid = sorted_pairs[sorted_pairs >= 0]
@@ -310,9 +326,41 @@ def test_align_pairs(block_m: int) -> None:
         assert torch.equal(mine, mine.sort().values)
 
 
+def _aligned_reference(ids: list[int], num_experts: int, block_m: int, blocks: int) -> tuple:
+    """The layout align_pairs promises, built by hand: experts in id order, each one's pairs in
+    pair order then -1 up to a multiple of block_m, -1 to the end; each block's expert."""
+    sorted_pairs: list[int] = []
+    block_expert: list[int] = []
+    for e in range(num_experts):
+        mine = [p for p, i in enumerate(ids) if i == e]
+        padded = -(-len(mine) // block_m) * block_m
+        sorted_pairs += mine + [-1] * (padded - len(mine))
+        block_expert += [e] * (padded // block_m)
+    sorted_pairs += [-1] * (blocks * block_m - len(sorted_pairs))
+    block_expert += [-1] * (blocks - len(block_expert))
+    return sorted_pairs, block_expert
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    num_experts=st.integers(1, 9),
+    block_m=st.sampled_from([16, 32, 64, 128]),
+    data=st.data(),
+)
+def test_align_pairs_matches_the_stable_grouping(num_experts: int, block_m: int, data) -> None:
+    # Up to ~5 chunks of the placing kernels; id num_experts is an expert held elsewhere.
+    ids = data.draw(st.lists(st.integers(0, num_experts), min_size=1, max_size=600))
+    sorted_pairs, block_expert, blocks = align.align_pairs(
+        torch.tensor(ids, dtype=torch.int32, device=DEVICE), num_experts, block_m
+    )
+    want_pairs, want_experts = _aligned_reference(ids, num_experts, block_m, blocks)
+    assert sorted_pairs.cpu().tolist() == want_pairs
+    assert block_expert.cpu().tolist() == want_experts
+
+
 def test_align_pairs_leaves_out_experts_held_elsewhere() -> None:
     ids = torch.tensor([3, 0, 3, 2, 1, 3, 0, 3])  # id 3: held by another rank (E = 3 here)
-    sorted_pairs, block_expert, _ = planning.align_pairs(ids.to(DEVICE), 3, 16)
+    sorted_pairs, block_expert, _ = align.align_pairs(ids.to(DEVICE), 3, 16)
     sorted_pairs, block_expert = sorted_pairs.cpu(), block_expert.cpu()
     assert sorted(sorted_pairs[sorted_pairs >= 0].tolist()) == [1, 3, 4, 6]
     assert block_expert[block_expert >= 0].tolist() == [0, 1, 2]
