@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import os
 import platform
 from collections.abc import Callable
 from pathlib import Path
@@ -43,6 +41,7 @@ from pathlib import Path
 import torch
 import triton
 from gpu_timing import graph_us, read_bandwidth
+from result_json import write_result
 
 from m3serve.kernels.quant import dequant_mxfp8, quant_mxfp8
 from m3serve.kernels.triton.mxfp8_linear import Mxfp8Plan, mxfp8_linear, plan_mxfp8
@@ -250,15 +249,7 @@ def main() -> None:
         "gemv_sweep": sweep,
         "crossover": cross,
     }
-    if args.out is not None:
-        path = args.out
-    elif os.environ.get("OUT"):
-        path = Path(os.environ["OUT"]) / "bench_mxfp8_linear.json"
-    else:
-        path = Path(__file__).parent / "results" / "bench_mxfp8_linear.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwrote {path}")
+    write_result(result, "bench_mxfp8_linear.json", args.out)
 
 
 if __name__ == "__main__":

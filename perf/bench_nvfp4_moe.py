@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
 import platform
 from collections.abc import Callable
 from pathlib import Path
@@ -39,6 +37,7 @@ from pathlib import Path
 import torch
 import triton
 from gpu_timing import graph_us, launch_us, read_bandwidth
+from result_json import write_result
 
 from m3serve.backends.hopper.moe import grouped_mm_available, moe_experts_grouped
 from m3serve.kernels.nvfp4_tiles import tile_experts
@@ -339,15 +338,7 @@ def main() -> None:
         "prefill": prefill,
         "ablations": abl,
     }
-    if args.out is not None:
-        path = args.out
-    elif os.environ.get("OUT"):
-        path = Path(os.environ["OUT"]) / "bench_nvfp4_moe.json"
-    else:
-        path = Path(__file__).parent / "results" / "bench_nvfp4_moe.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwrote {path}")
+    write_result(result, "bench_nvfp4_moe.json", args.out)
 
 
 if __name__ == "__main__":

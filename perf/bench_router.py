@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
 import platform
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +38,7 @@ from pathlib import Path
 import torch
 import triton
 from gpu_timing import graph_us, launch_us, read_bandwidth
+from result_json import write_result
 
 from m3serve.kernels.moe import route_topk
 from m3serve.kernels.triton.router import RoutePlan, route, route_plan
@@ -209,15 +208,7 @@ def main() -> None:
         "points": rows,
         "sweep": sweep,
     }
-    if args.out is not None:
-        path = args.out
-    elif os.environ.get("OUT"):
-        path = Path(os.environ["OUT"]) / "bench_router.json"
-    else:
-        path = Path(__file__).parent / "results" / "bench_router.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwrote {path}")
+    write_result(result, "bench_router.json", args.out)
 
 
 if __name__ == "__main__":

@@ -37,8 +37,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
 import platform
 from collections.abc import Callable
 from pathlib import Path
@@ -47,6 +45,7 @@ import torch
 import torch.nn.functional as F
 import triton
 from gpu_timing import copy_bandwidth, eager_us, graph_us, launch_us, read_bandwidth
+from result_json import write_result
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from m3serve.kernels.triton.attention import (
@@ -394,15 +393,7 @@ def main() -> None:
         "sweep": sweep,
         "prefill": prefill,
     }
-    if args.out is not None:
-        path = args.out
-    elif os.environ.get("OUT"):
-        path = Path(os.environ["OUT"]) / "bench_sparse_attention.json"
-    else:
-        path = Path(__file__).parent / "results" / "bench_sparse_attention.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwrote {path}")
+    write_result(result, "bench_sparse_attention.json", args.out)
 
 
 if __name__ == "__main__":

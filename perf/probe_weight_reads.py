@@ -15,8 +15,6 @@ perf/results/probe_weight_reads.json (or --out).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 from gpu_timing import graph_us, read_bandwidth
+from result_json import write_result
 
 ROWS, ROW_BYTES = 6144, 3072  # one expert's gate_up at M3.1's widths
 TILES = [(64, 32), (64, 64), (64, 128), (64, 256), (128, 32), (128, 64), (128, 128)]
@@ -113,15 +112,7 @@ def main() -> None:
             )
     result = {"device": torch.cuda.get_device_name(), "read_bandwidth_bytes_per_s": read_bw}
     result["rows"] = rows
-    if args.out is not None:
-        path = args.out
-    elif os.environ.get("OUT"):
-        path = Path(os.environ["OUT"]) / "probe_weight_reads.json"
-    else:
-        path = Path(__file__).parent / "results" / "probe_weight_reads.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
+    write_result(result, "probe_weight_reads.json", args.out)
 
 
 if __name__ == "__main__":
