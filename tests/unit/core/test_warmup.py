@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import M31_SPEC
+from conftest import M31_SPEC, QUANT_SPEC
 from helpers.triton_keys import describe, recording
 
 from m3serve.backends.hopper import HopperBackend
@@ -29,10 +29,15 @@ from m3serve.runtime.messages import SeqStep, StepPlan
 NUM_PAGES = 128
 
 
-@pytest.fixture(scope="module")
-def model(tiny_checkpoint: Callable[[TinySpec], Path]) -> M3ForCausalLM:
+@pytest.fixture(scope="module", params=["fp32", "quantized"])
+def model(
+    request: pytest.FixtureRequest, tiny_checkpoint: Callable[[TinySpec], Path]
+) -> M3ForCausalLM:
+    """The fp32 checkpoint, and the MXFP8/NVFP4 one (the quantized linears, the NVFP4 MoE
+    and its sorting kernels)."""
     backend = HopperBackend(torch.device("cpu"), interpreter=True)
-    return load_model(tiny_checkpoint(M31_SPEC), backend, "float32", progress=False).model
+    spec, dtype = (M31_SPEC, "float32") if request.param == "fp32" else (QUANT_SPEC, "bfloat16")
+    return load_model(tiny_checkpoint(spec), backend, dtype, progress=False).model
 
 
 def _forward(model: M3ForCausalLM, kv: KVCache, plan: StepPlan) -> None:
