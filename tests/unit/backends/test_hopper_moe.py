@@ -1,12 +1,14 @@
-"""The hopper backend's MoE under expert parallelism (Triton's interpreter on the CPU): a rank
-holding a slice of the experts gives the reference backend's partial sum for that slice, with
-NVFP4 experts (the fused Triton MoE, on row-tiled experts as the hopper backend holds them; the
-reference reads them back in row order) and with dense ones (the masked torch path)."""
+"""The hopper backend's MoE under expert parallelism (on the GPU when there is one, else in
+Triton's interpreter on the CPU): a rank holding a slice of the experts gives the reference
+backend's partial sum for that slice, with NVFP4 experts (the fused Triton MoE, on row-tiled
+experts as the hopper backend holds them; the reference reads them back in row order) and with
+dense ones (the masked torch path)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from helpers.devices import DEVICE, ON_GPU
 
 from m3serve.backends.hopper import HopperBackend
 from m3serve.backends.reference import ReferenceBackend, dequant_experts
@@ -55,13 +57,17 @@ def test_a_rank_holding_some_experts_gives_their_share_of_the_sum(kind: str) -> 
     experts: Nvfp4Experts | DenseExperts = nvfp4_experts(seed=6)
     if kind == "dense":
         experts = dequant_experts(experts, torch.float32)
-    hopper, reference = HopperBackend(CPU, interpreter=True), ReferenceBackend(CPU)
+    hopper, reference = HopperBackend(DEVICE, interpreter=not ON_GPU), ReferenceBackend(CPU)
     args = (TOP_K, ALPHA, LIMIT, SCALE)
     whole = reference.moe(x, router, bias, experts, *args)
     halves = []
     for first in (0, E // 2):
         mine = held(experts, first, E // 2)
-        got = hopper.moe(x, router, bias, mine, *args, first_expert=first)
+        on_device = type(mine)(
+            **{k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in vars(mine).items()}
+        )
+        inputs = (t.to(DEVICE) for t in (x, router, bias))
+        got = hopper.moe(*inputs, on_device, *args, first_expert=first).cpu()
         torch.testing.assert_close(
             got,
             reference.moe(x, router, bias, mine, *args, first_expert=first),
