@@ -207,7 +207,6 @@ ABLATIONS = {
     "dequant_triton": NVFP4MoEConfig(dequant="triton"),
     "route_sorted": NVFP4MoEConfig(route="sorted"),
     "no_pdl": NVFP4MoEConfig(pdl=False),
-    "block_k256": NVFP4MoEConfig(block_k=256),
     "stages4": NVFP4MoEConfig(num_stages=4),
     "stages5": NVFP4MoEConfig(num_stages=5),
     "block_n128_w8": NVFP4MoEConfig(block_n=128, num_warps=8),
@@ -221,7 +220,6 @@ PREFILL_ABLATIONS = {
     "block_m128": NVFP4MoEConfig(block_m=128),
     "block_m128_n128_w8": NVFP4MoEConfig(block_m=128, block_n=128, num_warps=8),
     "stages4": NVFP4MoEConfig(num_stages=4),
-    "block_k256": NVFP4MoEConfig(block_k=256),
     "block_m64_n64_w4": NVFP4MoEConfig(block_m=64, block_n=64, num_warps=4),
 }
 

@@ -31,15 +31,23 @@ The even and odd elements of a byte feed two dots (against the even and odd acti
 so nibbles are never interleaved; within a K tile the columns of both operands are permuted
 (`_mma_k_order`) so that each thread's bytes are contiguous (16-byte shared-memory loads, no byte
 shuffles) and decode straight into the MMA operand fragments: the dot is a sum over K, and any
-order common to both operands gives the same result.
+order common to both operands gives the same result. The activations are stored in that order
+before the kernels read them (`mma_k_position`: per K tile the even columns, then the odd ones,
+each half permuted): x by `permute_k_kernel` (one small launch), act by the gate_up kernel's
+epilogue. Each K step's two halves then go from the pipelined load straight to the tensor
+cores; reordering them in registers instead cost a shared-memory round trip, two more barriers
+and a second MMA wait per K step (sm_90 SASS), and registers (the prefill down kernel: 163 ->
+118, two blocks an SM instead of one). One K step is one weight tile.
 
 The dots put weights on the left (out^T = W @ X^T): the MMA's M side is 64 or 128 weight rows,
 its N side the 16..128 token rows of one expert, so decode wastes no weight-side tile.
 
-Two kernels and a combine, in order on one stream:
+The activation reorder, two kernels and a combine, in order on one stream:
+* `permute_k_kernel`: x [T, H] in the MMA K order.
 * `gate_up_kernel`: a program owns BLOCK_N/2 gate rows and the matching up rows of one expert
   and BLOCK_M (token, slot) pairs routed to it, applies the global scales and SwiGLU-OAI in
-  registers and writes only act [pairs, I] (bf16, pair p = t * k + j).
+  registers and writes only act [pairs, I] (bf16, pair p = t * k + j; columns in the down
+  kernel's MMA K order).
 * `down_kernel`: BLOCK_N rows of w2 for the same pairs; scales by the global and by
   topk_weights[t, j] and writes y [pairs, H] fp32, each row exactly once.
 * `combine_kernel`: out[t] = y[t*k] + y[t*k+1] + ... in slot order, cast to x.dtype. No
@@ -80,7 +88,12 @@ from m3serve.kernels.quant import NVFP4_GROUP
 from m3serve.kernels.triton.attention.config import interpreted, pdl_supported
 from m3serve.kernels.triton.nvfp4_moe.align import align_pairs
 from m3serve.kernels.triton.nvfp4_moe.decode import DEQUANT_ASM, DEQUANT_TRITON
-from m3serve.kernels.triton.nvfp4_moe.kernels import combine_kernel, down_kernel, gate_up_kernel
+from m3serve.kernels.triton.nvfp4_moe.kernels import (
+    combine_kernel,
+    down_kernel,
+    gate_up_kernel,
+    permute_k_kernel,
+)
 from m3serve.kernels.triton.nvfp4_moe.plan import (
     DEFAULT_CONFIG,
     ROUTE_SLOTS,
@@ -178,12 +191,8 @@ def nvfp4_moe(
     out = torch.empty_like(x)
     if num_pairs == 0:
         return out
-    plan = overridden(plan_moe(num_pairs, num_experts, hidden, inter, config.route), config)
+    plan = overridden(plan_moe(num_pairs, num_experts, config.route), config)
     tk_h, tk_i = tile_k(hidden), tile_k(inter)
-    if hidden % plan.block_k_h or inter % plan.block_k_i:
-        raise ValueError(f"block_k must divide H ({hidden}) and I ({inter})")
-    if plan.block_k_h % tk_h or plan.block_k_i % tk_i:
-        raise ValueError(f"block_k must be whole K tiles ({tk_h} of H, {tk_i} of I)")
     on_gpu = not interpreted(x)
     if config.dequant == "asm" and not on_gpu:
         raise ValueError("the inline-PTX decode needs a CUDA device (not the interpreter)")
@@ -204,6 +213,11 @@ def nvfp4_moe(
     # The interpreter's casts to bf16 truncate: it keeps the activation in fp32 instead.
     act_dtype = x.dtype if on_gpu else torch.float32
     act = torch.empty(num_pairs, inter, dtype=act_dtype, device=x.device)
+    x_k = torch.empty_like(x)
+    block_t = 16
+    permute_k_kernel[(triton.cdiv(tokens, block_t), hidden // tk_h)](
+        x, x.stride(0), x_k, x_k.stride(0), tokens, BLOCK_T=block_t, TILE_K=tk_h, num_warps=4
+    )
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     common = {
         "P_PAD": plan.p_pad,
@@ -217,18 +231,18 @@ def nvfp4_moe(
         "num_stages": plan.num_stages,
     }
     gate_up_kernel[(triton.cdiv(inter, plan.gate_up_n // 2), grid_r)](
-        x, x.stride(0), flat_ids, sorted_pairs, block_expert,
+        x_k, x_k.stride(0), flat_ids, sorted_pairs, block_expert,
         w13, w13.stride(0), w13_scale, w13_scale.stride(0), w13_global, act, act.stride(0),
         num_pairs, num_experts, hidden, inter, float(alpha), float(limit),
-        TOP_K=top_k, ROUTE=plan.route, BLOCK_N=plan.gate_up_n, BLOCK_K=plan.block_k_h,
-        TILE_K=tk_h, **common,
+        TOP_K=top_k, ROUTE=plan.route, BLOCK_N=plan.gate_up_n, BLOCK_K=tk_h, TILE_K=tk_h,
+        ACT_TILE_K=tk_i, **common,
     )  # fmt: skip
     launch_pdl = {"launch_pdl": True} if pdl else {}
     down_kernel[(triton.cdiv(hidden, plan.down_n), grid_r)](
         act, act.stride(0), flat_ids, sorted_pairs, block_expert,
         w2, w2.stride(0), w2_scale, w2_scale.stride(0), w2_global, mix, y, y.stride(0),
         num_pairs, num_experts, hidden, inter,
-        ROUTE=plan.route, BLOCK_N=plan.down_n, BLOCK_K=plan.block_k_i, TILE_K=tk_i, **common,
+        ROUTE=plan.route, BLOCK_N=plan.down_n, BLOCK_K=tk_i, TILE_K=tk_i, **common,
         **launch_pdl,
     )  # fmt: skip
     block = min(triton.next_power_of_2(hidden), 2048)

@@ -107,6 +107,20 @@ def _mma_k_order(t, R: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
+def mma_k_position(j, TILE_K: tl.constexpr):
+    """Where column j of the activations sits in the MMA K order the kernels read them in: in
+    each TILE_K-wide tile the even columns, then the odd ones, each half in `_mma_k_order`'s
+    order (the order the decoded weight tiles come in, so both operands of a dot agree)."""
+    HALF: tl.constexpr = TILE_K // 2
+    QUARTER: tl.constexpr = HALF // 4
+    s = (j % TILE_K) // 2  # the column's place in its half
+    q = s // QUARTER
+    r = s % QUARTER  # 4b + 2h + e: it goes to 16b + 8h + 2q + e
+    inside = 16 * (r // 4) + 8 * ((r // 2) % 2) + 2 * q + r % 2
+    return (j // TILE_K) * TILE_K + (j % 2) * HALF + inside
+
+
+@triton.jit
 def nvfp4_mma(
     a_ptr,
     a_rows,
@@ -126,13 +140,16 @@ def nvfp4_mma(
     """acc [BLOCK_N, BLOCK_M] fp32 = W[w_rows, :k_end] @ A[a_rows, :k_end]^T, W NVFP4 (without its
     global scale, times 2^-7) in the row-tiled layout (`m3serve.kernels.nvfp4_tiles`: rows in
     groups of 32, each group's K in contiguous tiles of TILE_K elements), A bf16 at element
-    offsets a_rows (int64) from a_ptr. BLOCK_K is a multiple of TILE_K."""
+    offsets a_rows (int64) from a_ptr, its columns in MMA K order (`mma_k_position`): each K
+    step's two halves are the right operands of the even- and odd-element dots as they are in
+    memory, so they go from the pipelined load to the tensor cores without a trip through
+    registers. One K step is one tile (BLOCK_K == TILE_K)."""
+    tl.static_assert(BLOCK_K == TILE_K, "the activations' K order has the tile's period")
     HALF: tl.constexpr = BLOCK_K // 2
     TB: tl.constexpr = TILE_K // 2  # bytes of a tile row
     TG: tl.constexpr = TILE_K // 16  # scales of a tile row
     kb = tl.arange(0, HALF)
     kg = tl.arange(0, BLOCK_K // 16)
-    kk = tl.arange(0, BLOCK_K)
     # int32 offsets: an expert's codes are its rows x K/2 bytes (18.9 MB at M3.1's widths).
     group = w_rows // 32
     lane = w_rows % 32
@@ -144,7 +161,7 @@ def nvfp4_mma(
     s_col = (kg // TG) * (32 * TG) + kg % TG
     w_tile = w_ptr + w_row[:, None] + w_col[None, :]
     s_tile = s_ptr + s_row[:, None] + s_col[None, :]
-    a_tile = a_ptr + a_rows[:, None] + kk[None, :]
+    a_half = a_ptr + a_rows[:, None] + kb[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(0, k_end, BLOCK_K):
         b = tl.load(w_tile + k0 * 16, mask=w_ok[:, None], other=0)
@@ -155,10 +172,10 @@ def nvfp4_mma(
         lo, hi = _dequant(
             _mma_k_order(b, BLOCK_N, HALF), _mma_k_order(s, BLOCK_N, HALF), DEQUANT, DOT
         )
-        a = tl.load(a_tile + k0, mask=a_ok[:, None], other=0.0)
-        a_even, a_odd = tl.split(tl.reshape(a, [BLOCK_M, HALF, 2]))
-        acc = _dot_exact(lo, tl.trans(_mma_k_order(a_even, BLOCK_M, HALF)), acc, DOT)
-        acc = _dot_exact(hi, tl.trans(_mma_k_order(a_odd, BLOCK_M, HALF)), acc, DOT)
+        a_even = tl.load(a_half + k0, mask=a_ok[:, None], other=0.0)
+        a_odd = tl.load(a_half + (k0 + HALF), mask=a_ok[:, None], other=0.0)
+        acc = _dot_exact(lo, tl.trans(a_even), acc, DOT)
+        acc = _dot_exact(hi, tl.trans(a_odd), acc, DOT)
     return acc
 
 

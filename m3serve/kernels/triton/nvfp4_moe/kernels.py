@@ -1,12 +1,13 @@
-"""The NVFP4 MoE kernels: gate_up with the SwiGLU-OAI epilogue, down with the top-k weight,
-and the fixed-order combine; pairs found per expert in-kernel (slots) or from sorted blocks."""
+"""The NVFP4 MoE kernels: the activations put in MMA K order, gate_up with the SwiGLU-OAI
+epilogue, down with the top-k weight, and the fixed-order combine; pairs found per expert
+in-kernel (slots) or from sorted blocks."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from m3serve.kernels.triton.nvfp4_moe.decode import ACC_SCALE, nvfp4_mma
+from m3serve.kernels.triton.nvfp4_moe.decode import ACC_SCALE, mma_k_position, nvfp4_mma
 
 
 @triton.jit
@@ -82,6 +83,7 @@ def _gate_up_tile(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     TILE_K: tl.constexpr,
+    ACT_TILE_K: tl.constexpr,
     DEQUANT: tl.constexpr,
     DOT: tl.constexpr,
 ):
@@ -118,7 +120,9 @@ def _gate_up_tile(
     up = tl.minimum(up, limit, propagate_nan=tl.PropagateNan.ALL)
     h = (up + 1.0) * (gate * tl.sigmoid(alpha * gate))
     n = tl.program_id(0) * HALF_N + tl.arange(0, HALF_N)
-    ptrs = act_ptr + pair.to(tl.int64)[None, :] * stride_ap + n[:, None]
+    # act is the down kernel's right operand: its columns go in that kernel's MMA K order.
+    cols = mma_k_position(n, ACT_TILE_K)
+    ptrs = act_ptr + pair.to(tl.int64)[None, :] * stride_ap + cols[:, None]
     tl.store(ptrs, h.to(act_ptr.dtype.element_ty), mask=(n < inter)[:, None] & pair_ok[None, :])
 
 
@@ -151,6 +155,7 @@ def gate_up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     TILE_K: tl.constexpr,
+    ACT_TILE_K: tl.constexpr,
     DEQUANT: tl.constexpr,
     DOT: tl.constexpr,
     PDL: tl.constexpr,
@@ -169,7 +174,7 @@ def gate_up_kernel(
             _gate_up_tile(
                 x_ptr, stride_xt, w_base, s_base, g_ptr, act_ptr, stride_ap, expert, pair,
                 pair_ok, hidden, inter, alpha, limit, TOP_K, BLOCK_N, BLOCK_M, BLOCK_K, TILE_K,
-                DEQUANT, DOT,
+                ACT_TILE_K, DEQUANT, DOT,
             )  # fmt: skip
     else:
         expert = tl.load(block_expert_ptr + tl.program_id(1))
@@ -180,7 +185,7 @@ def gate_up_kernel(
             _gate_up_tile(
                 x_ptr, stride_xt, w_base, s_base, g_ptr, act_ptr, stride_ap, expert,
                 tl.maximum(pair, 0), pair >= 0, hidden, inter, alpha, limit, TOP_K, BLOCK_N,
-                BLOCK_M, BLOCK_K, TILE_K, DEQUANT, DOT,
+                BLOCK_M, BLOCK_K, TILE_K, ACT_TILE_K, DEQUANT, DOT,
             )  # fmt: skip
 
 
@@ -321,3 +326,17 @@ def combine_kernel(
         else:
             acc += tl.load(row, mask=ok, other=0.0)
     tl.store(out_ptr + t * stride_ot + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit(do_not_specialize=["tokens"])
+def permute_k_kernel(
+    x_ptr, stride_xt, out_ptr, stride_ot, tokens, BLOCK_T: tl.constexpr, TILE_K: tl.constexpr
+):
+    """out[t, mma_k_position(j)] = x[t, j]: the gate_up kernel's activations in its MMA K order,
+    for one [BLOCK_T, TILE_K] tile."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    j = tl.program_id(1) * TILE_K + tl.arange(0, TILE_K)
+    ok = (t < tokens)[:, None]
+    t64 = t.to(tl.int64)[:, None]
+    values = tl.load(x_ptr + t64 * stride_xt + j[None, :], mask=ok)
+    tl.store(out_ptr + t64 * stride_ot + mma_k_position(j, TILE_K)[None, :], values, mask=ok)

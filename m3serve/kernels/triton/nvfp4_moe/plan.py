@@ -32,10 +32,10 @@ class NVFP4MoEConfig:
     pdl: bool = True
     # Tile overrides for tuning sweeps (0: the plan's). block_m: pairs per program (a power of
     # two >= 16); block_n: weight rows per program (a power of two >= 64: 64 per warpgroup of
-    # MMA); block_k: K step (a power of two in [32, 256]).
+    # MMA). The K step is not a choice: it is the weights' K tile (`nvfp4_tiles.tile_k`), the
+    # period of the activations' MMA K order.
     block_m: int = 0
     block_n: int = 0
-    block_k: int = 0
     num_warps: int = 0
     num_stages: int = 0
 
@@ -49,22 +49,12 @@ class Plan:
     block_m: int
     gate_up_n: int  # weight rows per program: half gate, half up
     down_n: int
-    block_k_h: int  # K tile over H (gate_up)
-    block_k_i: int  # K tile over I (down)
     num_warps: int
     num_stages: int
     p_pad: int  # slots route: padded pair vector
 
 
-def _block_k(k: int, cap: int) -> int:
-    """Largest power of two <= cap dividing k (k is a multiple of 32)."""
-    bk = cap
-    while k % bk:
-        bk //= 2
-    return bk
-
-
-def plan_moe(num_pairs: int, num_experts: int, hidden: int, inter: int, route: str) -> Plan:
+def plan_moe(num_pairs: int, num_experts: int, route: str) -> Plan:
     """Tiles from shapes only (a handful of compiled variants per model shape)."""
     use_slots = route == "slots" or (route == "auto" and num_pairs <= SLOTS_AUTO_MAX_PAIRS)
     if use_slots:
@@ -72,19 +62,15 @@ def plan_moe(num_pairs: int, num_experts: int, hidden: int, inter: int, route: s
             raise ValueError(f"the slots route takes at most {SLOTS_MAX_PAIRS} pairs")
         p_pad = next(b for b in _SLOT_PAIR_BUCKETS if num_pairs <= b)
         # Decode: memory-bound. 64-row weight tiles (one warpgroup MMA), 16 pairs (the smallest
-        # MMA N), K steps of 128 (measured on the H200: 93.7 -> 75.2 µs at T = 1 vs 256).
-        return Plan(
-            ROUTE_SLOTS, 16, 64, 64, _block_k(hidden, 128), _block_k(inter, 128), 4, 3, p_pad
-        )
+        # MMA N).
+        return Plan(ROUTE_SLOTS, 16, 64, 64, 4, 3, p_pad)
     # Prefill: BLOCK_M near the mean pairs per expert bounds the padding; big tiles once the
     # blocks are full, since the decode cost of a weight tile is shared by its BLOCK_M pairs.
     mean = -(-num_pairs // num_experts)
     block_m = min(max(triton.next_power_of_2(mean), 16), 128)
     if block_m >= 64:
-        return Plan(
-            ROUTE_SORTED, block_m, 128, 128, _block_k(hidden, 128), _block_k(inter, 128), 8, 3, 0
-        )
-    return Plan(ROUTE_SORTED, block_m, 64, 64, _block_k(hidden, 256), _block_k(inter, 256), 4, 3, 0)
+        return Plan(ROUTE_SORTED, block_m, 128, 128, 8, 3, 0)
+    return Plan(ROUTE_SORTED, block_m, 64, 64, 4, 3, 0)
 
 
 def overridden(plan: Plan, config: NVFP4MoEConfig) -> Plan:
@@ -94,8 +80,6 @@ def overridden(plan: Plan, config: NVFP4MoEConfig) -> Plan:
         changes["block_m"] = config.block_m
     if config.block_n:
         changes.update(gate_up_n=config.block_n, down_n=config.block_n)
-    if config.block_k:
-        changes.update(block_k_h=config.block_k, block_k_i=config.block_k)
     if config.num_warps:
         changes["num_warps"] = config.num_warps
     if config.num_stages:

@@ -17,6 +17,8 @@ import struct
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from helpers.devices import DEVICE, ON_GPU
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -205,7 +207,7 @@ def test_many_pairs_per_expert(route: str) -> None:
     ex = Experts(num_experts=4, inter=64, seed=14)
     x = activations(130, seed=15)
     weights, ids = routing(130, 4, seed=16)
-    plan = planning.plan_moe(260, 4, H, 64, route)
+    plan = planning.plan_moe(260, 4, route)
     if route == "sorted":
         assert plan.block_m == 128 and plan.gate_up_n == 128 and plan.num_warps == 8
     assert_exact(run(ex, x, weights, ids, route), reference(ex, x, weights, ids))
@@ -463,3 +465,32 @@ def test_e2m1_ptx_keeps_bytes_apart() -> None:
             reg, half = divmod(pos, 2)
             for r in (reg, 2 + reg):
                 assert (a[r] >> (16 * half)) & 0xFFFF == (b[r] >> (16 * half)) & 0xFFFF
+
+
+# ------------------------------------------------------------------ the activations' K order
+
+
+@triton.jit
+def _k_order_probe(cols_ptr, where_ptr, TILE_K: tl.constexpr):
+    """Column numbers in the order the decoded even/odd weight tiles come in (`_mma_k_order` of
+    the even, then of the odd columns), and where `mma_k_position` puts each column."""
+    HALF: tl.constexpr = TILE_K // 2
+    cols = tl.arange(0, TILE_K)
+    even, odd = tl.split(tl.reshape(cols, [HALF, 2]))
+    even = tl.reshape(decode._mma_k_order(tl.reshape(even, [1, HALF]), 1, HALF), [HALF])
+    odd = tl.reshape(decode._mma_k_order(tl.reshape(odd, [1, HALF]), 1, HALF), [HALF])
+    tl.store(cols_ptr + tl.arange(0, HALF), even)
+    tl.store(cols_ptr + HALF + tl.arange(0, HALF), odd)
+    tl.store(where_ptr + cols, decode.mma_k_position(cols, TILE_K))
+
+
+@pytest.mark.parametrize("tile_k", [32, 64, 128])
+def test_activations_are_stored_where_the_decoded_weights_expect_them(tile_k: int) -> None:
+    """Position p of a K tile of activations holds the column the weight tile's position p came
+    from, so the two operands of each dot agree."""
+    order = torch.empty(tile_k, dtype=torch.int32, device=DEVICE)
+    where = torch.empty(tile_k, dtype=torch.int32, device=DEVICE)
+    _k_order_probe[(1,)](order, where, TILE_K=tile_k)
+    order, where = order.cpu(), where.cpu()
+    assert sorted(where.tolist()) == list(range(tile_k)), "a permutation of the tile"
+    assert torch.equal(where[order.long()], torch.arange(tile_k, dtype=torch.int32))
