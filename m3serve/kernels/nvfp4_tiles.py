@@ -44,10 +44,10 @@ def tile_rows(t: Tensor, elements_per_col: int) -> Tensor:
     """[..., R, C] (row-major, a column holding `elements_per_col` K elements) -> a new
     contiguous [..., R/32, K/TK, 32, TK/elements_per_col]."""
     *lead, rows, cols = t.shape
-    per_tile = tile_k(cols * elements_per_col) // elements_per_col
-    if rows % TILE_ROWS or per_tile < 1:
+    if rows % TILE_ROWS or cols * elements_per_col % NVFP4_GROUP:
         raise ValueError(f"rows ({rows}) must be a multiple of {TILE_ROWS}, K of {NVFP4_GROUP}")
-    grouped = t.reshape(*lead, rows // TILE_ROWS, TILE_ROWS, cols // per_tile, per_tile)
+    groups, tiles, _, per_tile = tiled_shape(rows, cols * elements_per_col, elements_per_col)
+    grouped = t.reshape(*lead, groups, TILE_ROWS, tiles, per_tile)
     return grouped.transpose(-3, -2).contiguous()
 
 
@@ -75,9 +75,7 @@ def tile_rows_(t: Tensor, elements_per_col: int) -> Tensor:
     time); returns the tiled view [N, R/32, K/TK, 32, T] of the same storage."""
     if not t.is_contiguous():
         raise ValueError("tiling in place needs a contiguous tensor")
-    tiled = None
     for i in range(t.shape[0]):
-        tiled = tile_rows(t[i], elements_per_col)
-        t[i].copy_(tiled.view(t.shape[1:]))
-    assert tiled is not None, "no rows to tile"
-    return t.view(t.shape[0], *tiled.shape)
+        t[i].copy_(tile_rows(t[i], elements_per_col).view(t.shape[1:]))
+    n, rows, cols = t.shape
+    return t.view(n, *tiled_shape(rows, cols * elements_per_col, elements_per_col))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from m3serve.kernels.nvfp4_tiles import CODES_PER_BYTE, tile_rows_, tiled_shape
+from m3serve.kernels.nvfp4_tiles import CODES_PER_BYTE, tile_rows_
 from m3serve.kernels.quant import NVFP4_GROUP
 from m3serve.model.backend import Backend
 from m3serve.model.config import TextConfig
@@ -77,7 +77,7 @@ class Experts(nn.Module):
         e, h = parallel.experts(cfg).size, cfg.hidden_size
         i = parallel.expert_width(cfg).size
         self.fmt = fmt
-        self.tiled = False
+        self.tiled: Nvfp4Experts | None = None  # set by tile_rows_
         if fmt != "NVFP4":
             self.w13 = weight(e, 2 * i, h, dtype=dtype, device=device)
             self.w2 = weight(e, h, i, dtype=dtype, device=device)
@@ -94,28 +94,25 @@ class Experts(nn.Module):
     def tile_rows_(self) -> None:
         """Hold the NVFP4 codes and scales row-tiled for the MoE kernels, in place, one expert
         of scratch at a time (the loader has filled them in the checkpoint's layout)."""
-        if self.fmt != "NVFP4" or self.tiled:
+        if self.fmt != "NVFP4" or self.tiled is not None:
             return
-        for codes, scale in ((self.w13, self.w13_scale), (self.w2, self.w2_scale)):
-            tile_rows_(codes.data, CODES_PER_BYTE)
-            tile_rows_(scale.data, NVFP4_GROUP)
-        self.tiled = True
+        w13 = tile_rows_(self.w13.data, CODES_PER_BYTE)
+        w2 = tile_rows_(self.w2.data, CODES_PER_BYTE)
+        w13_scale = tile_rows_(self.w13_scale.data, NVFP4_GROUP)
+        w2_scale = tile_rows_(self.w2_scale.data, NVFP4_GROUP)
+        self.tiled = Nvfp4Experts(
+            w13, w13_scale, self.w13_global, w2, w2_scale, self.w2_global, tiled=True
+        )
 
     @property
     def data(self) -> ExpertWeights:
         """What the backend's `moe` reads."""
         if self.fmt != "NVFP4":
             return DenseExperts(self.w13, self.w2)
-        w13, w13_scale, w2, w2_scale = self.w13, self.w13_scale, self.w2, self.w2_scale
-        if self.tiled:
-            e, rows, half = w13.shape
-            hidden, inter = 2 * half, rows // 2
-            w13 = w13.view(e, *tiled_shape(rows, hidden, CODES_PER_BYTE))
-            w13_scale = w13_scale.view(e, *tiled_shape(rows, hidden, NVFP4_GROUP))
-            w2 = w2.view(e, *tiled_shape(hidden, inter, CODES_PER_BYTE))
-            w2_scale = w2_scale.view(e, *tiled_shape(hidden, inter, NVFP4_GROUP))
+        if self.tiled is not None:  # views of the parameters' storage, made once
+            return self.tiled
         return Nvfp4Experts(
-            w13, w13_scale, self.w13_global, w2, w2_scale, self.w2_global, tiled=self.tiled
+            self.w13, self.w13_scale, self.w13_global, self.w2, self.w2_scale, self.w2_global
         )
 
 

@@ -234,15 +234,15 @@ def nvfp4_moe(
         x_k, x_k.stride(0), flat_ids, sorted_pairs, block_expert,
         w13, w13.stride(0), w13_scale, w13_scale.stride(0), w13_global, act, act.stride(0),
         num_pairs, num_experts, hidden, inter, float(alpha), float(limit),
-        TOP_K=top_k, ROUTE=plan.route, BLOCK_N=plan.gate_up_n, BLOCK_K=tk_h, TILE_K=tk_h,
-        ACT_TILE_K=tk_i, **common,
+        TOP_K=top_k, ROUTE=plan.route, BLOCK_N=plan.gate_up_n, BLOCK_K=tk_h, ACT_TILE_K=tk_i,
+        **common,
     )  # fmt: skip
     launch_pdl = {"launch_pdl": True} if pdl else {}
     down_kernel[(triton.cdiv(hidden, plan.down_n), grid_r)](
         act, act.stride(0), flat_ids, sorted_pairs, block_expert,
         w2, w2.stride(0), w2_scale, w2_scale.stride(0), w2_global, mix, y, y.stride(0),
         num_pairs, num_experts, hidden, inter,
-        ROUTE=plan.route, BLOCK_N=plan.down_n, BLOCK_K=tk_i, TILE_K=tk_i, **common,
+        ROUTE=plan.route, BLOCK_N=plan.down_n, BLOCK_K=tk_i, **common,
         **launch_pdl,
     )  # fmt: skip
     block = min(triton.next_power_of_2(hidden), 2048)

@@ -133,34 +133,26 @@ def nvfp4_mma(
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    TILE_K: tl.constexpr,
     DEQUANT: tl.constexpr,
     DOT: tl.constexpr,
 ):
     """acc [BLOCK_N, BLOCK_M] fp32 = W[w_rows, :k_end] @ A[a_rows, :k_end]^T, W NVFP4 (without its
     global scale, times 2^-7) in the row-tiled layout (`m3serve.kernels.nvfp4_tiles`: rows in
-    groups of 32, each group's K in contiguous tiles of TILE_K elements), A bf16 at element
-    offsets a_rows (int64) from a_ptr, its columns in MMA K order (`mma_k_position`): each K
-    step's two halves are the right operands of the even- and odd-element dots as they are in
-    memory, so they go from the pipelined load to the tensor cores without a trip through
-    registers. One K step is one tile (BLOCK_K == TILE_K)."""
-    tl.static_assert(BLOCK_K == TILE_K, "the activations' K order has the tile's period")
-    HALF: tl.constexpr = BLOCK_K // 2
-    TB: tl.constexpr = TILE_K // 2  # bytes of a tile row
-    TG: tl.constexpr = TILE_K // 16  # scales of a tile row
+    groups of 32, each group's K in contiguous tiles), A bf16 at element offsets a_rows (int64)
+    from a_ptr, its columns in MMA K order (`mma_k_position`): each K step's two halves are the
+    right operands of the even- and odd-element dots as they are in memory, so they go from the
+    pipelined load to the tensor cores without a trip through registers. A K step is one weight
+    tile: BLOCK_K is the tile's width, the period of the activations' order."""
+    HALF: tl.constexpr = BLOCK_K // 2  # bytes of a tile row
+    GROUPS: tl.constexpr = BLOCK_K // 16  # scales of a tile row
     kb = tl.arange(0, HALF)
-    kg = tl.arange(0, BLOCK_K // 16)
+    kg = tl.arange(0, GROUPS)
     # int32 offsets: an expert's codes are its rows x K/2 bytes (18.9 MB at M3.1's widths).
     group = w_rows // 32
     lane = w_rows % 32
-    # A row's place in its group's first tile; a K step of BLOCK_K moves 32 * BLOCK_K/2 bytes
-    # and 32 * BLOCK_K/16 scales on, over whole tiles.
-    w_row = group * (32 * (k_end // 2)) + lane * TB
-    s_row = group * (32 * (k_end // 16)) + lane * TG
-    w_col = (kb // TB) * (32 * TB) + kb % TB
-    s_col = (kg // TG) * (32 * TG) + kg % TG
-    w_tile = w_ptr + w_row[:, None] + w_col[None, :]
-    s_tile = s_ptr + s_row[:, None] + s_col[None, :]
+    # A row's place in its group's first tile; each K step moves one tile (32 rows) on.
+    w_tile = w_ptr + (group * (32 * (k_end // 2)) + lane * HALF)[:, None] + kb[None, :]
+    s_tile = s_ptr + (group * (32 * (k_end // 16)) + lane * GROUPS)[:, None] + kg[None, :]
     a_half = a_ptr + a_rows[:, None] + kb[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(0, k_end, BLOCK_K):
@@ -168,7 +160,7 @@ def nvfp4_mma(
         s = tl.load(s_tile + k0 * 2, mask=w_ok[:, None], other=0.0)
         # Each scale covers 8 bytes: read the [N, K/16] tile once, broadcast it in registers.
         s = _group_scales(s, DEQUANT)
-        s = tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_N, BLOCK_K // 16, 8]), [BLOCK_N, HALF])
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_N, GROUPS, 8]), [BLOCK_N, HALF])
         lo, hi = _dequant(
             _mma_k_order(b, BLOCK_N, HALF), _mma_k_order(s, BLOCK_N, HALF), DEQUANT, DOT
         )

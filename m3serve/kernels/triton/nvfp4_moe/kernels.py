@@ -82,7 +82,6 @@ def _gate_up_tile(
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    TILE_K: tl.constexpr,
     ACT_TILE_K: tl.constexpr,
     DEQUANT: tl.constexpr,
     DOT: tl.constexpr,
@@ -106,7 +105,6 @@ def _gate_up_tile(
         BLOCK_N,
         BLOCK_M,
         BLOCK_K,
-        TILE_K,
         DEQUANT,
         DOT,
     )
@@ -154,7 +152,6 @@ def gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    TILE_K: tl.constexpr,
     ACT_TILE_K: tl.constexpr,
     DEQUANT: tl.constexpr,
     DOT: tl.constexpr,
@@ -173,7 +170,7 @@ def gate_up_kernel(
             pair_ok = first + tl.arange(0, BLOCK_M) < count
             _gate_up_tile(
                 x_ptr, stride_xt, w_base, s_base, g_ptr, act_ptr, stride_ap, expert, pair,
-                pair_ok, hidden, inter, alpha, limit, TOP_K, BLOCK_N, BLOCK_M, BLOCK_K, TILE_K,
+                pair_ok, hidden, inter, alpha, limit, TOP_K, BLOCK_N, BLOCK_M, BLOCK_K,
                 ACT_TILE_K, DEQUANT, DOT,
             )  # fmt: skip
     else:
@@ -185,7 +182,7 @@ def gate_up_kernel(
             _gate_up_tile(
                 x_ptr, stride_xt, w_base, s_base, g_ptr, act_ptr, stride_ap, expert,
                 tl.maximum(pair, 0), pair >= 0, hidden, inter, alpha, limit, TOP_K, BLOCK_N,
-                BLOCK_M, BLOCK_K, TILE_K, ACT_TILE_K, DEQUANT, DOT,
+                BLOCK_M, BLOCK_K, ACT_TILE_K, DEQUANT, DOT,
             )  # fmt: skip
 
 
@@ -207,7 +204,6 @@ def _down_tile(
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    TILE_K: tl.constexpr,
     DEQUANT: tl.constexpr,
     DOT: tl.constexpr,
 ):
@@ -225,7 +221,6 @@ def _down_tile(
         BLOCK_N,
         BLOCK_M,
         BLOCK_K,
-        TILE_K,
         DEQUANT,
         DOT,
     )
@@ -261,7 +256,6 @@ def down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    TILE_K: tl.constexpr,
     DEQUANT: tl.constexpr,
     DOT: tl.constexpr,
     PDL: tl.constexpr,
@@ -281,7 +275,7 @@ def down_kernel(
             pair_ok = first + tl.arange(0, BLOCK_M) < count
             _down_tile(
                 act_ptr, stride_ap, w_base, s_base, g_ptr, tw_ptr, y_ptr, stride_yp, expert, pair,
-                pair_ok, hidden, inter, BLOCK_N, BLOCK_M, BLOCK_K, TILE_K, DEQUANT, DOT,
+                pair_ok, hidden, inter, BLOCK_N, BLOCK_M, BLOCK_K, DEQUANT, DOT,
             )  # fmt: skip
     else:
         expert = tl.load(block_expert_ptr + tl.program_id(1))
@@ -293,7 +287,7 @@ def down_kernel(
             s_base = s_ptr + expert.to(tl.int64) * stride_se
             _down_tile(
                 act_ptr, stride_ap, w_base, s_base, g_ptr, tw_ptr, y_ptr, stride_yp, expert,
-                tl.maximum(pair, 0), pair >= 0, hidden, inter, BLOCK_N, BLOCK_M, BLOCK_K, TILE_K,
+                tl.maximum(pair, 0), pair >= 0, hidden, inter, BLOCK_N, BLOCK_M, BLOCK_K,
                 DEQUANT, DOT,
             )  # fmt: skip
 
