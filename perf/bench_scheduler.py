@@ -80,6 +80,7 @@ class NoOpCore(EngineCore):
         self.executor = Executor(self.run)
         self._in_flight = None
         self.trace = StepTrace(log_every_step=False)
+        self._ready_compiles = self.trace.compiles.count
         self.inputs = StepInputs(grammar=None, check=None)
         self.plans = None
 

@@ -206,7 +206,14 @@ class EngineCore(StepLoop):
         # ------------------------------------------------------------------ scheduler
         radix = not args.cache.disable_radix_cache
         budget = mixed_budget(
-            args, self.device, self.runner, self.budget, self.ranks, self.startup, slots
+            args,
+            self.device,
+            self.runner,
+            self.budget,
+            self.ranks,
+            self.startup,
+            slots,
+            self.loaded.path,
         )
         pages = self.budget.num_pages
         cache = self.host.prefix_cache(pages, cfg.page_size) if self.host is not None else None

@@ -35,7 +35,7 @@ from m3serve.model.kv_cache import KVCache
 from m3serve.model.m3 import M3ForCausalLM
 from m3serve.model.parallel import RankGroup
 from m3serve.runtime.config import SchedArgs, ServerArgs
-from m3serve.runtime.messages import StepPlan
+from m3serve.runtime.messages import SamplingParams, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +163,13 @@ def capture_piecewise(
     return piecewise
 
 
+def default_sampling(model_dir: Path) -> SamplingParams:
+    """The sampling a request that sets none of its fields gets: the checkpoint's
+    generation_config.json defaults (as api/sampling.py applies them)."""
+    fields = load_generation_config(model_dir).sampling
+    return SamplingParams(**{k: int(v) if k == "top_k" else float(v) for k, v in fields.items()})
+
+
 def mixed_budget(
     args: ServerArgs,
     device: torch.device,
@@ -171,6 +178,7 @@ def mixed_budget(
     ranks: RankGroup,
     startup: StartupPhases,
     slots: int,
+    model_dir: Path,
 ) -> Callable[[int], int] | None:
     """The scheduler's prompt budget for steps that decode, from step times measured now (GPU
     only: on a CPU the forward is too noisy to time, and nobody streams from it)."""
@@ -183,13 +191,15 @@ def mixed_budget(
     graphs = runner.graphs
     sizes = graphs.sizes if graphs else [1, 8, 32, 64, 128]
     with startup.phase("step cost"):
+        sampling = default_sampling(model_dir)
         cost = measure_step_cost(
-            runner.time_step,
+            lambda seqs: runner.time_step(seqs, sampling),
             lambda: torch.cuda.synchronize(device),
             [s for s in sizes if s <= slots],
             page,
             budget.num_pages,
             max_step_tokens(args.sched, slots, budget),
+            runner.model.cfg.vocab_size,
         )
     log.info("%s", cost.describe(stretch, page))
     return lambda decodes: cost.mixed_budget(decodes, stretch, page)

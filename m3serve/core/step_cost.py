@@ -13,9 +13,11 @@ per-token cost, and one mixed step (decode rows plus a short chunk), whose time 
 decode rows and its tokens is the fixed cost of leaving the decode graph: the prompt path's
 eager and piecewise launches. On the H200 that fixed part is about one decode step (a 4-layer
 slice: 1.9 ms, against 2.1 ms for a decode step at batch 16), so a budget from the per-token
-cost alone lets a short chunk stretch a step well past `stretch`. Budgets are rounded to whole
-pages, so a restart on the same machine lands on the same budgets, and never drop below one
-page, so a prompt always advances.
+cost alone lets a short chunk stretch a step well past `stretch`. The measured rows carry
+distinct token ids (rows of one token would all route to the same few experts, where served
+rows spread over many) and draw with the checkpoint's default sampling (the caller's `forward`).
+Budgets are rounded to whole pages, so a restart on the same machine lands on the same budgets,
+and never drop below one page, so a prompt always advances.
 """
 
 from __future__ import annotations
@@ -92,25 +94,27 @@ def measure_step_cost(
     page: int,
     num_pages: int,
     max_step_tokens: int,
+    vocab_size: int,
 ) -> StepCost:
     """Time `forward` on synthetic decode, prefill and mixed steps over the (still unused) KV
-    pool."""
+    pool, with token ids spread over `vocab_size` (so rows route as served ones do)."""
+    ids = _TokenIds(vocab_size)
     decode_ms = {}
     for size in decode_sizes:
-        seqs = _decode_rows(size, page, num_pages)
+        seqs = _decode_rows(size, page, num_pages, ids)
         decode_ms[size] = best_ms(lambda seqs=seqs: forward(seqs), sync)
     longest = min(max_step_tokens, num_pages * page)
     prefill_ms = {}
     for length in [n for n in PREFILL_LENGTHS if n <= longest] or [longest]:
-        seq = SeqStep([1] * length, 0, list(range(-(-length // page))))
+        seq = SeqStep(ids.take(length), 0, list(range(-(-length // page))))
         prefill_ms[length] = best_ms(lambda seq=seq: forward([seq]), sync)
     per_token = fit_per_token(prefill_ms)
     fixed = 0.0
     size = decode_sizes[len(decode_sizes) // 2] if decode_sizes else 0
     chunk = MIXED_PROBE_PAGES * page
     if size and chunk <= max_step_tokens - size and num_pages - MIXED_PROBE_PAGES >= size:
-        rows = _decode_rows(size, page, num_pages - MIXED_PROBE_PAGES, first=MIXED_PROBE_PAGES)
-        seqs = [SeqStep([1] * chunk, 0, list(range(MIXED_PROBE_PAGES))), *rows]
+        rows = _decode_rows(size, page, num_pages - MIXED_PROBE_PAGES, ids, MIXED_PROBE_PAGES)
+        seqs = [SeqStep(ids.take(chunk), 0, list(range(MIXED_PROBE_PAGES))), *rows]
         mixed = best_ms(lambda: forward(seqs), sync)
         fixed = max(0.0, mixed - decode_ms[size] - per_token * chunk)
     return StepCost(decode_ms, per_token, fixed)
@@ -121,10 +125,30 @@ def measure_step_cost(
 MIXED_PROBE_PAGES = 2
 
 
-def _decode_rows(size: int, page: int, num_pages: int, first: int = 0) -> list[SeqStep]:
-    """`size` decode rows over distinct pages from `first` on (at most `num_pages` of them)."""
+class _TokenIds:
+    """Token ids that differ from one to the next, the same sequence on every start (a fixed
+    stride through the vocabulary, co-prime to any vocabulary size that is not a multiple of
+    its prime stride)."""
+
+    STRIDE = 7919
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = max(vocab_size, 1)
+        self.next = 1
+
+    def take(self, n: int) -> list[int]:
+        out = [(self.next + i * self.STRIDE) % self.vocab_size for i in range(n)]
+        self.next = (self.next + n * self.STRIDE) % self.vocab_size
+        return out
+
+
+def _decode_rows(
+    size: int, page: int, num_pages: int, ids: _TokenIds, first: int = 0
+) -> list[SeqStep]:
+    """`size` decode rows over distinct pages from `first` on (at most `num_pages` of them),
+    each with its own token."""
     each = max(1, min(DECODE_CONTEXT // page, num_pages // size))
     return [
-        SeqStep([1], each * page - 1, list(range(first + i * each, first + (i + 1) * each)))
+        SeqStep(ids.take(1), each * page - 1, list(range(first + i * each, first + (i + 1) * each)))
         for i in range(size)
     ]

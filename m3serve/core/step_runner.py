@@ -99,10 +99,12 @@ class StepRunner:
                 load.finish()  # also after a failed forward: nobody may wait on it forever
 
     @torch.inference_mode()
-    def time_step(self, seqs: list[SeqStep]) -> None:
+    def time_step(self, seqs: list[SeqStep], sampling: SamplingParams | None = None) -> None:
         """One step as a request sees it, for measuring (core/step_cost.py): building the
         batch, the forward, and for a decode the draw of every row's token and its copy to the
-        host. Uses slots 0..len(seqs)-1 with default sampling; a request's start resets them.
+        host. Uses slots 0..len(seqs)-1 with `sampling` (the checkpoint's defaults, which a
+        request that sets nothing gets: a top-p draw costs more than a plain one); a request's
+        start resets them.
         A slot is started once, on the first (untimed) call that uses it: a request starts its
         slot once, not every step (starting every slot each call put a batch-128 decode step at
         9.7 ms on the H200, where served ones took 6.0)."""
@@ -112,7 +114,7 @@ class StepRunner:
         if decode:
             slots = list(range(len(seqs)))
             for slot in range(self._timing_slots, len(seqs)):
-                self.sampler.start(slot, SamplingParams(), [1])
+                self.sampler.start(slot, sampling or SamplingParams(), [1])
             self._timing_slots = max(self._timing_slots, len(seqs))
             self.sampler.sample(logits, slots)[0].tolist()
 

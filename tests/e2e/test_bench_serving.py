@@ -65,7 +65,7 @@ def test_itl_is_per_token_where_every_chunk_carries_its_running_count() -> None:
     assert itl_definition([record]).startswith("per chunk")
 
 
-def test_decode_probe_takes_the_median_gap_while_all_requests_decode() -> None:
+def test_decode_probe_takes_the_mean_gap_while_all_requests_decode() -> None:
     def record(times: list[float]) -> RequestRecord:
         r = RequestRecord(start=0.0, prompt_text_tokens=3, completion_tokens=len(times))
         r.chunk_times, r.chunk_tokens = times, list(range(1, len(times) + 1))
@@ -86,6 +86,20 @@ def test_decode_probe_takes_the_median_gap_while_all_requests_decode() -> None:
     # Requests that never ran together (the first ended before the last began): no figure.
     apart = summarize_probe([record([0.0, 0.1]), record([0.2, 0.3])], output_len=2)
     assert apart["pure_decode_step_ms"] is None and apart["note"]
+
+
+def test_decode_probe_is_not_fooled_by_a_client_that_reads_in_bursts() -> None:
+    """Steps of 0.1 s, but the client reads the chunks three at a time: most gaps it sees are
+    ~0, every third 0.3 s. The median would say ~0; the step is still 0.1 s."""
+    times = [1.0 + 0.3 * (i // 3) + 1e-4 * (i % 3) for i in range(30)]
+    records = []
+    for _ in range(2):
+        r = RequestRecord(start=0.0, prompt_text_tokens=3, completion_tokens=len(times))
+        r.chunk_times, r.chunk_tokens = list(times), list(range(1, len(times) + 1))
+        records.append(r)
+    probe = summarize_probe(records, output_len=30)
+    assert probe["median_gap_ms"] < 1.0
+    assert probe["pure_decode_step_ms"] == pytest.approx(100.0, rel=0.1)
 
 
 def test_percentiles_interpolate_between_order_statistics() -> None:

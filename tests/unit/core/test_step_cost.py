@@ -43,7 +43,7 @@ def test_the_per_token_cost_is_the_slope_not_the_mean() -> None:
 
 
 def test_a_pool_too_small_for_the_mixed_probe_measures_no_fixed_cost() -> None:
-    cost = measure_step_cost(lambda seqs: None, lambda: None, [1, 8, 64], 128, 9, 2048)
+    cost = measure_step_cost(lambda seqs: None, lambda: None, [1, 8, 64], 128, 9, 2048, 512)
     assert cost.mixed_fixed_ms == 0.0
 
 
@@ -56,7 +56,7 @@ def test_the_measured_steps_are_valid_batches_over_distinct_pages() -> None:
         assert len(pages) == len(set(pages)) and max(pages) < 300
         steps.append(seqs)
 
-    cost = measure_step_cost(forward, lambda: None, [1, 8, 64], 128, 300, 2048)
+    cost = measure_step_cost(forward, lambda: None, [1, 8, 64], 128, 300, 2048, 512)
     assert sorted(cost.decode_ms) == [1, 8, 64]
     assert cost.prefill_ms_per_token > 0 and cost.mixed_fixed_ms >= 0
     decode_rows = {len(seqs) for seqs in steps if all(s.extend == 1 for s in seqs)}
@@ -71,3 +71,8 @@ def test_the_measured_steps_are_valid_batches_over_distinct_pages() -> None:
         1024,
         2048,
     }
+    # Rows of one step carry different tokens (one token everywhere routes every row alike).
+    for seqs in steps:
+        tokens = [t for s in seqs for t in s.input_ids or []]
+        assert all(0 <= t < 512 for t in tokens)
+        assert len(set(tokens)) == min(len(tokens), 512)
