@@ -75,20 +75,31 @@ class Supervisor:
         """Collect one Ready per spawned process; fail fast on an Error or a dead child."""
         ready: dict[str, Ready] = {}
         deadline = time.monotonic() + timeout
-        while len(ready) < len(self.procs):
-            self._raise_if_dead(ready)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                missing = sorted(set(self.procs) - set(ready))
-                raise StartupError(f"not ready after {timeout:.0f}s: {', '.join(missing)}")
-            try:
-                message = await asyncio.wait_for(control.recv(), min(remaining, 0.5))
-            except asyncio.TimeoutError:
-                continue
-            if isinstance(message, Error):
-                raise StartupError(message.message)
-            if isinstance(message, Ready):
-                ready[message.actor] = message
+        # One receive lives across the polls: asyncio.wait never cancels what it waits on.
+        # Cancelling the receive at each poll's timeout (asyncio.wait_for) can drop a message
+        # the socket has already handed to it, when both fall due in one loop iteration; a
+        # lost Ready leaves the server starting forever.
+        receive: asyncio.Future[Any] | None = None
+        try:
+            while len(ready) < len(self.procs):
+                self._raise_if_dead(ready)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    missing = sorted(set(self.procs) - set(ready))
+                    raise StartupError(f"not ready after {timeout:.0f}s: {', '.join(missing)}")
+                if receive is None:
+                    receive = asyncio.ensure_future(control.recv())
+                done, _ = await asyncio.wait({receive}, timeout=min(remaining, 0.5))
+                if not done:
+                    continue
+                message, receive = receive.result(), None
+                if isinstance(message, Error):
+                    raise StartupError(message.message)
+                if isinstance(message, Ready):
+                    ready[message.actor] = message
+        finally:
+            if receive is not None:
+                receive.cancel()
         return ready
 
     def _raise_if_dead(self, ready: dict[str, Ready]) -> None:
