@@ -20,6 +20,7 @@ from m3serve.kernels.sampling import (
     apply_token_bitmask,
     filter_probs_batch,
 )
+from m3serve.model.host_copy import upload
 from m3serve.runtime.messages import SamplingParams, TokenLogprob
 
 _SEED_MASK = (1 << 64) - 1  # torch generators take a 64-bit seed; a request may send any int
@@ -331,9 +332,4 @@ class Sampler:
         self, values: list[int] | list[list[float]], dtype: torch.dtype = torch.int64
     ) -> torch.Tensor:
         """A small host list as a device tensor, without syncing."""
-        if self.device.type != "cuda":
-            return torch.tensor(values, dtype=dtype, device=self.device)
-        # A blocking host-to-device copy waits for the stream (the forward pass) to drain;
-        # from pinned memory the copy can be queued behind it instead.
-        pinned = torch.tensor(values, dtype=dtype, pin_memory=True)
-        return pinned.to(self.device, non_blocking=True)
+        return upload(values, dtype, self.device)

@@ -28,6 +28,7 @@ from m3serve.core.piecewise import PiecewiseGraphs
 from m3serve.core.ranks import MediaShare, TokenShare
 from m3serve.core.sampler import Sampler
 from m3serve.model.batch import ForwardBatch
+from m3serve.model.host_copy import upload
 from m3serve.model.kv_cache import KVCache
 from m3serve.model.m3 import M3ForCausalLM
 from m3serve.model.slot_pages import SlotPages
@@ -171,13 +172,13 @@ class StepRunner:
         # After the launch, before the draw: on a GPU this host work overlaps the forward.
         allowed = self.matchers.fill(slots)
         tokens, logprobs = self.sampler.sample(logits, slots, allowed)
-        index = torch.tensor(slots, device=self.device)
+        index = upload(slots, torch.int64, self.device)
         self.last_tokens[index] = tokens
         ids = tokens.tolist()
         ended = self.matchers.accept(slots, ids)
         if self.share is not None:  # every rank goes on with rank 0's tokens
             ids, ended = self.share.share(ids, ended)
-            self.last_tokens[index] = torch.tensor(ids, device=self.device)
+            self.last_tokens[index] = upload(ids, torch.int64, self.device)
         self._note_ended(slots, ids, ended)
         return ids, logprobs, ended
 
@@ -240,8 +241,8 @@ class StepRunner:
                 slots.append(seq.slot)
             row += seq.extend
         if rows:
-            index = torch.tensor(slots, device=self.device)
-            batch.input_ids[torch.tensor(rows, device=self.device)] = self.last_tokens[index]
+            index = upload(slots, torch.int64, self.device)
+            batch.input_ids[upload(rows, torch.int64, self.device)] = self.last_tokens[index]
 
 
 def _result(

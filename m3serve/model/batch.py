@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from m3serve.model.host_copy import upload
 from m3serve.model.slot_pages import SlotPages
 from m3serve.runtime.messages import SeqStep
 
@@ -81,13 +82,13 @@ class ForwardBatch:
             for i, seq in enumerate(seqs):
                 table[i, : len(seq.pages)] = seq.pages
             slots = table[rows, positions // page_size] * page_size + positions % page_size
-            page_table = torch.as_tensor(table, dtype=torch.int32).to(device)
+            page_table = upload(table, torch.int32, device)
         else:
             slot_pages.update(seqs)
             held = np.fromiter((s.slot for s in seqs), np.int64, len(seqs))
             pages = slot_pages.host[held[rows], positions // page_size]
             slots = pages * page_size + positions % page_size
-            index = torch.as_tensor(held).to(device)
+            index = upload(held, torch.int64, device)
             page_table = slot_pages.table[index, :max_pages]
         if all_logits:
             logit_rows = np.arange(int(ends[-1]))
@@ -95,21 +96,18 @@ class ForwardBatch:
             logit_rows = np.array([end - 1 for s, end in zip(seqs, ends, strict=True) if s.sample])
         ids = [t for s in seqs for t in ([0] * s.extend if s.input_ids is None else s.input_ids)]
 
-        def tensor(values: np.ndarray | list[int], dtype: torch.dtype) -> torch.Tensor:
-            return torch.as_tensor(np.asarray(values), dtype=dtype).to(device)
-
         seq_lens = (starts + extends).tolist()
         return cls(
-            input_ids=tensor(ids, torch.int64),
-            positions=tensor(positions, torch.int64),
-            out_slots=tensor(slots, torch.int64),
+            input_ids=upload(ids, torch.int64, device),
+            positions=upload(positions, torch.int64, device),
+            out_slots=upload(slots, torch.int64, device),
             page_table=page_table,
             seq_lens=seq_lens,
             extend_lens=extends.tolist(),
-            logit_rows=tensor(logit_rows.astype(np.int64), torch.int64),
+            logit_rows=upload(logit_rows.astype(np.int64), torch.int64, device),
             page_size=page_size,
-            seq_lens_t=tensor(seq_lens, torch.int32),
-            extend_starts=tensor([0, *ends.tolist()], torch.int32),
+            seq_lens_t=upload(seq_lens, torch.int32, device),
+            extend_starts=upload([0, *ends.tolist()], torch.int32, device),
             max_extend=int(extends.max()),
         )
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from m3serve.model.host_copy import upload
 from m3serve.runtime.messages import SeqStep
 
 
@@ -54,7 +55,9 @@ class SlotPages:
             cols.append(changed)
             values.append(row[changed])
         if rows:
-            index = torch.as_tensor(np.stack([np.concatenate(rows), np.concatenate(cols)]))
-            value = torch.as_tensor(np.concatenate(values), dtype=torch.int32)
-            index, value = index.to(self.table.device), value.to(self.table.device)
+            device = self.table.device
+            index = upload(
+                np.stack([np.concatenate(rows), np.concatenate(cols)]), torch.int64, device
+            )
+            value = upload(np.concatenate(values), torch.int32, device)
             self.table[index[0], index[1]] = value

@@ -1,0 +1,30 @@
+"""A step's uploads never wait for the kernels queued before them (H200): with torch's
+synchronization debug mode set to error, a blocking copy would raise."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from m3serve.model.batch import ForwardBatch
+from m3serve.model.host_copy import upload
+from m3serve.model.slot_pages import SlotPages
+from m3serve.runtime.messages import SeqStep
+
+
+def test_uploads_and_batch_building_do_not_synchronize() -> None:
+    device = torch.device("cuda")
+    slot_pages = SlotPages(4, 8, device)
+    seqs = [SeqStep([1, 2, 3], 0, [0], slot=0), SeqStep(None, 2, [1], slot=1)]
+    busy = torch.randn(4096, 4096, device=device)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        busy @ busy  # keeps the stream busy while the host uploads
+        ids = upload(np.arange(5), torch.int64, device)
+        batch = ForwardBatch.build(seqs, 4, device, slot_pages=slot_pages)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert ids.tolist() == [0, 1, 2, 3, 4]
+    assert batch.positions.tolist() == [0, 1, 2, 2]
+    assert batch.page_table.tolist() == [[0], [1]]
