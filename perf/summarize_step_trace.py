@@ -17,6 +17,7 @@ import statistics
 from collections import defaultdict
 from datetime import datetime
 from pathlib import Path
+from typing import NamedTuple
 
 LINE = re.compile(
     r"^(\S+ \S+) .*step (\d+) (\w+) batch=(\d+) tokens=(\d+).*host=([\d.]+)ms "
@@ -24,14 +25,26 @@ LINE = re.compile(
 )
 
 
-def steps(path: Path) -> list[tuple[float, int, str, int, int, float, float, float, float]]:
+class Step(NamedTuple):
+    stamp: float  # the log line's time, seconds
+    step: int
+    kind: str
+    batch: int
+    tokens: int
+    host_ms: float
+    plan_ms: float
+    process_ms: float
+    run_ms: float
+
+
+def steps(path: Path) -> list[Step]:
     rows = []
     for line in path.read_text(errors="replace").splitlines():
         m = LINE.search(line)
         if m:
-            stamp = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
-            step, kind, batch, tokens = int(m[2]), m[3], int(m[4]), int(m[5])
-            rows.append((stamp, step, kind, batch, tokens, *(float(m[i]) for i in (6, 7, 8, 9))))
+            stamp = datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            numbers = (float(m[i]) for i in (6, 7, 8, 9))
+            rows.append(Step(stamp, int(m[2]), m[3], int(m[4]), int(m[5]), *numbers))
     return rows
 
 
@@ -42,21 +55,19 @@ def main() -> None:
     args = parser.parse_args()
     rows = steps(args.log)
     print(f"{len(rows)} steps traced")
-    groups: dict[tuple[str, int], list[tuple[float, tuple]]] = defaultdict(list)
+    # Each step with the wall time since the step before it (consecutive steps only).
+    groups: dict[tuple[str, int], list[tuple[float, Step]]] = defaultdict(list)
     for prev, cur in itertools.pairwise(rows):
-        if cur[1] == prev[1] + 1:
-            groups[(cur[2], cur[3])].append((1e3 * (cur[0] - prev[0]), cur))
+        if cur.step == prev.step + 1:
+            groups[(cur.kind, cur.batch)].append((1e3 * (cur.stamp - prev.stamp), cur))
     ranked = sorted(groups.items(), key=lambda kv: -len(kv[1]))[: args.top]
     for (kind, batch), items in ranked:
-
-        def med(i: int, items: list[tuple[float, tuple]] = items) -> float:
-            return statistics.median(row[i] for _, row in items)
-
         gap = statistics.median(g for g, _ in items)
+        med = {f: statistics.median(getattr(r, f) for _, r in items) for f in Step._fields[4:]}
         print(
-            f"{kind:7s} batch={batch:4d} n={len(items):5d} tokens~{med(4):7.0f} "
-            f"wall gap {gap:6.2f} ms  host {med(5):5.2f} (plan {med(6):4.2f} "
-            f"process {med(7):4.2f})  run {med(8):6.2f} ms"
+            f"{kind:7s} batch={batch:4d} n={len(items):5d} tokens~{med['tokens']:7.0f} "
+            f"wall gap {gap:6.2f} ms  host {med['host_ms']:5.2f} (plan {med['plan_ms']:4.2f} "
+            f"process {med['process_ms']:4.2f})  run {med['run_ms']:6.2f} ms"
         )
 
 

@@ -4,8 +4,8 @@ levels, and from it how much of the ideal decode throughput a closed loop of N r
 N requests are sent at once (same prompt length, long `ignore_eos` outputs). Once the last of
 them has its first token, all N are decoding and none has finished — until the first one
 finishes. Inside that window every engine step is a pure decode step of batch N (no prefill
-chunk in it), so the median inter-token gap there, per token (serving/client.py), is the step
-time. It is the mean gap, not the median: a client that reads N streams in one process falls
+chunk in it), so the inter-token gap there, per token (serving/client.py), is the step time.
+It is the mean gap, not the median: a client that reads N streams in one process falls
 behind at high token rates and takes several streams' chunks in one go, so single gaps shrink
 to ~0 and stretch in between (an H200 run at N = 64 gave a median of 0.12 ms next to a 4.5 ms
 step), while the time a request spends inside the window over the tokens it got there is not
