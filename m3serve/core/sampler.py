@@ -20,7 +20,7 @@ from m3serve.kernels.sampling import (
     apply_token_bitmask,
     filter_probs_batch,
 )
-from m3serve.model.host_copy import upload
+from m3serve.model.host_copy import upload, upload_many
 from m3serve.runtime.messages import SamplingParams, TokenLogprob
 
 _SEED_MASK = (1 << 64) - 1  # torch generators take a 64-bit seed; a request may send any int
@@ -114,6 +114,8 @@ class Sampler:
             params.seed & _SEED_MASK_63 if params.seed is not None else secrets.randbits(62)
         )
         self._steps[slot] = len(output_ids)
+        if not _has_penalty(params):
+            return  # its penalty state is never read: skip the vocab-wide resets and uploads
         self._counts[slot].zero_()
         self._seen[slot].zero_()
         if len(prompt_ids) > 0:  # len, not truth: prompt ids may come as a numpy array
@@ -169,7 +171,7 @@ class Sampler:
         else:
             tokens = self._sample_mixed(penalized, list(slots), params)
         logprobs = self._logprobs(logits, tokens, params)
-        self._record(slots_t, tokens)
+        self._record(slots_t, tokens, params)
         return tokens, logprobs
 
     def penalized(self, logits: torch.Tensor, slots: Sequence[int]) -> torch.Tensor:
@@ -256,13 +258,18 @@ class Sampler:
         self, logits: torch.Tensor, slots: list[int], params: list[SamplingParams]
     ) -> torch.Tensor:
         assert self._device_draw is not None
-        floats = self._upload([[p.temperature, p.top_p, p.min_p] for p in params], torch.float32)
-        ints = self._upload(
+        floats, ints = upload_many(
             [
-                [p.top_k if p.top_k > 0 else 0, self._seeds[s], self._steps[s]]
-                for p, s in zip(params, slots, strict=True)
+                ([[p.temperature, p.top_p, p.min_p] for p in params], torch.float32),
+                (
+                    [
+                        [p.top_k if p.top_k > 0 else 0, self._seeds[s], self._steps[s]]
+                        for p, s in zip(params, slots, strict=True)
+                    ],
+                    torch.int64,
+                ),
             ],
-            torch.int64,
+            self.device,
         )
         for slot in slots:
             self._steps[slot] += 1
@@ -322,11 +329,20 @@ class Sampler:
 
     # ----------------------------------------------------------------------------- utilities
 
-    def _record(self, slots_t: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Count this step's tokens into their slots' state (one scatter each, on the device)."""
-        ones = torch.ones_like(tokens, dtype=torch.int32)
-        self._counts.index_put_((slots_t, tokens), ones, accumulate=True)
-        self._seen.index_put_((slots_t, tokens), torch.ones_like(tokens, dtype=torch.bool))
+    def _record(
+        self, slots_t: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
+    ) -> None:
+        """Count this step's tokens into the state of the slots whose requests have penalties
+        (no other request reads it): one scatter each, on the device. A slot appears once per
+        step, so the flat indices are distinct and the add is exact in any order."""
+        rows = [i for i, p in enumerate(params) if _has_penalty(p)]
+        if not rows:
+            return
+        flat = slots_t * self.vocab_size + tokens
+        if len(rows) < len(params):
+            flat = flat.index_select(0, self._upload(rows))
+        self._counts.view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        self._seen.view(-1).index_fill_(0, flat, True)
 
     def _upload(
         self, values: list[int] | list[list[float]], dtype: torch.dtype = torch.int64

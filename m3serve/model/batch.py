@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from m3serve.model.host_copy import upload
+from m3serve.model.host_copy import upload_many
 from m3serve.model.slot_pages import SlotPages
 from m3serve.runtime.messages import SeqStep
 
@@ -82,32 +82,49 @@ class ForwardBatch:
             for i, seq in enumerate(seqs):
                 table[i, : len(seq.pages)] = seq.pages
             slots = table[rows, positions // page_size] * page_size + positions % page_size
-            page_table = upload(table, torch.int32, device)
+            pages_item = (table, torch.int32)  # the page table itself
         else:
             slot_pages.update(seqs)
             held = np.fromiter((s.slot for s in seqs), np.int64, len(seqs))
             pages = slot_pages.host[held[rows], positions // page_size]
             slots = pages * page_size + positions % page_size
-            index = upload(held, torch.int64, device)
-            page_table = slot_pages.table[index, :max_pages]
+            pages_item = (held, torch.int64)  # the rows of the slot table to gather
         if all_logits:
             logit_rows = np.arange(int(ends[-1]))
         else:
-            logit_rows = np.array([end - 1 for s, end in zip(seqs, ends, strict=True) if s.sample])
+            logit_rows = np.array(
+                [end - 1 for s, end in zip(seqs, ends, strict=True) if s.sample], np.int64
+            )
         ids = [t for s in seqs for t in ([0] * s.extend if s.input_ids is None else s.input_ids)]
 
-        seq_lens = (starts + extends).tolist()
+        seq_lens = starts + extends
+        # One host-to-device copy for the whole step's metadata.
+        input_ids, positions_t, out_slots, logit_rows_t, seq_lens_t, extend_starts, pages_t = (
+            upload_many(
+                [
+                    (ids, torch.int64),
+                    (positions, torch.int64),
+                    (slots, torch.int64),
+                    (logit_rows, torch.int64),
+                    (seq_lens, torch.int32),
+                    (np.concatenate([[0], ends]), torch.int32),
+                    pages_item,
+                ],
+                device,
+            )
+        )
+        page_table = pages_t if slot_pages is None else slot_pages.table[pages_t, :max_pages]
         return cls(
-            input_ids=upload(ids, torch.int64, device),
-            positions=upload(positions, torch.int64, device),
-            out_slots=upload(slots, torch.int64, device),
+            input_ids=input_ids,
+            positions=positions_t,
+            out_slots=out_slots,
             page_table=page_table,
-            seq_lens=seq_lens,
+            seq_lens=seq_lens.tolist(),
             extend_lens=extends.tolist(),
-            logit_rows=upload(logit_rows.astype(np.int64), torch.int64, device),
+            logit_rows=logit_rows_t,
             page_size=page_size,
-            seq_lens_t=upload(seq_lens, torch.int32, device),
-            extend_starts=upload([0, *ends.tolist()], torch.int32, device),
+            seq_lens_t=seq_lens_t,
+            extend_starts=extend_starts,
             max_extend=int(extends.max()),
         )
 

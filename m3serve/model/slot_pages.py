@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from m3serve.model.host_copy import upload
+from m3serve.model.host_copy import upload_many
 from m3serve.runtime.messages import SeqStep
 
 
@@ -55,9 +55,11 @@ class SlotPages:
             cols.append(changed)
             values.append(row[changed])
         if rows:
-            device = self.table.device
-            index = upload(
-                np.stack([np.concatenate(rows), np.concatenate(cols)]), torch.int64, device
+            index, value = upload_many(
+                [
+                    (np.stack([np.concatenate(rows), np.concatenate(cols)]), torch.int64),
+                    (np.concatenate(values), torch.int32),
+                ],
+                self.table.device,
             )
-            value = upload(np.concatenate(values), torch.int32, device)
             self.table[index[0], index[1]] = value

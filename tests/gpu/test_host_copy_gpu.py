@@ -1,5 +1,6 @@
 """A step's uploads never wait for the kernels queued before them (H200): with torch's
-synchronization debug mode set to error, a blocking copy would raise."""
+synchronization debug mode set to error, a blocking copy would raise. The staging buffer they
+pass through is reused only after the copies that read it have run."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import numpy as np
 import torch
 
 from m3serve.model.batch import ForwardBatch
-from m3serve.model.host_copy import upload
+from m3serve.model.host_copy import upload, upload_many
 from m3serve.model.slot_pages import SlotPages
 from m3serve.runtime.messages import SeqStep
 
@@ -28,3 +29,22 @@ def test_uploads_and_batch_building_do_not_synchronize() -> None:
     assert ids.tolist() == [0, 1, 2, 3, 4]
     assert batch.positions.tolist() == [0, 1, 2, 2]
     assert batch.page_table.tolist() == [[0], [1]]
+    assert batch.seq_lens_t.tolist() == [3, 3] and batch.extend_starts.tolist() == [0, 3, 4]
+
+
+def test_staging_wraps_around_without_overwriting_queued_copies() -> None:
+    """Many more bytes than the staging buffer holds, sent while the stream is busy: every
+    tensor still holds what was sent."""
+    device = torch.device("cuda")
+    busy = torch.randn(4096, 4096, device=device)
+    sent, got = [], []
+    for i in range(600):  # ~8 MB through a 2 MB buffer
+        if i % 50 == 0:
+            busy @ busy
+        values = np.arange(i, i + 1700, dtype=np.int64)
+        a, b = upload_many([(values, torch.int64), (values[:3], torch.int32)], device)
+        sent.append(values)
+        got.append((a, b))
+    torch.cuda.synchronize()
+    for values, (a, b) in zip(sent, got, strict=True):
+        assert a.tolist() == values.tolist() and b.tolist() == values[:3].tolist()

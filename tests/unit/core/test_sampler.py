@@ -166,6 +166,26 @@ def test_counts_accumulate_across_steps_and_reset_on_start() -> None:
     assert (got[[t for t in range(VOCAB) if t != 5]] == 1.0).all()
 
 
+def test_a_penalized_slot_counts_only_its_own_tokens_beside_unpenalized_rows() -> None:
+    """Only penalized requests keep counts; the rows sampled beside them (and a penalized
+    request that follows an unpenalized one in a slot) see exactly their own history."""
+    sampler = new_sampler()
+    penalty = params(temperature=0.0, frequency_penalty=1.0)
+    sampler.start(0, params(temperature=0.0), [7])
+    sampler.start(1, penalty, [])
+    sampler.start(2, params(temperature=0.0), [8])
+    for tokens in ([4, 5, 6], [4, 5, 6], [9, 9, 9]):
+        sampler.sample(forcing(tokens), [0, 1, 2])
+    got = sampler.penalized(torch.ones(1, VOCAB), [1])[0]
+    assert got[5] == 1.0 - 2.0 and got[9] == 1.0 - 1.0
+    assert (got[[t for t in range(VOCAB) if t not in (5, 9)]] == 1.0).all()
+    sampler.start(0, penalty, [])  # slot 0 ran an unpenalized request before
+    sampler.sample(forcing([3]), [0])
+    got = sampler.penalized(torch.ones(1, VOCAB), [0])[0]
+    assert got[3] == 0.0
+    assert (got[[t for t in range(VOCAB) if t != 3]] == 1.0).all()
+
+
 def test_frequency_penalty_steers_greedy_away_from_repeats() -> None:
     sampler = new_sampler()
     sampler.start(0, params(temperature=0.0, frequency_penalty=1.0), [])
