@@ -231,7 +231,8 @@ class EngineCore(StepLoop):
         if self.spec is not None:
             self.scheduler.spec_draft = self.spec.settings.block_size
         # ------------------------------------------------------------------ executor
-        self.executor = Executor(self.run)
+        self.executor = Executor(self.run, self.runner.prepare)
+        self.runner.while_device_runs = self.executor.while_device_runs
         self._in_flight = None
         self._ready_compiles = self.trace.compiles.count
         log.info("%s", self.startup.line())

@@ -4,6 +4,15 @@ The event loop plans and processes; the forward runs here, so on the CPU backend
 host work and "device" work is real, and on a GPU a step's host syncs never block the loop.
 Plans (and other jobs, such as HiCache backups) run strictly in order, so a page freed after
 step N and reused by step N+2 is never written by a step that is still in flight.
+
+While a step's kernels run, this thread does what the next step needs before its launch
+(`while_device_runs`, called by the step once its kernels are queued):
+- the previous step's result, held back until now, goes to the event loop, which then
+  processes it while the device works and this thread waits without the GIL (handed over at
+  once, the loop's work ran while this thread built and launched the next step: both need the
+  GIL, and the device sat idle meanwhile);
+- once the event loop has queued the next step, its batch is built (`prepare`), so that after
+  this step's tokens arrive only the launch is left.
 """
 
 from __future__ import annotations
@@ -21,37 +30,88 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Run = Callable[[StepPlan], StepResult]
-# What to run, where its result goes, and a label for the log.
-Job = tuple[Callable[[], Any], "concurrent.futures.Future[Any]", str]
+Prepare = Callable[[StepPlan], object]
+# What to run, where its result goes, a label for the log, and the plan if it is a step.
+Job = tuple[Callable[[], Any], "concurrent.futures.Future[Any]", str, StepPlan | None]
+# How long to wait at a time for the next step to be queued while the device runs.
+_POLL_S = 0.0002
 
 
 class Executor:
-    def __init__(self, run: Run) -> None:
+    def __init__(self, run: Run, prepare: Prepare | None = None) -> None:
         self._run = run
+        self._prepare = prepare
         self._queue: queue.Queue[Job | None] = queue.Queue()
+        # A finished step's result, held until the step after it has launched.
+        self._pending: tuple[concurrent.futures.Future[Any], Any] | None = None
         self._thread = threading.Thread(target=self._work, name="m3serve-executor", daemon=True)
         self._thread.start()
 
     def submit(self, plan: StepPlan) -> concurrent.futures.Future[StepResult]:
-        return self.call(lambda: self._run(plan), f"step {plan.step}")
+        return self._put(lambda: self._run(plan), f"step {plan.step}", plan)
 
     def call(self, fn: Callable[[], T], what: str) -> concurrent.futures.Future[T]:
         """Run `fn` on the executor thread after everything submitted before it (a HiCache
         backup must follow the steps that write the pages it copies)."""
+        return self._put(fn, what, None)
+
+    def while_device_runs(self, done: Callable[[], bool]) -> None:
+        """Executor thread, from a step whose kernels are queued (`done`: whether the device has
+        finished them): hand over the previous step's result, then, if the device is still
+        busy, wait for the next step to be queued and build its batch."""
+        self._publish_pending()
+        if self._prepare is None:
+            return
+        while not done():
+            plan = self._next_step()
+            if plan is not None:
+                try:
+                    self._prepare(plan)
+                except Exception:  # the step builds its batch itself, and fails there if it must
+                    log.exception("building step %d ahead failed", plan.step)
+                return
+            with self._queue.not_empty:
+                if not self._queue.queue:
+                    self._queue.not_empty.wait(_POLL_S)
+
+    def _put(
+        self, fn: Callable[[], T], what: str, plan: StepPlan | None
+    ) -> concurrent.futures.Future[T]:
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._queue.put((fn, future, what))
+        self._queue.put((fn, future, what, plan))
         return future
+
+    def _publish_pending(self) -> None:
+        if self._pending is not None:
+            future, result = self._pending
+            self._pending = None
+            future.set_result(result)
 
     def _work(self) -> None:
         while (item := self._queue.get()) is not None:
-            fn, future, what = item
+            fn, future, what, plan = item
             if not future.set_running_or_notify_cancel():
+                self._publish_pending()
                 continue  # the scheduler gave up on this step (shutting down)
             try:
-                future.set_result(fn())
+                result = fn()
             except BaseException as exc:  # the scheduler decides what a failed step means
                 log.exception("%s failed", what)
+                self._publish_pending()  # results go out in submission order
                 future.set_exception(exc)
+                continue
+            self._publish_pending()  # a job that launched nothing never handed it over
+            if plan is not None and self._next_step() is not None:
+                self._pending = (future, result)
+            else:
+                future.set_result(result)
+        self._publish_pending()
+
+    def _next_step(self) -> StepPlan | None:
+        """The plan of the next job, if one is queued and is a step."""
+        with self._queue.mutex:
+            waiting = self._queue.queue
+            return waiting[0][3] if waiting and waiting[0] is not None else None
 
     def close(self) -> None:
         """Finish the steps already submitted, then stop the thread."""

@@ -14,7 +14,7 @@ makes each sampled step's tokens rank 0's on every rank (core/ranks.py `TokenSha
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,7 +28,7 @@ from m3serve.core.piecewise import PiecewiseGraphs
 from m3serve.core.ranks import MediaShare, TokenShare
 from m3serve.core.sampler import Sampler
 from m3serve.model.batch import ForwardBatch
-from m3serve.model.host_copy import upload
+from m3serve.model.host_copy import upload, upload_many
 from m3serve.model.kv_cache import KVCache
 from m3serve.model.m3 import M3ForCausalLM
 from m3serve.model.slot_pages import SlotPages
@@ -86,6 +86,12 @@ class StepRunner:
         self._stops: dict[int, frozenset[int]] = {}
         self._ended: set[int] = set()
         self._timing_slots = 0  # slots 0.. started by `time_step`
+        # Called once a sampled step's kernels are queued, with a check of whether the device
+        # has finished them, before the host waits for its tokens: the executor hands over the
+        # previous step's result there and builds the next step's batch (core/executor.py).
+        self.while_device_runs: Callable[[Callable[[], bool]], None] | None = None
+        # A batch built by `prepare` before its step ran: (step, the slots of its rows, batch).
+        self._prepared: tuple[int, list[int], ForwardBatch] | None = None
 
     @torch.inference_mode()
     def run(self, plan: StepPlan, layers: Sequence[int] | None = None) -> StepResult:
@@ -149,8 +155,9 @@ class StepRunner:
         if spec is not None:
             # Overlap: a decode's planned start lags by the drafts accepted since it was planned.
             seqs = spec.lengths.resolve(seqs)
-        batch = ForwardBatch.build(seqs, self.page_size, self.device, slot_pages=self.slot_pages)
-        self._fill_slot_tokens(seqs, batch)
+        batch = self._take_prepared(plan.step, seqs)
+        if batch is None:
+            batch = self._build(seqs)
         batch = self._with_media(plan, seqs, batch)
         if spec is not None:
             return spec.run(plan.step, seqs, batch, self, sampled, load, layers)
@@ -164,6 +171,32 @@ class StepRunner:
         ids, logprobs, ended = self.sample_rows(logits, slots)
         return _result(plan.step, sampled, slots, ids, logprobs, ended)
 
+    def prepare(self, plan: StepPlan) -> bool:
+        """Build `plan`'s batch ahead, while the step before it still runs on the device; its
+        run takes it if its rows are still the same once that step's tokens are known (a
+        request that ended on one is dropped, and the batch is built again). Speculative and
+        tensor-parallel steps are not built ahead. Returns whether a batch was built."""
+        if self.spec is not None or self.share is not None:
+            return False
+        seqs = self._live_seqs(plan.seqs)
+        if not seqs:
+            return False
+        self._prepared = (plan.step, [s.slot for s in seqs], self._build(seqs))
+        return True
+
+    def _build(self, seqs: list[SeqStep]) -> ForwardBatch:
+        batch = ForwardBatch.build(seqs, self.page_size, self.device, slot_pages=self.slot_pages)
+        self._fill_slot_tokens(seqs, batch)
+        return batch
+
+    def _take_prepared(self, step: int, seqs: list[SeqStep]) -> ForwardBatch | None:
+        """The batch `prepare` built for this step, if its rows are still `seqs`'. Building
+        again is safe: a row's page change sets its slot's list to the same pages again."""
+        prepared, self._prepared = self._prepared, None
+        if prepared is None or prepared[0] != step or prepared[1] != [s.slot for s in seqs]:
+            return None
+        return prepared[2]
+
     def sample_rows(
         self, logits: torch.Tensor, slots: list[int]
     ) -> tuple[list[int], list[TokenLogprob | None], list[bool]]:
@@ -174,6 +207,8 @@ class StepRunner:
         tokens, logprobs = self.sampler.sample(logits, slots, allowed)
         index = upload(slots, torch.int64, self.device)
         self.last_tokens[index] = tokens
+        if self.while_device_runs is not None:
+            self.while_device_runs(_device_done(self.device))
         ids = tokens.tolist()
         ended = self.matchers.accept(slots, ids)
         if self.share is not None:  # every rank goes on with rank 0's tokens
@@ -241,8 +276,17 @@ class StepRunner:
                 slots.append(seq.slot)
             row += seq.extend
         if rows:
-            index = upload(slots, torch.int64, self.device)
-            batch.input_ids[upload(rows, torch.int64, self.device)] = self.last_tokens[index]
+            rows_t, index = upload_many([(rows, torch.int64), (slots, torch.int64)], self.device)
+            batch.input_ids[rows_t] = self.last_tokens[index]
+
+
+def _device_done(device: torch.device) -> Callable[[], bool]:
+    """Whether the work queued so far on `device` has finished (a CPU runs it as it comes)."""
+    if device.type != "cuda":
+        return lambda: True
+    event = torch.cuda.Event()
+    event.record()
+    return event.query
 
 
 def _result(

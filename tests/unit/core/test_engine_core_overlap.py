@@ -1,13 +1,18 @@
 """Overlap in the engine core: a step planned before the CPU saw a request's stop token does not
-decode that request again, and its output is the one without overlap."""
+decode that request again, and its output is the one without overlap; also when the executor
+built that step's batch ahead, before the stop token was sampled."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 from helpers.core_runs import run_to_end
 
+from m3serve.core import step_runner
 from m3serve.core.engine_core import EngineCore
 from m3serve.core.req import Req
+from m3serve.core.step_runner import StepRunner
 from m3serve.model.batch import ForwardBatch
 from m3serve.runtime.messages import SamplingParams
 
@@ -69,4 +74,47 @@ def test_a_step_whose_every_row_ended_runs_no_forward(
 
     assert out["alone"] == greedy[:ends_at]
     assert len(rows) == ends_at  # the prefill and one decode per later token
+    core.scheduler.idle_check()
+
+
+def test_a_batch_built_ahead_drops_a_request_that_ended_meanwhile(
+    core: EngineCore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each step's "device" stays busy for a while, so the executor builds the next step's
+    batch before this step's tokens are known; when one of them is a stop token, the batch is
+    built again without that request's row."""
+    greedy = _generate(core, [_req("probe", frozenset())], overlap=False)["probe"]
+    stop = greedy[3]
+    ends_at = greedy.index(stop) + 1
+    core.scheduler.cache.reset()
+
+    def busy_for_a_while(device: object) -> object:
+        until = time.monotonic() + 0.05
+        return lambda: time.monotonic() > until
+
+    monkeypatch.setattr(step_runner, "_device_done", busy_for_a_while)
+    ran: list[list[int]] = []  # the slots of the decode rows of each forward that ran
+    used_ahead: list[bool] = []
+    with_media, take = StepRunner._with_media, StepRunner._take_prepared
+
+    def spy_run(self, plan, seqs, batch):  # type: ignore[no-untyped-def]
+        ran.append([s.slot for s in seqs if s.input_ids is None])
+        return with_media(self, plan, seqs, batch)
+
+    def spy_take(self, step, seqs):  # type: ignore[no-untyped-def]
+        batch = take(self, step, seqs)
+        used_ahead.append(batch is not None)
+        return batch
+
+    monkeypatch.setattr(StepRunner, "_with_media", spy_run)
+    monkeypatch.setattr(StepRunner, "_take_prepared", spy_take)
+    built = _decode_rows(core, monkeypatch)
+    stopping, running = _req("stopping", frozenset({stop})), _req("running", frozenset(), 12)
+    out = _generate(core, [stopping, running], overlap=True)
+
+    assert out["stopping"] == greedy[:ends_at]
+    assert out["running"] == greedy
+    assert sum(row.count(0) for row in ran) == ends_at - 1
+    assert any(used_ahead)  # steps ran on batches built ahead
+    assert len(built) > len(ran)  # and one built ahead was dropped: "stopping" had ended
     core.scheduler.idle_check()

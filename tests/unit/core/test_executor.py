@@ -1,0 +1,106 @@
+"""The executor thread: jobs run in submission order; a step's result is held back until the
+step queued after it has launched (never past that step's own result), and while a step's
+kernels run the next step's batch is built."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from m3serve.core.executor import Executor
+from m3serve.runtime.messages import StepPlan, StepResult
+
+TIMEOUT = 10.0
+
+
+def plan(step: int) -> StepPlan:
+    return StepPlan(step=step, seqs=[])
+
+
+class Steps:
+    """Runs a plan by calling the hook registered for its step number, then returns its result;
+    records the plans the executor asks it to build ahead."""
+
+    def __init__(self) -> None:
+        self.hooks: dict[int, Callable[[], None]] = {}
+        self.prepared: list[int] = []
+        self.executor = Executor(self.run, lambda p: self.prepared.append(p.step))
+
+    def run(self, plan: StepPlan) -> StepResult:
+        hook = self.hooks.get(plan.step)
+        if hook is not None:
+            hook()
+        return StepResult(step=plan.step, slots=[], tokens=[])
+
+
+@pytest.fixture
+def steps() -> Iterator[Steps]:
+    s = Steps()
+    yield s
+    s.executor.close()
+
+
+def test_a_step_result_waits_for_the_next_step_to_launch(steps: Steps) -> None:
+    release_first = threading.Event()
+    seen: dict[str, bool] = {}
+    steps.hooks[0] = lambda: release_first.wait(TIMEOUT)
+    first = steps.executor.submit(plan(0))
+
+    def second_step() -> None:
+        seen["before launch"] = first.done()
+        steps.executor.while_device_runs(lambda: True)  # the runner, its kernels queued
+        seen["after launch"] = first.done()
+
+    steps.hooks[1] = second_step
+    second = steps.executor.submit(plan(1))
+    release_first.set()  # step 1 is queued when step 0 ends
+    assert second.result(TIMEOUT).step == 1 and first.result(0).step == 0
+    assert seen == {"before launch": False, "after launch": True}
+
+
+def test_a_step_with_nothing_queued_behind_it_is_handed_over_at_once(steps: Steps) -> None:
+    assert steps.executor.submit(plan(0)).result(TIMEOUT).step == 0
+
+
+def test_a_held_result_goes_out_before_the_next_steps_own(steps: Steps) -> None:
+    """A step that never launches (no sampled rows) or fails still releases the one before
+    it first, so results arrive in submission order."""
+    release = threading.Event()
+    order: list[int] = []
+    steps.hooks[0] = lambda: release.wait(TIMEOUT)
+
+    def fail() -> None:
+        raise RuntimeError("device lost")
+
+    steps.hooks[2] = fail
+    futures = [steps.executor.submit(plan(i)) for i in range(3)]
+    for i, future in enumerate(futures):
+        future.add_done_callback(lambda _, i=i: order.append(i))
+    release.set()
+    with pytest.raises(RuntimeError, match="device lost"):
+        futures[2].result(TIMEOUT)
+    assert order == [0, 1, 2]
+
+
+def test_the_next_step_is_built_while_the_device_runs(steps: Steps) -> None:
+    """The device stays busy until step 0 has built step 1 ahead (or a deadline passes)."""
+    deadline = time.monotonic() + TIMEOUT
+    steps.hooks[0] = lambda: steps.executor.while_device_runs(
+        lambda: bool(steps.prepared) or time.monotonic() > deadline
+    )
+    futures = [steps.executor.submit(plan(i)) for i in range(2)]
+    assert [f.result(TIMEOUT).step for f in futures] == [0, 1]
+    assert steps.prepared == [1]
+
+
+def test_nothing_is_built_ahead_once_the_device_is_done(steps: Steps) -> None:
+    release = threading.Event()
+    steps.hooks[0] = lambda: release.wait(TIMEOUT)
+    steps.hooks[1] = lambda: steps.executor.while_device_runs(lambda: True)
+    futures = [steps.executor.submit(plan(i)) for i in range(3)]
+    release.set()
+    assert [f.result(TIMEOUT).step for f in futures] == [0, 1, 2]
+    assert steps.prepared == []
