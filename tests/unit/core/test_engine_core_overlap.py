@@ -41,22 +41,31 @@ def _decode_rows(core: EngineCore, monkeypatch: pytest.MonkeyPatch) -> list[list
     return rows
 
 
+def _stop_token(core: EngineCore, index: int) -> tuple[list[int], int, int]:
+    """The greedy output of the prompt, its token at `index` as a stop token, and how many
+    tokens a request that stops on it gets (the stop token is its last)."""
+    greedy = _generate(core, [_req("probe", frozenset())], overlap=False)["probe"]
+    stop = greedy[index]
+    core.scheduler.cache.reset()
+    return greedy, stop, greedy.index(stop) + 1
+
+
+def _stopping_beside_running(core: EngineCore, greedy: list[int], stop: int, ends_at: int) -> None:
+    """Two requests under overlap, one stopping on `stop`: both get the serial greedy tokens.
+    Slots are handed out lowest first, in arrival order: "stopping" decodes in slot 0."""
+    stopping, running = _req("stopping", frozenset({stop})), _req("running", frozenset(), 12)
+    out = _generate(core, [stopping, running], overlap=True)
+    assert out["stopping"] == greedy[:ends_at]
+    assert out["running"] == greedy
+
+
 def test_a_request_ending_on_a_stop_token_is_not_decoded_again(
     core: EngineCore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    greedy = _generate(core, [_req("probe", frozenset())], overlap=False)["probe"]
-    stop = greedy[3]
-    ends_at = greedy.index(stop) + 1  # the stop token is the last output token
-    core.scheduler.cache.reset()
-
+    greedy, stop, ends_at = _stop_token(core, 3)
     rows = _decode_rows(core, monkeypatch)
-    stopping, running = _req("stopping", frozenset({stop})), _req("running", frozenset(), 12)
-    out = _generate(core, [stopping, running], overlap=True)
-
-    assert out["stopping"] == greedy[:ends_at]
-    assert out["running"] == greedy
+    _stopping_beside_running(core, greedy, stop, ends_at)
     # One prefill step samples the first token; then one decode row per later token, no more.
-    # Slots are handed out lowest first, in arrival order: "stopping" decodes in slot 0.
     assert sum(row.count(0) for row in rows) == ends_at - 1
     core.scheduler.idle_check()
 
@@ -64,11 +73,7 @@ def test_a_request_ending_on_a_stop_token_is_not_decoded_again(
 def test_a_step_whose_every_row_ended_runs_no_forward(
     core: EngineCore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    greedy = _generate(core, [_req("probe", frozenset())], overlap=False)["probe"]
-    stop = greedy[2]
-    ends_at = greedy.index(stop) + 1
-    core.scheduler.cache.reset()
-
+    greedy, stop, ends_at = _stop_token(core, 2)
     rows = _decode_rows(core, monkeypatch)
     out = _generate(core, [_req("alone", frozenset({stop}))], overlap=True)
 
@@ -83,10 +88,7 @@ def test_a_batch_built_ahead_drops_a_request_that_ended_meanwhile(
     """Each step's "device" stays busy for a while, so the executor builds the next step's
     batch before this step's tokens are known; when one of them is a stop token, the batch is
     built again without that request's row."""
-    greedy = _generate(core, [_req("probe", frozenset())], overlap=False)["probe"]
-    stop = greedy[3]
-    ends_at = greedy.index(stop) + 1
-    core.scheduler.cache.reset()
+    greedy, stop, ends_at = _stop_token(core, 3)
 
     def busy_for_a_while(device: object) -> object:
         until = time.monotonic() + 0.05
@@ -109,11 +111,8 @@ def test_a_batch_built_ahead_drops_a_request_that_ended_meanwhile(
     monkeypatch.setattr(StepRunner, "_with_media", spy_run)
     monkeypatch.setattr(StepRunner, "_take_prepared", spy_take)
     built = _decode_rows(core, monkeypatch)
-    stopping, running = _req("stopping", frozenset({stop})), _req("running", frozenset(), 12)
-    out = _generate(core, [stopping, running], overlap=True)
+    _stopping_beside_running(core, greedy, stop, ends_at)
 
-    assert out["stopping"] == greedy[:ends_at]
-    assert out["running"] == greedy
     assert sum(row.count(0) for row in ran) == ends_at - 1
     assert any(used_ahead)  # steps ran on batches built ahead
     assert len(built) > len(ran)  # and one built ahead was dropped: "stopping" had ended
