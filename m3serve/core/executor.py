@@ -6,7 +6,7 @@ Plans (and other jobs, such as HiCache backups) run strictly in order, so a page
 step N and reused by step N+2 is never written by a step that is still in flight.
 
 While a step's kernels run, this thread does what the next step needs before its launch
-(`while_device_runs`, called by the step once its kernels are queued):
+(`while_device_runs`, which a step that samples calls once its kernels are queued):
 - the previous step's result, held back until now, goes to the event loop, which then
   processes it while the device works and this thread waits without the GIL (handed over at
   once, the loop's work ran while this thread built and launched the next step: both need the
@@ -101,7 +101,7 @@ class Executor:
                 future.set_exception(exc)
                 continue
             self._publish_pending()  # a job that launched nothing never handed it over
-            if plan is not None and self._next_step() is not None:
+            if plan is not None and _samples(self._next_step()):
                 self._pending = (future, result)
             else:
                 future.set_result(result)
@@ -117,3 +117,10 @@ class Executor:
         """Finish the steps already submitted, then stop the thread."""
         self._queue.put(None)
         self._thread.join(timeout=30)
+
+
+def _samples(plan: StepPlan | None) -> bool:
+    """Whether a queued step samples a row, and so calls `while_device_runs` once its kernels
+    are queued (StepRunner.launched): only then is holding the result before it worth it; a
+    step without one (prompt chunks only) would keep it until the step ends."""
+    return plan is not None and any(seq.sample for seq in plan.seqs)

@@ -207,8 +207,7 @@ class StepRunner:
         tokens, logprobs = self.sampler.sample(logits, slots, allowed)
         index = upload(slots, torch.int64, self.device)
         self.last_tokens[index] = tokens
-        if self.while_device_runs is not None:
-            self.while_device_runs(_device_done(self.device))
+        self.launched()
         ids = tokens.tolist()
         ended = self.matchers.accept(slots, ids)
         if self.share is not None:  # every rank goes on with rank 0's tokens
@@ -216,6 +215,13 @@ class StepRunner:
             self.last_tokens[index] = upload(ids, torch.int64, self.device)
         self._note_ended(slots, ids, ended)
         return ids, logprobs, ended
+
+    def launched(self) -> None:
+        """A sampled step's kernels are all queued and its host is about to wait for its
+        tokens: the executor hands over the previous step's result and builds the next
+        step's batch meanwhile. Every step with a sampled row calls this once."""
+        if self.while_device_runs is not None:
+            self.while_device_runs(_device_done(self.device))
 
     def note_committed(self, slot: int, tokens: list[int]) -> None:
         """A speculative verify row committed `tokens`: the last is the slot's next input."""

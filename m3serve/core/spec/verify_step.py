@@ -158,6 +158,8 @@ class SpecStep:
                 verdict = self._verify(drafts, draft_logits, target, slots)
             if share is not None:
                 verdict = self._shared_verdict(verdict, len(verify), share)
+            if sampled_rows is None:  # else sample_rows told the runner already
+                runner.launched()
         committed = self._advance_lengths(seqs, verify, verdict)
         self._commit_features(seqs, starts, committed, batch, features)
         return self._result(step, seqs, plain, verify, sampled_rows, verdict, runner, sampled)

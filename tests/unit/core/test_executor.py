@@ -11,13 +11,15 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from m3serve.core.executor import Executor
-from m3serve.runtime.messages import StepPlan, StepResult
+from m3serve.runtime.messages import SeqStep, StepPlan, StepResult
 
 TIMEOUT = 10.0
 
 
-def plan(step: int) -> StepPlan:
-    return StepPlan(step=step, seqs=[])
+def plan(step: int, sample: bool = True) -> StepPlan:
+    """A step of one decode row (sampled), or of one prompt chunk that samples nothing."""
+    row = SeqStep(None, 4, [0], slot=0) if sample else SeqStep([1, 2], 0, [0], sample=False)
+    return StepPlan(step=step, seqs=[row])
 
 
 class Steps:
@@ -59,6 +61,20 @@ def test_a_step_result_waits_for_the_next_step_to_launch(steps: Steps) -> None:
     release_first.set()  # step 1 is queued when step 0 ends
     assert second.result(TIMEOUT).step == 1 and first.result(0).step == 0
     assert seen == {"before launch": False, "after launch": True}
+
+
+def test_a_result_is_not_held_for_a_step_that_samples_nothing(steps: Steps) -> None:
+    """A prompt chunk with no sampled row never reports its launch: the result before it goes
+    out before it runs."""
+    release_first = threading.Event()
+    seen: dict[str, bool] = {}
+    steps.hooks[0] = lambda: release_first.wait(TIMEOUT)
+    first = steps.executor.submit(plan(0))
+    steps.hooks[1] = lambda: seen.setdefault("at start", first.done())
+    second = steps.executor.submit(plan(1, sample=False))
+    release_first.set()
+    assert second.result(TIMEOUT).step == 1
+    assert seen == {"at start": True}
 
 
 def test_a_step_with_nothing_queued_behind_it_is_handed_over_at_once(steps: Steps) -> None:

@@ -14,6 +14,7 @@ from m3serve.core.engine_core import EngineCore
 from m3serve.core.req import Req
 from m3serve.core.scheduler import Outputs, Scheduler
 from m3serve.core.spec.lengths import SlotLengths
+from m3serve.core.step_runner import StepRunner
 from m3serve.runtime.messages import SKIPPED_TOKEN, SamplingParams, SeqStep, StepResult
 
 from .engine_runs import DSPARK, PROMPTS, agreeing, at_baseline, generate, request
@@ -63,6 +64,26 @@ def test_verify_rows_planned_one_verdict_behind_start_where_it_left_them(
     assert max(shifts) > 0, "no verify row was planned while the previous one was in flight"
     assert max(shifts) <= overlapped.spec.settings.block_size  # type: ignore[union-attr]
     at_baseline(overlapped)
+
+
+def test_every_step_that_samples_reports_its_launch(cores, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Verify steps too tell the runner once their kernels are queued (the executor hands the
+    previous step's result over there; core/executor.py)."""
+    on = cores(**DSPARK)
+    agreeing(on)
+    launches: list[int] = []
+    launched = StepRunner.launched
+
+    def spy(self: StepRunner) -> None:
+        launches.append(1)
+        launched(self)
+
+    monkeypatch.setattr(StepRunner, "launched", spy)
+    results = _spy_results(monkeypatch)
+    generate(on, [request(str(i), p) for i, p in enumerate(PROMPTS)], overlap=True)
+    sampled = [r for r in results if any(t != SKIPPED_TOKEN for t in r.tokens)]
+    assert len(launches) >= len(sampled) > 0
+    at_baseline(on)
 
 
 def test_accept_length_override_under_overlap_shifts_every_row_by_its_drafts(
