@@ -3,9 +3,13 @@
 Per (step kind, batch size), over consecutive traced steps: how many, the median new tokens,
 the median wall time from the previous step's line to this one's, and the median host time
 (planning + processing, on the event loop) and run time (the executor thread: forward,
-sampling and the token copy back, which waits for the device).
+sampling and the token copy back, which waits for the device), with the run time's 99th
+percentile. `--slowest N` lists the N steps that took longest from the step before them (what
+an inter-token latency tail is made of); `--since` / `--until` keep the steps logged inside a
+window (one benchmark level of a longer run), as HH:MM:SS of the log's clock.
 
-    python perf/summarize_step_trace.py serve.log [--top 25]
+    python perf/summarize_step_trace.py serve.log [--top 25] [--slowest 10]
+        [--since 16:17:05 --until 16:17:08]
 """
 
 from __future__ import annotations
@@ -48,27 +52,70 @@ def steps(path: Path) -> list[Step]:
     return rows
 
 
+def consecutive(rows: list[Step]) -> list[tuple[float, Step]]:
+    """Each step that directly follows the step before it, with the wall time between their
+    lines in ms."""
+    return [
+        (1e3 * (cur.stamp - prev.stamp), cur)
+        for prev, cur in itertools.pairwise(rows)
+        if cur.step == prev.step + 1
+    ]
+
+
+def in_window(rows: list[Step], since: str | None, until: str | None) -> list[Step]:
+    """The steps logged at or after `since` and before `until` (HH:MM:SS[.fff] of the day of
+    the first step)."""
+    if not rows:
+        return rows
+    day = datetime.fromtimestamp(rows[0].stamp).date().isoformat()
+
+    def at(clock: str) -> float:
+        return datetime.fromisoformat(f"{day} {clock}").timestamp()
+
+    low = at(since) if since else float("-inf")
+    high = at(until) if until else float("inf")
+    return [r for r in rows if low <= r.stamp < high]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile (0..1) by the nearest rank."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("log", type=Path)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--slowest", type=int, default=0)
+    parser.add_argument("--since")
+    parser.add_argument("--until")
     args = parser.parse_args()
-    rows = steps(args.log)
+    rows = in_window(steps(args.log), args.since, args.until)
     print(f"{len(rows)} steps traced")
-    # Each step with the wall time since the step before it (consecutive steps only).
+    timed = consecutive(rows)
     groups: dict[tuple[str, int], list[tuple[float, Step]]] = defaultdict(list)
-    for prev, cur in itertools.pairwise(rows):
-        if cur.step == prev.step + 1:
-            groups[(cur.kind, cur.batch)].append((1e3 * (cur.stamp - prev.stamp), cur))
+    for gap, step in timed:
+        groups[(step.kind, step.batch)].append((gap, step))
     ranked = sorted(groups.items(), key=lambda kv: -len(kv[1]))[: args.top]
     for (kind, batch), items in ranked:
         gap = statistics.median(g for g, _ in items)
         med = {f: statistics.median(getattr(r, f) for _, r in items) for f in Step._fields[4:]}
+        p99 = percentile([r.run_ms for _, r in items], 0.99)
         print(
             f"{kind:7s} batch={batch:4d} n={len(items):5d} tokens~{med['tokens']:7.0f} "
             f"wall gap {gap:6.2f} ms  host {med['host_ms']:5.2f} (plan {med['plan_ms']:4.2f} "
-            f"process {med['process_ms']:4.2f})  run {med['run_ms']:6.2f} ms"
+            f"process {med['process_ms']:4.2f})  run {med['run_ms']:6.2f} ms (p99 {p99:6.2f})"
         )
+    if args.slowest:
+        print(f"--- the {args.slowest} longest gaps from the step before")
+        for gap, step in sorted(timed, key=lambda gs: -gs[0])[: args.slowest]:
+            clock = datetime.fromtimestamp(step.stamp).strftime("%H:%M:%S.%f")[:-3]
+            print(
+                f"{clock} step {step.step} {step.kind:7s} batch={step.batch:4d} "
+                f"tokens={step.tokens:6d} gap {gap:7.2f} ms  run {step.run_ms:7.2f} ms  "
+                f"host {step.host_ms:5.2f} ms"
+            )
 
 
 if __name__ == "__main__":

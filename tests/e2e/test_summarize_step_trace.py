@@ -1,11 +1,12 @@
-"""perf/summarize_step_trace.py reads the lines `--enable-step-trace` writes (StepRecord.line)."""
+"""perf/summarize_step_trace.py reads the lines `--enable-step-trace` writes (StepRecord.line),
+windows them and lists the slowest steps."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from summarize_step_trace import steps
+from summarize_step_trace import consecutive, in_window, main, percentile, steps
 
 from m3serve.core.trace import StepRecord
 from m3serve.runtime.messages import SeqStep, StepPlan
@@ -25,3 +26,59 @@ def test_the_summary_parses_the_trace_lines_the_engine_writes(tmp_path: Path) ->
     assert second[1:5] == (8, "mixed", 2, 4)
     assert second[0] - first[0] == pytest.approx(0.004, abs=1e-5)
     assert second[5:] == pytest.approx((0.15, 0.1, 0.05, 4.25))
+
+
+def _log(tmp_path: Path, entries: list[tuple[str, int, float]]) -> Path:
+    """A log of decode steps: (HH:MM:SS,fff, step number, run ms) each."""
+    lines = []
+    for clock, step, run_ms in entries:
+        plan = StepPlan(step=step, seqs=[SeqStep(None, 10, [0], slot=0)])
+        record = StepRecord(plan, schedule_ms=0.1, run_ms=run_ms, process_ms=0.05)
+        lines.append(f"2026-12-03 {clock} INFO [engine] m3serve.core.trace: {record.line()}")
+    log = tmp_path / "serve.log"
+    log.write_text("\n".join(lines) + "\n")
+    return log
+
+
+def test_gaps_are_between_consecutive_steps_and_windows_cut_by_clock(tmp_path: Path) -> None:
+    log = _log(
+        tmp_path,
+        [
+            ("16:00:00,000", 1, 2.0),
+            ("16:00:00,002", 2, 2.0),
+            ("16:00:00,010", 4, 2.0),
+            ("16:00:00,019", 5, 9.0),
+            ("16:00:01,000", 6, 2.0),
+        ],
+    )
+    rows = steps(log)
+    gaps = [(round(gap, 3), step.step) for gap, step in consecutive(rows)]
+    assert gaps == [(2.0, 2), (9.0, 5), (981.0, 6)]  # step 4 follows no step 3
+    assert [r.step for r in in_window(rows, "16:00:00.005", "16:00:01")] == [4, 5]
+    assert [r.step for r in in_window(rows, None, "16:00:00.002")] == [1]
+
+
+def test_percentile_takes_the_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 0.99) == 99.0 and percentile(values, 0.5) == 50.0
+    assert percentile([3.0], 0.99) == 3.0
+
+
+def test_the_slowest_steps_are_listed_longest_gap_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = _log(
+        tmp_path,
+        [
+            ("16:00:00,000", 1, 2.0),
+            ("16:00:00,002", 2, 2.0),
+            ("16:00:00,009", 3, 7.0),
+            ("16:00:00,012", 4, 3.0),
+        ],
+    )
+    monkeypatch.setattr("sys.argv", ["summarize_step_trace.py", str(log), "--slowest", "2"])
+    main()
+    out = capsys.readouterr().out
+    slowest = out.split("longest gaps from the step before\n")[1].splitlines()
+    assert [line.split()[2] for line in slowest] == ["3", "4"]
+    assert "gap    7.00 ms" in slowest[0]
