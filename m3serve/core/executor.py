@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Run = Callable[[StepPlan], StepResult]
-Prepare = Callable[[StepPlan], object]
+Prepare = Callable[[StepPlan], None]
 # What to run, where its result goes, a label for the log, and the plan if it is a step.
 Job = tuple[Callable[[], Any], "concurrent.futures.Future[Any]", str, StepPlan | None]
 # How long to wait at a time for the next step to be queued while the device runs.

@@ -151,10 +151,12 @@ class Sampler:
         logits: torch.Tensor,
         slots: Sequence[int],
         allowed: torch.Tensor | None = None,
+        slots_t: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[TokenLogprob | None]]:
         """Tokens [B] (int64, on the device) for logits [B, V] whose row i belongs to slots[i],
         plus a TokenLogprob for each row that asks for logprobs (None elsewhere). `allowed` is
-        a packed token bitmask [B, ceil(V/32)] (grammars), on any device.
+        a packed token bitmask [B, ceil(V/32)] (grammars), on any device; `slots_t`, the slots
+        already on the device (int64), if the caller has them.
 
         Nothing here reads the device from the host unless some row wants logprobs.
         """
@@ -162,7 +164,8 @@ class Sampler:
         if not params:
             return torch.empty(0, dtype=torch.int64, device=self.device), []
         logits = logits.float()
-        slots_t = self._upload(list(slots))
+        if slots_t is None:
+            slots_t = self._upload(list(slots))
         penalized = self._penalize(logits, slots_t, params)
         if allowed is not None:
             penalized = apply_token_bitmask(penalized, allowed.to(self.device))

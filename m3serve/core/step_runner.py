@@ -171,18 +171,16 @@ class StepRunner:
         ids, logprobs, ended = self.sample_rows(logits, slots)
         return _result(plan.step, sampled, slots, ids, logprobs, ended)
 
-    def prepare(self, plan: StepPlan) -> bool:
+    def prepare(self, plan: StepPlan) -> None:
         """Build `plan`'s batch ahead, while the step before it still runs on the device; its
         run takes it if its rows are still the same once that step's tokens are known (a
         request that ended on one is dropped, and the batch is built again). Speculative and
-        tensor-parallel steps are not built ahead. Returns whether a batch was built."""
+        tensor-parallel steps are not built ahead."""
         if self.spec is not None or self.share is not None:
-            return False
+            return
         seqs = self._live_seqs(plan.seqs)
-        if not seqs:
-            return False
-        self._prepared = (plan.step, [s.slot for s in seqs], self._build(seqs))
-        return True
+        if seqs:
+            self._prepared = (plan.step, [s.slot for s in seqs], self._build(seqs))
 
     def _build(self, seqs: list[SeqStep]) -> ForwardBatch:
         batch = ForwardBatch.build(seqs, self.page_size, self.device, slot_pages=self.slot_pages)
@@ -204,8 +202,8 @@ class StepRunner:
         ended; the slots' device-side last tokens are set to them."""
         # After the launch, before the draw: on a GPU this host work overlaps the forward.
         allowed = self.matchers.fill(slots)
-        tokens, logprobs = self.sampler.sample(logits, slots, allowed)
         index = upload(slots, torch.int64, self.device)
+        tokens, logprobs = self.sampler.sample(logits, slots, allowed, slots_t=index)
         self.last_tokens[index] = tokens
         self.launched()
         ids = tokens.tolist()
