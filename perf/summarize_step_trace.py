@@ -4,9 +4,10 @@ Per (step kind, batch size), over consecutive traced steps: how many, the median
 the median wall time from the previous step's line to this one's, and the median host time
 (planning + processing, on the event loop) and run time (the executor thread: forward,
 sampling and the token copy back, which waits for the device), with the run time's 99th
-percentile. `--slowest N` lists the N steps that took longest from the step before them (what
-an inter-token latency tail is made of); `--since` / `--until` keep the steps logged inside a
-window (one benchmark level of a longer run), as HH:MM:SS of the log's clock.
+percentile and the garbage collector's pauses (`gc=`) summed. `--slowest N` lists the N steps
+that took longest from the step before them (what an inter-token latency tail is made of);
+`--since` / `--until` keep the steps logged inside a window (one benchmark level of a longer
+run), as HH:MM:SS of the log's clock.
 
     python perf/summarize_step_trace.py serve.log [--top 25] [--slowest 10]
         [--since 16:17:05 --until 16:17:08]
@@ -25,7 +26,7 @@ from typing import NamedTuple
 
 LINE = re.compile(
     r"^(\S+ \S+) .*step (\d+) (\w+) batch=(\d+) tokens=(\d+).*host=([\d.]+)ms "
-    r"\(plan ([\d.]+) \+ process ([\d.]+)\) run=([\d.]+)ms"
+    r"\(plan ([\d.]+) \+ process ([\d.]+)\) run=([\d.]+)ms(?: gc=([\d.]+)ms)?"
 )
 
 
@@ -39,6 +40,7 @@ class Step(NamedTuple):
     plan_ms: float
     process_ms: float
     run_ms: float
+    gc_ms: float = 0.0  # the garbage collector's pauses in the step (`gc=`, traced servers)
 
 
 def steps(path: Path) -> list[Step]:
@@ -48,7 +50,8 @@ def steps(path: Path) -> list[Step]:
         if m:
             stamp = datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
             numbers = (float(m[i]) for i in (6, 7, 8, 9))
-            rows.append(Step(stamp, int(m[2]), m[3], int(m[4]), int(m[5]), *numbers))
+            gc_ms = float(m[10]) if m[10] else 0.0
+            rows.append(Step(stamp, int(m[2]), m[3], int(m[4]), int(m[5]), *numbers, gc_ms))
     return rows
 
 
@@ -102,10 +105,12 @@ def main() -> None:
         gap = statistics.median(g for g, _ in items)
         med = {f: statistics.median(getattr(r, f) for _, r in items) for f in Step._fields[4:]}
         p99 = percentile([r.run_ms for _, r in items], 0.99)
+        paused = sum(r.gc_ms for _, r in items)
         print(
             f"{kind:7s} batch={batch:4d} n={len(items):5d} tokens~{med['tokens']:7.0f} "
             f"wall gap {gap:6.2f} ms  host {med['host_ms']:5.2f} (plan {med['plan_ms']:4.2f} "
             f"process {med['process_ms']:4.2f})  run {med['run_ms']:6.2f} ms (p99 {p99:6.2f})"
+            + (f"  gc {paused:.1f} ms in all" if paused else "")
         )
     if args.slowest:
         print(f"--- the {args.slowest} longest gaps from the step before")
@@ -114,7 +119,7 @@ def main() -> None:
             print(
                 f"{clock} step {step.step} {step.kind:7s} batch={step.batch:4d} "
                 f"tokens={step.tokens:6d} gap {gap:7.2f} ms  run {step.run_ms:7.2f} ms  "
-                f"host {step.host_ms:5.2f} ms"
+                f"host {step.host_ms:5.2f} ms" + (f"  gc {step.gc_ms:.2f} ms" if step.gc_ms else "")
             )
 
 

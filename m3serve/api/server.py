@@ -24,6 +24,7 @@ import uvicorn
 from m3serve.api.app import create_app
 from m3serve.engine.async_engine import AsyncEngine
 from m3serve.runtime.config import ServerArgs
+from m3serve.runtime.heap import freeze_heap
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ async def _serve(args: ServerArgs, sock: socket.socket) -> int:
         log.info("stopped during start-up")
         return 0
     server = Server(_uvicorn_config(args, engine), engine, args.runtime.graceful_shutdown_timeout)
+    freeze_heap("api")  # `m3serve serve` owns this process
     for sig in SIGNALS:
         loop.add_signal_handler(sig, server.handle_exit, sig, None)
     watcher = asyncio.create_task(server.exit_if_engine_dies())

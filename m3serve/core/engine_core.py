@@ -205,7 +205,7 @@ class EngineCore(StepLoop):
             )
         # ------------------------------------------------------------------ scheduler
         radix = not args.cache.disable_radix_cache
-        budget = mixed_budget(
+        self.served_budget = budget = mixed_budget(
             args,
             self.device,
             self.runner,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -20,6 +20,7 @@ from m3serve.core.hicache.prefix_cache import HiPrefixCache
 from m3serve.core.hicache.storage_tier import ActorLink, StorageTier, page_key_root
 from m3serve.core.hicache.tier import HostTier
 from m3serve.core.memory import KVBudget, plan_kv_budget
+from m3serve.core.mixed_budget import MixedBudget
 from m3serve.core.piecewise import DEFAULT_MAX_TOKENS, PiecewiseGraphs
 from m3serve.core.rank_join import agree_on_pages
 from m3serve.core.spec.engine import SpecPlugin
@@ -179,9 +180,10 @@ def mixed_budget(
     startup: StartupPhases,
     slots: int,
     model_dir: Path,
-) -> Callable[[int], int] | None:
-    """The scheduler's prompt budget for steps that decode, from step times measured now (GPU
-    only: on a CPU the forward is too noisy to time, and nobody streams from it)."""
+) -> MixedBudget | None:
+    """The scheduler's prompt budget for steps that decode, from step times measured now and
+    then from the steps served (GPU only: on a CPU the forward is too noisy to time, and nobody
+    streams from it)."""
     stretch = args.sched.mixed_step_stretch
     if not stretch or device.type != "cuda" or args.sched.chunked_prefill_size < 0:
         return None
@@ -202,7 +204,7 @@ def mixed_budget(
             runner.model.cfg.vocab_size,
         )
     log.info("%s", cost.describe(stretch, page))
-    return lambda decodes: cost.mixed_budget(decodes, stretch, page)
+    return MixedBudget(cost, stretch, page)
 
 
 def storage_tier(

@@ -36,9 +36,11 @@ class StepCost:
     mixed_fixed_ms: float = 0.0  # what a step pays for carrying any prompt chunk at all
 
     def decode(self, batch: int) -> float:
-        """The step time of the smallest measured batch >= `batch` (the largest past them)."""
-        sizes = sorted(self.decode_ms)
-        return self.decode_ms[next((s for s in sizes if s >= batch), sizes[-1])]
+        """The step time of the smallest measured batch >= `batch` (the largest past them), or
+        of a bigger batch where that measured faster: more rows never make a step faster, so
+        a smaller batch timed slower is noise (on the H200, 12 rows once timed 2.27 ms where 16
+        timed 1.98), and its budget would let mixed steps run past the stretch."""
+        return envelope(self.decode_ms, batch)
 
     def mixed_budget(self, decodes: int, stretch: float, page: int) -> int:
         """Prompt tokens a step with `decodes` decode rows may carry."""
@@ -56,6 +58,13 @@ class StepCost:
             f"{budgets}; prefill {1e3 * self.prefill_ms_per_token:.1f} us/token, "
             f"{self.mixed_fixed_ms:.2f} ms fixed per mixed step"
         )
+
+
+def envelope(step_ms: dict[int, float], batch: int) -> float:
+    """The least step time of the measured batches >= `batch` (the largest one past them)."""
+    sizes = sorted(step_ms)
+    at = next((i for i, s in enumerate(sizes) if s >= batch), len(sizes) - 1)
+    return min(step_ms[s] for s in sizes[at:])
 
 
 def fit_per_token(samples: dict[int, float]) -> float:

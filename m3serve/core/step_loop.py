@@ -17,6 +17,7 @@ import time
 
 from m3serve.core.executor import Executor
 from m3serve.core.media import ReqMedia
+from m3serve.core.mixed_budget import MixedBudget
 from m3serve.core.ranks import PlanChannel
 from m3serve.core.req import Req
 from m3serve.core.scheduler import Outputs, Scheduler
@@ -34,6 +35,7 @@ class StepLoop:
     runner: StepRunner
     executor: Executor
     trace: StepTrace
+    served_budget: MixedBudget | None = None  # the mixed-step budget, fed each run time
     plans: PlanChannel | None  # rank 0 of a tensor-parallel group: the followers' plans
     _in_flight: Launched | None  # the step launched and not yet processed (overlap)
 
@@ -115,5 +117,18 @@ class StepLoop:
         if self.plans is not None:
             self.plans.send(plan)  # the followers run it with us
         result = self.runner.run(plan)
-        self.trace.ran(plan.step, time.perf_counter() - started, compiles)
+        seconds = time.perf_counter() - started
+        self.trace.ran(plan.step, seconds, compiles)
+        if self.served_budget is not None:
+            _feed(self.served_budget, plan, seconds)
         return result
+
+
+def _feed(budget: MixedBudget, plan: StepPlan, seconds: float) -> None:
+    """A step's run time, for the mixed-step budget: plain decode rows and prompt tokens only
+    (a verify row's drafts make its step a different one; a load-back adds copies)."""
+    if plan.loads or any(seq.draft for seq in plan.seqs):
+        return
+    decodes = sum(seq.input_ids is None for seq in plan.seqs)
+    prompt = sum(seq.extend for seq in plan.seqs if seq.input_ids is not None)
+    budget.observe(decodes, prompt, 1e3 * seconds)

@@ -5,11 +5,14 @@ batch, new tokens, the host time around it (planning and processing, on the even
 time (forward and sampling, on the executor thread) and the Triton kernels compiled while it ran.
 `CompileCounter` sees those compilations through Triton's post-compile hook; a step that compiled
 anything is logged as a warning whether or not the trace is on, since that stall is what a
-server must never do after it reported ready.
+server must never do after it reported ready. With the trace on, `GcPauses` adds the garbage
+collector's time between a step's planning and its processing (`gc=`), the other stall a
+Python server has.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -70,6 +73,26 @@ class CompileCounter:
         return self._previous(*args, **kwargs) if self._previous else None
 
 
+class GcPauses:
+    """The garbage collector's running total of pause time in this process, in ms (its
+    start/stop callbacks; a collection runs in whichever thread triggered it, holding the GIL)."""
+
+    def __init__(self) -> None:
+        self.total_ms = 0.0
+        self._started = 0.0
+        gc.callbacks.append(self._callback)
+
+    def close(self) -> None:
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.total_ms += 1e3 * (time.perf_counter() - self._started)
+
+
 @dataclass
 class StepRecord:
     plan: StepPlan
@@ -77,6 +100,7 @@ class StepRecord:
     run_ms: float = 0.0
     process_ms: float = 0.0
     compiled: list[str] = field(default_factory=list)
+    gc_ms: float = 0.0  # collector pauses from planning to processing (the trace's GcPauses)
 
     @property
     def tokens(self) -> int:
@@ -89,10 +113,11 @@ class StepRecord:
             compiled = f" compiled {len(self.compiled)}: {', '.join(self.compiled)}"
         loaded = sum(len(copy.device) for copy in self.plan.loads)
         loads = f" load-back={loaded} pages" if loaded else ""
+        paused = f" gc={self.gc_ms:.2f}ms" if self.gc_ms >= 0.005 else ""
         return (
             f"step {self.plan.step} {step_kind(self.plan)} batch={len(self.plan.seqs)} "
             f"tokens={self.tokens}{loads} host={host:.2f}ms (plan {self.schedule_ms:.2f} + "
-            f"process {self.process_ms:.2f}) run={self.run_ms:.2f}ms{compiled}"
+            f"process {self.process_ms:.2f}) run={self.run_ms:.2f}ms{paused}{compiled}"
         )
 
 
@@ -103,10 +128,14 @@ class StepTrace:
     def __init__(self, log_every_step: bool) -> None:
         self.log_every_step = log_every_step
         self.compiles = CompileCounter()
+        self.gc = GcPauses() if log_every_step else None
         self._records: dict[int, StepRecord] = {}
+        self._gc_at: dict[int, float] = {}  # step -> the collector's total when it was planned
 
     def planned(self, plan: StepPlan, seconds: float) -> None:
         self._records[plan.step] = StepRecord(plan, seconds * 1e3)
+        if self.gc is not None:
+            self._gc_at[plan.step] = self.gc.total_ms
 
     def ran(self, step: int, seconds: float, compiles_before: int) -> None:
         record = self._records.get(step)
@@ -119,6 +148,8 @@ class StepTrace:
         if record is None:
             return None
         record.process_ms = seconds * 1e3
+        if self.gc is not None:
+            record.gc_ms = self.gc.total_ms - self._gc_at.pop(step, self.gc.total_ms)
         if record.compiled:
             log.warning("%s (a compile stalls every request in the step)", record.line())
         elif self.log_every_step:
@@ -127,6 +158,8 @@ class StepTrace:
 
     def close(self) -> None:
         self.compiles.close()
+        if self.gc is not None:
+            self.gc.close()
 
 
 class StartupPhases:

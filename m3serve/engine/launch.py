@@ -331,7 +331,7 @@ def engine_process(
             hicache=hicache,
             rank=rank,
         )
-        await actor.serve()
+        await actor.serve(own_process=True)
 
     _run("engine", main(), log_level)
 
@@ -354,7 +354,7 @@ def hicache_process(addresses: Addresses, args: ServerArgs, session: str, log_le
             ZmqOutbox(addresses.hicache_replies, Codec(FromHiCache)),
             ZmqOutbox(addresses.control, Codec(ToSupervisor)),
         )
-        await actor.serve()
+        await actor.serve(own_process=True)
 
     _run(HICACHE, main(), log_level)
 
@@ -381,7 +381,7 @@ def tokenizer_process(
             ZmqOutbox(addresses.control, Codec(ToSupervisor)),
             session,
         )
-        await actor.serve()
+        await actor.serve(own_process=True)
 
     _run(f"tokenizer{worker}", main(), log_level)
 

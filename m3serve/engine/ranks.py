@@ -18,6 +18,7 @@ from pathlib import Path
 
 from m3serve.runtime.codec import Codec
 from m3serve.runtime.config import ServerArgs
+from m3serve.runtime.heap import freeze_heap
 from m3serve.runtime.messages import Error, RankAddress, Ready, ToSupervisor
 from m3serve.runtime.transport import ZmqOutbox
 
@@ -54,6 +55,7 @@ async def serve_follower(
         await control.send(Error(None, f"{name} failed to start: {exc!r}", actor=name))
         control.close()
         raise SystemExit(LOST_RANK_EXIT) from None
+    freeze_heap(name)
     await control.send(Ready(name, os.getpid(), {}))
     try:
         steps = await asyncio.to_thread(core.follow)

@@ -12,6 +12,7 @@ import os
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from m3serve.runtime.heap import freeze_heap
 from m3serve.runtime.messages import Error, Ready, Shutdown
 from m3serve.runtime.transport import Inbox, Outbox
 
@@ -62,10 +63,14 @@ class Actor:
         if asyncio.iscoroutine(result):
             await result
 
-    async def serve(self) -> None:
-        """Start, report ready, handle messages until Shutdown; report a crash before dying."""
+    async def serve(self, own_process: bool = False) -> None:
+        """Start, report ready, handle messages until Shutdown; report a crash before dying.
+        `own_process`: the actor is its process's only tenant, whose start-up heap is then
+        frozen before it reports ready (runtime/heap.py)."""
         try:
             info = await self.on_start()
+            if own_process:
+                freeze_heap(self.name)
             if self.control is not None:
                 await self.control.send(Ready(self.name, os.getpid(), info))
             await self.loop()

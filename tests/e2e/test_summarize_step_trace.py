@@ -16,8 +16,8 @@ def test_the_summary_parses_the_trace_lines_the_engine_writes(tmp_path: Path) ->
     decode = StepPlan(step=7, seqs=[SeqStep(None, 10, [0], slot=0), SeqStep(None, 9, [1], slot=1)])
     mixed = StepPlan(step=8, seqs=[SeqStep([1, 2, 3], 0, [2], slot=2), SeqStep(None, 11, [0])])
     lines = []
-    for stamp, plan, run_ms in (("00,100", decode, 3.5), ("00,104", mixed, 4.25)):
-        record = StepRecord(plan, schedule_ms=0.1, run_ms=run_ms, process_ms=0.05)
+    for stamp, plan, run_ms, gc_ms in (("00,100", decode, 3.5, 0.0), ("00,104", mixed, 4.25, 1.5)):
+        record = StepRecord(plan, schedule_ms=0.1, run_ms=run_ms, process_ms=0.05, gc_ms=gc_ms)
         lines.append(f"2026-12-03 13:50:{stamp} INFO [engine] m3serve.core.trace: {record.line()}")
     log = tmp_path / "serve.log"
     log.write_text("\n".join(["unrelated line", *lines]) + "\n")
@@ -25,7 +25,8 @@ def test_the_summary_parses_the_trace_lines_the_engine_writes(tmp_path: Path) ->
     assert first[1:5] == (7, "decode", 2, 2)
     assert second[1:5] == (8, "mixed", 2, 4)
     assert second[0] - first[0] == pytest.approx(0.004, abs=1e-5)
-    assert second[5:] == pytest.approx((0.15, 0.1, 0.05, 4.25))
+    assert first.gc_ms == 0.0  # no pause: nothing logged
+    assert second[5:] == pytest.approx((0.15, 0.1, 0.05, 4.25, 1.5))
 
 
 def _log(tmp_path: Path, entries: list[tuple[str, int, float]]) -> Path:

@@ -3,6 +3,7 @@ Triton compile counter behind the "compiled after ready" warning."""
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import pytest
@@ -67,3 +68,34 @@ def test_the_compile_counter_chains_to_and_restores_the_previous_hook() -> None:
         assert knobs.runtime.jit_post_compile_hook is not counter._hook
     finally:
         knobs.runtime.jit_post_compile_hook = previous
+
+
+def test_a_step_logs_the_garbage_collections_that_ran_inside_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    trace = StepTrace(log_every_step=True)
+    try:
+        trace.planned(plan(DECODE, step=4), 0.0)
+        gc.collect()  # a full collection between planning and processing, as one served
+        trace.ran(4, 0.001, trace.compiles.count)
+        with caplog.at_level(logging.INFO, logger="m3serve.core.trace"):
+            record = trace.processed(4, 0.0)
+        assert record is not None and record.gc_ms > 0.0
+        assert f"gc={record.gc_ms:.2f}ms" in caplog.records[0].getMessage()
+    finally:
+        trace.close()
+    assert trace.gc is not None and trace.gc._callback not in gc.callbacks
+
+
+def test_a_step_without_a_collection_logs_no_gc_field(caplog: pytest.LogCaptureFixture) -> None:
+    trace = StepTrace(log_every_step=True)
+    gc.disable()  # no collection may start on its own inside the step
+    try:
+        trace.planned(plan(DECODE, step=5), 0.0)
+        trace.ran(5, 0.001, trace.compiles.count)
+        with caplog.at_level(logging.INFO, logger="m3serve.core.trace"):
+            trace.processed(5, 0.0)
+    finally:
+        gc.enable()
+        trace.close()
+    assert "gc=" not in caplog.records[0].getMessage()

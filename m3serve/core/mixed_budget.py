@@ -1,0 +1,87 @@
+"""The prompt-token budget of a step that also decodes: the start-up measure, kept to its stretch
+by the steps actually served.
+
+`StepCost` (core/step_cost.py) times synthetic steps once at start, on an idle device and
+without the overlap loop; served steps differ (contexts of every length, the checkpoint's
+sampling, the next batch built while the device runs). On the H200 a 4-layer slice's start-up
+measure gave a decode step of 16 rows 2.21 ms where served ones ran 1.99 ms, and so a budget of
+384 prompt tokens whose mixed steps ran 2.76 decode steps, not 2.5: the inter-token p99 went to
+3.3x its median. So each served step's run time is fed back:
+* pure decode steps keep a running mean of the decode step per batch bucket (from the start-up
+  measure on; a slow step counts as at most 1.2x the mean), and a bucket's decode step is the
+  least of its own and bigger buckets' (a bucket decoding alone rarely keeps its start-up time);
+* a mixed step that ran over stretch x that decode step scales its bucket's budget down, and
+  one that carried its whole budget with room for another page (at the start-up per-token
+  cost, and 5 % to spare) scales it up, each by the square root of (prompt work wanted /
+  prompt work seen), damped to at most 1.25x up or 0.8x down. So the budget settles on the
+  most whole pages whose mixed steps stay within `stretch` decode steps, instead of hovering
+  a page above.
+
+The budget never leaves [1/8, 4] x the start-up one nor drops below one page, so a prompt always
+advances and one odd step (a garbage collection, a cold cache) moves it by one damped step only.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+
+from m3serve.core.step_cost import StepCost, envelope
+
+# A step carried its budget when its prompt tokens reached this share of it (chunks are whole
+# pages, the last chunk of a prompt may be short).
+FULL_SHARE = 0.75
+EWMA = 0.1  # the weight of a new decode step in its bucket's running mean
+# A slow decode step (a collection, a hiccup) counts as at most this many times the mean: the
+# mean is what a typical gap is, and a raised one would let the budget grow past the stretch.
+DECODE_CLIP = 1.2
+# A page more is taken only if the step would stay this far inside the stretch: the gap a
+# client sees adds host time and jitter to the step (on the H200 at 16 streams, mixed steps at
+# 2.9 decode steps gave an inter-token p99 of 3.0x the median).
+GROW_BELOW = 0.95
+STEP_UP, STEP_DOWN = 1.25, 0.8  # the most one mixed step moves its bucket's budget
+SCALE_MIN, SCALE_MAX = 0.125, 4.0
+
+
+class MixedBudget:
+    """Callable as the scheduler's `mixed_budget(decodes)`; `observe` is fed every step run."""
+
+    def __init__(self, cost: StepCost, stretch: float, page: int) -> None:
+        self.cost = cost
+        self.stretch = stretch
+        self.page = page
+        self.sizes = sorted(cost.decode_ms)
+        self.decode_ms = dict(cost.decode_ms)  # bucket -> running mean of served decode steps
+        self.scale = dict.fromkeys(self.sizes, 1.0)  # bucket -> factor on the start-up budget
+
+    def bucket(self, decodes: int) -> int:
+        """The smallest measured batch >= decodes (the largest past them), as StepCost.decode."""
+        i = bisect.bisect_left(self.sizes, decodes)
+        return self.sizes[min(i, len(self.sizes) - 1)]
+
+    def __call__(self, decodes: int) -> int:
+        start = self.cost.mixed_budget(decodes, self.stretch, self.page)
+        tokens = int(start * self.scale[self.bucket(decodes)]) // self.page * self.page
+        return max(tokens, self.page)
+
+    def observe(self, decodes: int, prompt_tokens: int, ms: float) -> None:
+        """One step run: `decodes` decode rows and `prompt_tokens` prompt tokens in `ms`."""
+        if decodes == 0 or ms <= 0:
+            return  # a step that decodes nothing stretches no stream
+        bucket = self.bucket(decodes)
+        if prompt_tokens == 0:
+            mean = self.decode_ms[bucket]
+            self.decode_ms[bucket] += EWMA * (min(ms, DECODE_CLIP * mean) - mean)
+            return
+        # As the start-up budget does (StepCost.decode): no bucket's decode step counts as
+        # slower than a bigger one's, so a bucket served rarely keeps no noisy start-up time.
+        decode = envelope(self.decode_ms, bucket)
+        limit = self.stretch * decode
+        if prompt_tokens < FULL_SHARE * self(decodes) and ms <= limit:
+            return  # a short chunk says nothing about what the budget would cost
+        if limit < ms or ms + self.page * self.cost.prefill_ms_per_token <= GROW_BELOW * limit:
+            # Over the stretch: down; a page more would still fit: up. Each by the damped
+            # ratio of the prompt work wanted to the work seen.
+            step = math.sqrt((limit - decode) / max(ms - decode, 1e-3))
+            step = min(max(step, STEP_DOWN), STEP_UP)
+            self.scale[bucket] = min(max(self.scale[bucket] * step, SCALE_MIN), SCALE_MAX)

@@ -1,0 +1,134 @@
+"""The mixed-step budget kept to its stretch by served steps (core/mixed_budget.py), and what
+the step loop feeds it."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from m3serve.core.mixed_budget import SCALE_MIN, MixedBudget
+from m3serve.core.step_cost import StepCost
+from m3serve.core.step_loop import _feed
+from m3serve.runtime.messages import PageCopy, SeqStep, StepPlan
+
+PAGE = 128
+# Near the start-up measure of a 4-layer H200 slice (12-03: decode steps, 6.8 us a prompt token,
+# 0.71 ms fixed), which gave 16 decode rows a budget of 384 tokens.
+START = StepCost({1: 1.63, 16: 2.25, 64: 2.98}, 0.0068, 0.71)
+
+
+def served_ms(decodes: int, tokens: int) -> float:
+    """Served mixed steps of that slice (bench_mixed_step, 12-03): 2.85 ms + 8.75 us a decode
+    row + 6.85 us a prompt token; served decode steps of 16 rows 1.99 ms."""
+    return 2.85 + 0.00875 * decodes + 0.00685 * tokens
+
+
+def serve(budget: MixedBudget, decodes: int, steps: int, decode_ms: float) -> None:
+    """Steps as a busy server runs them: a decode step, then a mixed step carrying the budget."""
+    for _ in range(steps):
+        budget.observe(decodes, 0, decode_ms)
+        tokens = budget(decodes)
+        budget.observe(decodes, tokens, served_ms(decodes, tokens))
+
+
+def test_the_budget_starts_at_the_start_up_measure() -> None:
+    budget = MixedBudget(START, 2.5, PAGE)
+    assert budget(16) == START.mixed_budget(16, 2.5, PAGE) == 384
+
+
+def test_served_steps_bring_the_budget_to_where_mixed_steps_take_stretch_decode_steps() -> None:
+    budget = MixedBudget(START, 2.5, PAGE)
+    serve(budget, 16, 60, decode_ms=1.99)
+    tokens = budget(16)
+    # 2.5 x 1.99 ms holds 2.85 + 0.14 + 0.00685 x 292: at most 292 tokens, 256 in whole pages.
+    assert tokens == 256
+    assert served_ms(16, tokens) <= 2.5 * 1.99 < served_ms(16, tokens + PAGE)
+    assert budget.decode_ms[16] < 2.0  # the served decode step replaced the start-up one
+
+
+def test_a_budget_too_small_grows_back() -> None:
+    budget = MixedBudget(START, 2.5, PAGE)
+    budget.scale[64] = SCALE_MIN  # as after a burst of slow steps
+    serve(budget, 64, 60, decode_ms=2.98)
+    # 2.5 x 2.98 ms = 7.45 ms holds 2.85 + 0.56 + 0.00685 x 589 tokens: 512 in whole pages.
+    assert budget(64) == 512
+
+
+def test_short_chunks_do_not_grow_the_budget() -> None:
+    budget = MixedBudget(START, 2.5, PAGE)
+    before = budget(64)
+    for _ in range(20):  # prompt tails of one page: cheap, and no sign the budget is tight
+        budget.observe(64, PAGE, served_ms(64, PAGE))
+    assert budget(64) == before
+
+
+def test_one_slow_step_moves_the_budget_one_damped_step_only() -> None:
+    budget = MixedBudget(START, 2.5, PAGE)
+    before = budget(64)
+    budget.observe(64, budget(64), 50.0)  # a garbage collection inside the step
+    assert budget(64) >= 0.8 * before - PAGE
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    decodes=st.integers(1, 200),
+    tokens=st.integers(0, 4096),
+    ms=st.floats(0.0, 100.0, allow_nan=False),
+)
+def test_the_budget_is_always_whole_pages_and_at_least_one(
+    decodes: int, tokens: int, ms: float
+) -> None:
+    budget = MixedBudget(START, 2.5, PAGE)
+    for _ in range(30):
+        budget.observe(decodes, tokens, ms)
+    value = budget(decodes)
+    assert value >= PAGE and value % PAGE == 0
+    assert value <= 4 * max(START.mixed_budget(decodes, 2.5, PAGE), PAGE)
+
+
+class _Seen:
+    def __init__(self) -> None:
+        self.steps: list[tuple[int, int, float]] = []
+
+    def observe(self, decodes: int, prompt: int, ms: float) -> None:
+        self.steps.append((decodes, prompt, ms))
+
+
+def test_the_loop_feeds_decode_rows_and_prompt_tokens_of_plain_steps_only() -> None:
+    seen = _Seen()
+    decode = SeqStep(None, 100, [0], slot=0)
+    chunk = SeqStep(list(range(300)), 0, [1, 2, 3], slot=1, sample=False)
+    _feed(seen, StepPlan(step=1, seqs=[decode, decode, chunk]), 0.004)  # type: ignore[arg-type]
+    verify = SeqStep(None, 100, [0], slot=0, draft=3)
+    _feed(seen, StepPlan(step=2, seqs=[verify, chunk]), 0.004)  # type: ignore[arg-type]
+    load = StepPlan(step=3, seqs=[decode, chunk], loads=[PageCopy(1, [4], [0])])
+    _feed(seen, load, 0.004)  # type: ignore[arg-type]
+    assert seen.steps == [(2, 300, 4.0)]
+
+
+def test_slow_decode_steps_do_not_raise_the_decode_mean_past_a_fifth_a_step() -> None:
+    budget = MixedBudget(START, 2.5, PAGE)
+    budget.observe(16, 0, 2.0)
+    budget.observe(16, 0, 2.0)
+    before = budget.decode_ms[16]
+    budget.observe(16, 0, 40.0)  # a decode step stalled by a collection
+    assert budget.decode_ms[16] <= before * (1 + 0.1 * 0.2) + 1e-9
+
+
+def test_a_budget_a_page_short_of_the_stretch_holds_when_the_page_would_leave_no_margin() -> None:
+    budget = MixedBudget(START, 2.5, PAGE)
+    budget.decode_ms[16] = 2.0  # limit 5 ms
+    before = budget(16)
+    # Its whole budget in 4.2 ms: one more page (0.87 ms) would be 5.07 ms, past the stretch.
+    budget.observe(16, before, 4.2)
+    assert budget.scale[16] == 1.0
+
+
+def test_a_bucket_served_rarely_takes_the_decode_step_of_a_bigger_bucket() -> None:
+    noisy = StepCost({1: 1.37, 12: 2.27, 16: 1.98, 64: 2.85}, 0.0069, 0.71)
+    budget = MixedBudget(noisy, 2.5, PAGE)
+    assert budget(12) == budget(16) == 256  # not the 384 that 2.27 ms would give
+    for _ in range(30):  # served decode steps of 13-16 rows, none of 9-12
+        budget.observe(16, 0, 2.16)
+    budget.observe(12, 256, 5.45)  # a mixed step of 12 rows: past 2.5 x the 16 bucket's step
+    assert budget.scale[12] < 1.0
