@@ -237,7 +237,7 @@ class _ChatResponse:
     def _message_choice(self, index: int, pieces: list[RequestOutput]) -> dict[str, Any]:
         output = self.parsed[index]
         for piece in pieces:
-            output.feed(piece.text, len(piece.output_ids))
+            output.feed(piece.text, piece.output_ids)
         output.finish()
         calls = output.calls
         message: dict[str, Any] = {"role": "assistant", "content": output.text.content or None}
@@ -257,7 +257,7 @@ class _ChatResponse:
     def _delta_choice(self, index: int, piece: RequestOutput) -> dict[str, Any] | None:
         """One output's chunk choice; None when it carries nothing (a tag held back)."""
         output = self.parsed[index]
-        delta = output.feed(piece.text, len(piece.output_ids))
+        delta = output.feed(piece.text, piece.output_ids)
         reason = None
         if piece.finish is not None:
             delta += output.finish()
@@ -285,7 +285,9 @@ def _choice_output(plan: Plan, state: ServerState) -> ChoiceOutput:
         tools = ToolCallParser(plan.tools)
     # With a parser on, the text keeps special tokens (see _requests) and must be cleaned of them.
     specials = state.args.reasoning_parser is not None or state.args.tool_call_parser is not None
-    return ChoiceOutput(reasoning, tools, plan.body.parallel_tool_calls, specials)
+    return ChoiceOutput(
+        reasoning, tools, plan.body.parallel_tool_calls, specials, state.reasoning_tag_ids
+    )
 
 
 def _choice(

@@ -100,7 +100,7 @@ class _Response:
         yield self._stamp({"type": f"response.{final['status']}", "response": final})
 
     def _step(self, piece: RequestOutput) -> list[Event]:
-        delta = self.parsed.feed(piece.text, len(piece.output_ids))
+        delta = self.parsed.feed(piece.text, piece.output_ids)
         if piece.finish is None:
             return self.items.add(delta)
         delta += self.parsed.finish()

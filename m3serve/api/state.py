@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from m3serve.api.choice import TagIds
 from m3serve.api.metrics import ServerMetrics
 from m3serve.engine import AsyncEngine
 from m3serve.model.chat_template import load_chat_template
@@ -29,6 +30,7 @@ class ServerState:
     model_name: str = ""
     context_length: int = 0
     tokenizer: Any = None  # tokenizers.Tokenizer, for logprob token strings and /v1/tokenize
+    reasoning_tag_ids: TagIds | None = None  # for an exact reasoning-token count
     chat_template: str | None = None
     defaults: dict[str, float] = field(default_factory=dict)  # from generation_config.json
     created: int = field(default_factory=lambda: int(time.time()))
@@ -48,6 +50,7 @@ class ServerState:
             from tokenizers import Tokenizer
 
             state.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+            state.reasoning_tag_ids = TagIds.of(state.tokenizer)
             state.chat_template = load_chat_template(path)
         return state
 

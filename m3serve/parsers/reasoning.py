@@ -84,6 +84,10 @@ class ReasoningParser:
         self._after_tag = False
 
     @property
+    def mode(self) -> str:
+        return self._mode
+
+    @property
     def in_reasoning(self) -> bool:
         """Inside the reasoning trace (or, in enabled mode, about to be)."""
         return self._phase is _Phase.REASONING or (

@@ -71,6 +71,14 @@ class ScriptedEngine:
     def _tokenizer(self) -> Any:
         return Tokenizer.from_file(str(Path(self.model_path) / "tokenizer.json"))
 
+    def _piece_id(self, piece: str, i: int) -> int:
+        """One token a piece: the piece's own first id where the model has a tokenizer (the
+        reasoning count reads the think tags' ids), else a stand-in."""
+        if not (Path(self.model_path) / "tokenizer.json").is_file():
+            return 1000 + i
+        ids = self._tokenizer.encode(piece, add_special_tokens=False).ids
+        return ids[0] if ids else 1000 + i
+
     async def stream(self, req: GenerateReq) -> AsyncIterator[RequestOutput]:
         self.seen.append(req)
         pieces = self.script(req) or [""]
@@ -84,7 +92,7 @@ class ScriptedEngine:
                 finish = Finish(self.finish) if last else None
                 usage = Usage(prompt_tokens=10, completion_tokens=i + 1, cached_tokens=0)
                 done = last
-                yield RequestOutput(req.rid, piece, [1000 + i], finish, usage)
+                yield RequestOutput(req.rid, piece, [self._piece_id(piece, i)], finish, usage)
         finally:
             self.num_requests -= 1
             if not done:

@@ -4,6 +4,7 @@ inside an unclosed trace is a call; a cut-off invoke is no call."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any
 
@@ -12,8 +13,14 @@ from helpers.m3_tools import N, block, element, invoke, model_outputs, tool
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from m3serve.api.choice import ChoiceOutput, Delta
-from m3serve.model.special_tokens import CONTROL_TOKENS, THINK_START, TOOL_CALL_START
+from m3serve.api.choice import ChoiceOutput, Delta, TagIds
+from m3serve.model.special_tokens import (
+    CONTROL_TOKENS,
+    THINK_END,
+    THINK_START,
+    TOOL_CALL_START,
+    TOOL_NAMESPACE,
+)
 from m3serve.parsers.reasoning import ReasoningParser
 from m3serve.parsers.specials import strip_control_tokens
 from m3serve.parsers.tools import ToolCallParser
@@ -89,3 +96,55 @@ def test_without_a_reasoning_parser_think_tags_stay_with_the_trace() -> None:
     text = "<mm:think>why</mm:think>]~b]Because."
     output = ChoiceOutput(None, ToolCallParser([WEATHER]))
     assert output.feed(text).content + output.finish().content == "<mm:think>why</mm:think>Because."
+
+
+# A vocabulary for token-level tests: the markup's tags are single tokens, as in M3.1's.
+TAGS = TagIds(think_start=1, think_end=2, tool_namespace=3)
+VOCAB = {1: THINK_START, 2: THINK_END, 3: TOOL_NAMESPACE, 4: "so", 5: " yes", 6: "\n"}
+
+
+def count_reasoning(mode: str, ids: list[int], cuts: list[int]) -> int:
+    """Feed `ids` cut at `cuts` (each piece with its text, as the detokenizer sends them)."""
+    output = ChoiceOutput(ReasoningParser(mode), None, tag_ids=TAGS)
+    bounds = [0, *sorted(set(cuts)), len(ids)]
+    for start, end in itertools.pairwise(bounds):
+        piece = ids[start:end]
+        if piece:
+            output.feed("".join(VOCAB[i] for i in piece), piece)
+    output.finish()
+    return output.reasoning_tokens
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.sampled_from(["enabled", "adaptive"]),
+    st.lists(st.sampled_from([4, 5, 6]), max_size=6),
+    st.lists(st.sampled_from([4, 5, 6]), max_size=6),
+    st.lists(st.integers(0, 16), max_size=5),
+)
+def test_the_reasoning_token_count_is_the_same_in_any_chunking(
+    mode: str, trace: list[int], answer: list[int], cuts: list[int]
+) -> None:
+    opener = [1] if mode == "adaptive" else []
+    ids = [*opener, *trace, 2, *answer]
+    # The opening tag, the trace and the closing tag: however the pieces fall.
+    assert count_reasoning(mode, ids, cuts) == len(opener) + len(trace) + 1
+
+
+def test_a_tool_call_block_ends_the_count_before_its_first_token() -> None:
+    ids = [4, 5, 3, 4]  # a trace of two tokens, then a tool-call block (namespace token first)
+    assert count_reasoning("enabled", ids, []) == count_reasoning("enabled", ids, [1, 3]) == 2
+
+
+def test_tag_ids_come_from_the_tokenizer_or_not_at_all() -> None:
+    class Tokenizer:
+        def __init__(self, known: dict[str, int]) -> None:
+            self.known = known
+
+        def token_to_id(self, token: str) -> int | None:
+            return self.known.get(token)
+
+    tags = {THINK_START: 10, THINK_END: 11, TOOL_NAMESPACE: 12}
+    assert TagIds.of(Tokenizer(tags)) == TagIds(10, 11, 12)
+    assert TagIds.of(Tokenizer({THINK_START: 10})) is None
+    assert TagIds.of(None) is None
