@@ -167,7 +167,7 @@ async def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
         probe = await decode_probe(
             url, headers, timeout, target, probe_prompts, args.decode_probe_output_len
         )
-        add_efficiency(probe, results)
+        add_efficiency(probe, results, args.prefill_us_per_token)
         print_probe(probe)
         report["decode_probe"] = probe
     return report

@@ -77,6 +77,12 @@ def parse_args(description: str, argv: Sequence[str] | None = None) -> argparse.
         "--decode-probe-output-len", type=positive, help="its output tokens [4 x output-len]"
     )
     load.add_argument(
+        "--prefill-us-per-token",
+        type=float,
+        help="with --decode-probe: a prompt token's cost (the server's start-up log prints it), "
+        "for the ceiling the prompts put on the efficiency",
+    )
+    load.add_argument(
         "--client-procs",
         type=positive,
         default=1,

@@ -17,6 +17,17 @@ moved by when the client happened to read them.
 
 The efficiency is the share of the pure decode rate that survives prefills, scheduling and
 streaming (issue 11: at least 85% at concurrency 64).
+
+The prompts bound it from above whatever the server does. In steady state each decode step of
+N rows emits N tokens, so N / output_len requests end, and as many start, a step: every decode
+step brings `prompt_tokens_per_step` = input tokens x N / output_len prompt tokens to prefill.
+Given a cost per prompt token (`--prefill-us-per-token`: the server's start-up log prints its
+measure, or a FLOP floor: FLOPs a token / a matmul rate), no schedule does better than
+
+    prefill_ceiling = step / (step + prompt_tokens_per_step x cost)
+
+(a 4-layer M3.1 slice on the H200 at 1184 prompt and 256 output tokens: 296 prompt tokens a
+step of 64 rows).
 """
 
 from __future__ import annotations
@@ -87,8 +98,11 @@ def summarize_probe(records: list[RequestRecord], output_len: int) -> dict[str, 
     }
 
 
-def add_efficiency(probe: dict[str, Any], levels: list[dict[str, Any]]) -> None:
-    """The efficiency of the closed-loop level at the probe's concurrency, into both dicts."""
+def add_efficiency(
+    probe: dict[str, Any], levels: list[dict[str, Any]], prefill_us_per_token: float | None = None
+) -> None:
+    """The efficiency of the closed-loop level at the probe's concurrency, into both dicts, and
+    the prompts' ceiling on it (module docstring) into the probe's."""
     probe["efficiency"] = None
     ideal = probe.get("ideal_tok_s")
     for level in levels:
@@ -96,8 +110,23 @@ def add_efficiency(probe: dict[str, Any], levels: list[dict[str, Any]]) -> None:
             level["efficiency"] = None
             if ideal and level["completed"]:
                 level["efficiency"] = level["output_token_throughput"] / ideal
+                _add_ceiling(probe, level, prefill_us_per_token)
             probe["efficiency"] = level["efficiency"]
             probe["measured_output_tok_s"] = level["output_token_throughput"]
+
+
+def _add_ceiling(
+    probe: dict[str, Any], level: dict[str, Any], prefill_us_per_token: float | None
+) -> None:
+    prompt = level.get("input_tokens", {}).get("mean")
+    if not prompt or not level.get("output_len"):
+        return
+    per_step = prompt * probe["requests"] / level["output_len"]
+    probe["prompt_tokens_per_step"] = per_step
+    if prefill_us_per_token:
+        step = probe["pure_decode_step_ms"]
+        probe["prefill_us_per_token"] = prefill_us_per_token
+        probe["prefill_ceiling"] = step / (step + per_step * prefill_us_per_token / 1e3)
 
 
 def print_probe(probe: dict[str, Any]) -> None:
@@ -118,5 +147,12 @@ def print_probe(probe: dict[str, Any]) -> None:
         print(
             f"concurrency {n}: {probe['measured_output_tok_s']:.1f} output tokens/s = "
             f"{probe['efficiency']:.1%} of ideal",
+            flush=True,
+        )
+    if probe.get("prefill_ceiling") is not None:
+        print(
+            f"the prompts bring {probe['prompt_tokens_per_step']:.0f} tokens a decode step; at "
+            f"{probe['prefill_us_per_token']:g} us each no schedule passes "
+            f"{probe['prefill_ceiling']:.1%} of ideal",
             flush=True,
         )

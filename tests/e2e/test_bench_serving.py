@@ -83,9 +83,22 @@ def test_decode_probe_takes_the_mean_gap_while_all_requests_decode() -> None:
     levels[0]["output_token_throughput"] = 15.0
     add_efficiency(probe, levels)
     assert probe["efficiency"] == levels[0]["efficiency"] == pytest.approx(0.75)
+    assert "prefill_ceiling" not in probe  # no prompt lengths in the level
     # Requests that never ran together (the first ended before the last began): no figure.
     apart = summarize_probe([record([0.0, 0.1]), record([0.2, 0.3])], output_len=2)
     assert apart["pure_decode_step_ms"] is None and apart["note"]
+
+
+def test_the_prompts_ceiling_is_the_decode_step_over_it_plus_their_prefill() -> None:
+    # The H200 slice of 12-03: 64 rows, 1184 prompt and 256 output tokens, a 2.9 ms step.
+    probe = {"requests": 64, "pure_decode_step_ms": 2.9, "ideal_tok_s": 64 / 0.0029}
+    level = {"mode": "concurrency", "concurrency": 64, "completed": 256, "output_len": 256}
+    level |= {"output_token_throughput": 11298.7, "input_tokens": {"mean": 1184.0}}
+    add_efficiency(probe, [level], prefill_us_per_token=6.9)
+    assert probe["prompt_tokens_per_step"] == pytest.approx(296.0)
+    # 296 tokens x 6.9 us = 2.04 ms of prefill for every 2.9 ms decode step.
+    assert probe["prefill_ceiling"] == pytest.approx(2.9 / (2.9 + 2.0424))
+    assert probe["efficiency"] < probe["prefill_ceiling"] < 0.85
 
 
 def test_decode_probe_is_not_fooled_by_a_client_that_reads_in_bursts() -> None:
