@@ -5,9 +5,10 @@ the median wall time from the previous step's line to this one's, and the median
 (planning + processing, on the event loop) and run time (the executor thread: forward,
 sampling and the token copy back, which waits for the device), with the run time's 99th
 percentile and the garbage collector's pauses (`gc=`) summed. `--slowest N` lists the N steps
-that took longest from the step before them (what an inter-token latency tail is made of);
-`--since` / `--until` keep the steps logged inside a window (one benchmark level of a longer
-run), as HH:MM:SS of the log's clock.
+that took longest from the step before them (what an inter-token latency tail is made of), with
+the part of the gap beyond the step's own run (large: the engine sat idle, or waited on
+something outside the step); `--since` / `--until` keep the steps logged inside a window (one
+benchmark level of a longer run), as HH:MM:SS of the log's clock.
 
     python perf/summarize_step_trace.py serve.log [--top 25] [--slowest 10]
         [--since 16:17:05 --until 16:17:08]
@@ -119,7 +120,8 @@ def main() -> None:
             print(
                 f"{clock} step {step.step} {step.kind:7s} batch={step.batch:4d} "
                 f"tokens={step.tokens:6d} gap {gap:7.2f} ms  run {step.run_ms:7.2f} ms  "
-                f"host {step.host_ms:5.2f} ms" + (f"  gc {step.gc_ms:.2f} ms" if step.gc_ms else "")
+                f"host {step.host_ms:5.2f} ms  beyond run {gap - step.run_ms:7.2f} ms"
+                + (f"  gc {step.gc_ms:.2f} ms" if step.gc_ms else "")
             )
 
 

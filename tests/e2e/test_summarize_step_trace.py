@@ -83,3 +83,5 @@ def test_the_slowest_steps_are_listed_longest_gap_first(
     slowest = out.split("longest gaps from the step before\n")[1].splitlines()
     assert [line.split()[2] for line in slowest] == ["3", "4"]
     assert "gap    7.00 ms" in slowest[0]
+    beyond = float(slowest[0].split("beyond run")[1].split()[0])
+    assert beyond == pytest.approx(0.0, abs=0.01)  # step 3 ran its whole 7 ms gap
