@@ -6,11 +6,14 @@ a pass over them stops the event loop (and with it every stream) for millisecond
 What exists when start-up ends lives as long as the process, so it is moved out of the
 collector's sight (`gc.freeze`, as SGLang and vLLM do after start-up); objects made while
 serving are collected as before. Only for processes m3serve owns: in an embedding process the
-caller's objects are not ours to pin.
+caller's objects are not ours to pin. At exit the heap is thawed again, so that the interpreter's
+last collections free what start-up built (frozen, the extension types of Triton and xgrammar
+outlived the interpreter, and nanobind printed hundreds of "leaked" lines at every shutdown).
 """
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 
@@ -22,6 +25,8 @@ def freeze_heap(name: str) -> int:
     the number of objects kept out."""
     gc.collect()
     gc.freeze()
+    atexit.unregister(gc.unfreeze)  # once, however often a process freezes
+    atexit.register(gc.unfreeze)
     frozen = gc.get_freeze_count()
     log.debug("%s: %d objects left out of garbage collection", name, frozen)
     return frozen
