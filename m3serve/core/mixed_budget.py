@@ -24,9 +24,13 @@ advances and one odd step (a garbage collection, a cold cache) moves it by one d
 from __future__ import annotations
 
 import bisect
+import logging
 import math
+import time
 
 from m3serve.core.step_cost import StepCost, envelope
+
+log = logging.getLogger(__name__)
 
 # A step carried its budget when its prompt tokens reached this share of it (chunks are whole
 # pages, the last chunk of a prompt may be short).
@@ -41,6 +45,7 @@ DECODE_CLIP = 1.2
 GROW_BELOW = 0.95
 STEP_UP, STEP_DOWN = 1.25, 0.8  # the most one mixed step moves its bucket's budget
 SCALE_MIN, SCALE_MAX = 0.125, 4.0
+REPORT_S = 30.0  # the least time between two log lines of the budgets
 
 
 class MixedBudget:
@@ -53,6 +58,8 @@ class MixedBudget:
         self.sizes = sorted(cost.decode_ms)
         self.decode_ms = dict(cost.decode_ms)  # bucket -> running mean of served decode steps
         self.scale = dict.fromkeys(self.sizes, 1.0)  # bucket -> factor on the start-up budget
+        self._reported = [self(b) for b in self.sizes]
+        self._reported_at = 0.0
 
     def bucket(self, decodes: int) -> int:
         """The smallest measured batch >= decodes (the largest past them), as StepCost.decode."""
@@ -85,3 +92,17 @@ class MixedBudget:
             step = math.sqrt((limit - decode) / max(ms - decode, 1e-3))
             step = min(max(step, STEP_DOWN), STEP_UP)
             self.scale[bucket] = min(max(self.scale[bucket] * step, SCALE_MIN), SCALE_MAX)
+            self._report()
+
+    def __str__(self) -> str:
+        """The budgets now and the served decode steps they follow, per bucket."""
+        return ", ".join(f"{b}: {self.decode_ms[b]:.2f} ms -> {self(b)}" for b in self.sizes)
+
+    def _report(self) -> None:
+        """Log the budgets when they moved since the last report, at most every REPORT_S
+        (where they settle, without the step trace)."""
+        budgets = [self(b) for b in self.sizes]
+        now = time.monotonic()
+        if budgets != self._reported and now - self._reported_at >= REPORT_S:
+            self._reported, self._reported_at = budgets, now
+            log.info("mixed-step prompt budget now (decode batch: step -> tokens): %s", self)

@@ -3,6 +3,10 @@ the step loop feeds it."""
 
 from __future__ import annotations
 
+import logging
+import re
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -132,3 +136,12 @@ def test_a_bucket_served_rarely_takes_the_decode_step_of_a_bigger_bucket() -> No
         budget.observe(16, 0, 2.16)
     budget.observe(12, 256, 5.45)  # a mixed step of 12 rows: past 2.5 x the 16 bucket's step
     assert budget.scale[12] < 1.0
+
+
+def test_the_budgets_are_logged_when_they_move(caplog: pytest.LogCaptureFixture) -> None:
+    budget = MixedBudget(START, 2.5, PAGE)
+    with caplog.at_level(logging.INFO, logger="m3serve.core.mixed_budget"):
+        serve(budget, 16, 10, decode_ms=1.99)  # 384 -> 256: one line
+        serve(budget, 16, 10, decode_ms=1.99)  # settled: no more
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert re.search(r"16: 2\.0\d ms -> 256,", line)  # the served decode mean, on its way to 1.99
