@@ -7,7 +7,7 @@ import logging
 import re
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from m3serve.core.mixed_budget import SCALE_MIN, MixedBudget
@@ -145,3 +145,31 @@ def test_the_budgets_are_logged_when_they_move(caplog: pytest.LogCaptureFixture)
         serve(budget, 16, 10, decode_ms=1.99)  # settled: no more
     (line,) = [r.getMessage() for r in caplog.records]
     assert re.search(r"16: 2\.0\d ms -> 256,", line)  # the served decode mean, on its way to 1.99
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    fixed=st.floats(0.2, 3.0),
+    per_token=st.floats(0.002, 0.012),
+    decode=st.floats(1.0, 4.0),
+    start_error=st.floats(0.7, 1.4),
+)
+def test_served_steps_settle_on_pages_that_fit_the_stretch_with_one_more_not_fitting(
+    fixed: float, per_token: float, decode: float, start_error: float
+) -> None:
+    """Served steps cost decode + fixed + per_token x tokens; the start-up measure got the
+    decode step wrong by `start_error`. The budget ends inside the stretch, and a page more
+    would not be (within the 5 % margin), wherever it started."""
+    start = StepCost({16: decode * start_error}, per_token, fixed)
+    budget = MixedBudget(start, 2.5, PAGE)
+    limit = 2.5 * decode
+    best = (limit - decode - fixed) / per_token  # prompt tokens that exactly fill the stretch
+    begin = budget(16)
+    assume(best >= 2 * PAGE and begin / 8 <= best <= 4 * begin)
+    for _ in range(200):
+        budget.observe(16, 0, decode)
+        tokens = budget(16)
+        budget.observe(16, tokens, decode + fixed + per_token * tokens)
+    tokens = budget(16)
+    assert decode + fixed + per_token * tokens <= limit
+    assert decode + fixed + per_token * (tokens + PAGE) > 0.95 * limit
