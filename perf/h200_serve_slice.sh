@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The issue-11 serving table on a lent H200, in one device call (run from the repo root there):
+# serve the 4-layer M3.1-shaped quantized slice with the step trace, run the closed-loop
+# levels, and pack what comes back into at most four files under $OUT (the device tool returns
+# eight): results.tgz (each level's JSON and console table, windows.txt), trace.txt (per level
+# `summarize_step_trace.py --since/--until --slowest 20`), serve.log.gz, and the Triton cache
+# (tcache.tgz) when none was carried in, for the next call's start-up (~50 s instead of ~240).
+#
+#   carry [".whl"] (plus ".scratch" holding tcache.tgz, if any):
+#   bash perf/h200_serve_slice.sh [LEVEL...]
+#
+# A LEVEL is NAME:CONCURRENCY:REQUESTS[:probe]; the default is the table of the closing notes:
+# c1:1:12 c16:16:192 c64:64:256:probe c128:128:256 c256:256:512. `.whl` holds the wheels the
+# README's Notes list (the server dies at import without xgrammar's).
+set -u
+levels=("$@")
+[ ${#levels[@]} -gt 0 ] || levels=(c1:1:12 c16:16:192 c64:64:256:probe c128:128:256 c256:256:512)
+: "${OUT:?run on the device machine, where \$OUT is set}"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+export TRITON_CACHE_DIR=/tmp/tcache
+carried=0
+if [ -f .scratch/tcache.tgz ]; then tar xzf .scratch/tcache.tgz -C /tmp && carried=1; fi
+# Fail in seconds, not after the health wait, when a wheel is missing.
+python3 -c "import m3serve.api.server, m3serve.core.engine_core, xgrammar" || exit 1
+t0=$(date +%s)
+python3 -m m3serve make-tiny /tmp/slice --vocab-size 32768 --hidden-size 6144 --num-layers 4 \
+  --num-heads 64 --num-kv-heads 4 --head-dim 128 --rotary-dim 64 --dense-layers 0 \
+  --intermediate-size 3072 --num-experts 8 --num-experts-per-tok 4 --index-head-dim 128 \
+  --index-block-size 128 --index-topk-blocks 16 --shards 4 --quant modelopt-mixed \
+  --device cuda > /tmp/make.log 2>&1 || { tail -20 /tmp/make.log; exit 1; }
+python3 -m m3serve serve --model-path /tmp/slice --max-running-requests 256 \
+  --context-length 4096 --enable-step-trace > /tmp/serve.log 2>&1 &
+server=$!
+until curl -sf http://127.0.0.1:30000/health > /dev/null; do
+  kill -0 $server 2> /dev/null || { tail -30 /tmp/serve.log; exit 1; }  # died: say why now
+  sleep 1
+done
+echo "ready after $(($(date +%s) - t0)) s"
+grep -E "start-up [0-9]|mixed-step prompt budget" /tmp/serve.log | tail -2
+rm -rf /tmp/res && mkdir -p /tmp/res && : > /tmp/res/windows.txt
+for level in "${levels[@]}"; do
+  IFS=: read -r name concurrency requests probe <<< "$level"
+  extra=()
+  [ "${probe:-}" = probe ] && extra=(--decode-probe "$concurrency")
+  since=$(date +%T.%3N)
+  python3 perf/bench_serving.py --url http://127.0.0.1:30000 --input-len 1024 --output-len 256 \
+    --concurrency "$concurrency" --num-requests "$requests" --client-procs 4 "${extra[@]}" \
+    --out "/tmp/res/$name.json" > "/tmp/res/$name.txt" 2>&1
+  echo "$name $since $(date +%T.%3N)" >> /tmp/res/windows.txt
+  grep -E "^concurrency|of ideal" "/tmp/res/$name.txt"
+done
+kill -INT $server
+wait $server
+echo "compile warnings after ready: $(grep -c 'compiled' /tmp/serve.log)"
+while read -r name since until; do
+  echo "== $name"
+  python3 perf/summarize_step_trace.py /tmp/serve.log --since "$since" --until "$until" \
+    --top 10 --slowest 20
+done < /tmp/res/windows.txt > "$OUT/trace.txt" 2>&1
+gzip -c /tmp/serve.log > "$OUT/serve.log.gz"
+tar czf "$OUT/results.tgz" -C /tmp res
+[ $carried = 1 ] || tar czf "$OUT/tcache.tgz" -C /tmp tcache
+echo "done after $(($(date +%s) - t0)) s"
