@@ -13,9 +13,23 @@ from starlette.types import Receive, Scope, Send
 
 DONE = b"data: [DONE]\n\n"
 
+# Characters that JSON leaves raw in strings but that Python's str.splitlines() (and so httpx's
+# `iter_lines`, which many SSE clients read with) takes for line ends: raw, a token of model
+# text that holds one splits its event in two. Escaped, the JSON value is the same.
+# (UTF-8 of U+0085, U+2028, U+2029; a lead byte starts each, so none is part of another.)
+_LINE_ENDS = (
+    (b"\xc2\x85", b"\\u0085"),
+    (b"\xe2\x80\xa8", b"\\u2028"),
+    (b"\xe2\x80\xa9", b"\\u2029"),
+)
+
 
 def event(payload: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(payload) + b"\n\n"
+    data = orjson.dumps(payload)
+    for raw, escaped in _LINE_ENDS:
+        if raw in data:
+            data = data.replace(raw, escaped)
+    return b"data: " + data + b"\n\n"
 
 
 def named_event(payload: dict[str, Any]) -> bytes:
