@@ -23,12 +23,11 @@ advances and one odd step (a garbage collection, a cold cache) moves it by one d
 
 from __future__ import annotations
 
-import bisect
 import logging
 import math
 import time
 
-from m3serve.core.step_cost import StepCost, envelope
+from m3serve.core.step_cost import StepCost, bucket, envelope
 
 log = logging.getLogger(__name__)
 
@@ -61,28 +60,23 @@ class MixedBudget:
         self._reported = [self(b) for b in self.sizes]
         self._reported_at = 0.0
 
-    def bucket(self, decodes: int) -> int:
-        """The smallest measured batch >= decodes (the largest past them), as StepCost.decode."""
-        i = bisect.bisect_left(self.sizes, decodes)
-        return self.sizes[min(i, len(self.sizes) - 1)]
-
     def __call__(self, decodes: int) -> int:
         start = self.cost.mixed_budget(decodes, self.stretch, self.page)
-        tokens = int(start * self.scale[self.bucket(decodes)]) // self.page * self.page
+        tokens = int(start * self.scale[bucket(self.sizes, decodes)]) // self.page * self.page
         return max(tokens, self.page)
 
     def observe(self, decodes: int, prompt_tokens: int, ms: float) -> None:
         """One step run: `decodes` decode rows and `prompt_tokens` prompt tokens in `ms`."""
         if decodes == 0 or ms <= 0:
             return  # a step that decodes nothing stretches no stream
-        bucket = self.bucket(decodes)
+        at = bucket(self.sizes, decodes)
         if prompt_tokens == 0:
-            mean = self.decode_ms[bucket]
-            self.decode_ms[bucket] += EWMA * (min(ms, DECODE_CLIP * mean) - mean)
+            mean = self.decode_ms[at]
+            self.decode_ms[at] += EWMA * (min(ms, DECODE_CLIP * mean) - mean)
             return
         # As the start-up budget does (StepCost.decode): no bucket's decode step counts as
         # slower than a bigger one's, so a bucket served rarely keeps no noisy start-up time.
-        decode = envelope(self.decode_ms, bucket)
+        decode = envelope(self.decode_ms, at)
         limit = self.stretch * decode
         if prompt_tokens < FULL_SHARE * self(decodes) and ms <= limit:
             return  # a short chunk says nothing about what the budget would cost
@@ -91,7 +85,7 @@ class MixedBudget:
             # ratio of the prompt work wanted to the work seen.
             step = math.sqrt((limit - decode) / max(ms - decode, 1e-3))
             step = min(max(step, STEP_DOWN), STEP_UP)
-            self.scale[bucket] = min(max(self.scale[bucket] * step, SCALE_MIN), SCALE_MAX)
+            self.scale[at] = min(max(self.scale[at] * step, SCALE_MIN), SCALE_MAX)
             self._report()
 
     def __str__(self) -> str:
@@ -101,8 +95,10 @@ class MixedBudget:
     def _report(self) -> None:
         """Log the budgets when they moved since the last report, at most every REPORT_S
         (where they settle, without the step trace)."""
-        budgets = [self(b) for b in self.sizes]
         now = time.monotonic()
-        if budgets != self._reported and now - self._reported_at >= REPORT_S:
+        if now - self._reported_at < REPORT_S:
+            return  # the clock first: the budgets are worked out only when a line may go out
+        budgets = [self(b) for b in self.sizes]
+        if budgets != self._reported:
             self._reported, self._reported_at = budgets, now
             log.info("mixed-step prompt budget now (decode batch: step -> tokens): %s", self)

@@ -22,6 +22,7 @@ and never drop below one page, so a prompt always advances.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,11 +61,15 @@ class StepCost:
         )
 
 
+def bucket(sizes: list[int], batch: int) -> int:
+    """The smallest of the sorted measured batch `sizes` >= `batch` (the largest past them)."""
+    return sizes[min(bisect.bisect_left(sizes, batch), len(sizes) - 1)]
+
+
 def envelope(step_ms: dict[int, float], batch: int) -> float:
     """The least step time of the measured batches >= `batch` (the largest one past them)."""
     sizes = sorted(step_ms)
-    at = next((i for i, s in enumerate(sizes) if s >= batch), len(sizes) - 1)
-    return min(step_ms[s] for s in sizes[at:])
+    return min(step_ms[s] for s in sizes if s >= bucket(sizes, batch))
 
 
 def fit_per_token(samples: dict[int, float]) -> float:

@@ -100,7 +100,9 @@ class StepRecord:
     run_ms: float = 0.0
     process_ms: float = 0.0
     compiled: list[str] = field(default_factory=list)
-    gc_ms: float = 0.0  # collector pauses from planning to processing (the trace's GcPauses)
+    # Collector pauses from planning to processing (the trace's GcPauses): the running total's
+    # negative when planned, the total added back when processed.
+    gc_ms: float = 0.0
 
     @property
     def tokens(self) -> int:
@@ -130,12 +132,10 @@ class StepTrace:
         self.compiles = CompileCounter()
         self.gc = GcPauses() if log_every_step else None
         self._records: dict[int, StepRecord] = {}
-        self._gc_at: dict[int, float] = {}  # step -> the collector's total when it was planned
 
     def planned(self, plan: StepPlan, seconds: float) -> None:
-        self._records[plan.step] = StepRecord(plan, seconds * 1e3)
-        if self.gc is not None:
-            self._gc_at[plan.step] = self.gc.total_ms
+        paused = -self.gc.total_ms if self.gc is not None else 0.0
+        self._records[plan.step] = StepRecord(plan, seconds * 1e3, gc_ms=paused)
 
     def ran(self, step: int, seconds: float, compiles_before: int) -> None:
         record = self._records.get(step)
@@ -149,7 +149,7 @@ class StepTrace:
             return None
         record.process_ms = seconds * 1e3
         if self.gc is not None:
-            record.gc_ms = self.gc.total_ms - self._gc_at.pop(step, self.gc.total_ms)
+            record.gc_ms += self.gc.total_ms
         if record.compiled:
             log.warning("%s (a compile stalls every request in the step)", record.line())
         elif self.log_every_step:

@@ -69,12 +69,14 @@ class ScriptedEngine:
 
     @functools.cached_property
     def _tokenizer(self) -> Any:
-        return Tokenizer.from_file(str(Path(self.model_path) / "tokenizer.json"))
+        """The model's tokenizer; None for a model path without one (some tests use none)."""
+        path = Path(self.model_path) / "tokenizer.json"
+        return Tokenizer.from_file(str(path)) if path.is_file() else None
 
     def _piece_id(self, piece: str, i: int) -> int:
         """One token a piece: the piece's own first id where the model has a tokenizer (the
         reasoning count reads the think tags' ids), else a stand-in."""
-        if not (Path(self.model_path) / "tokenizer.json").is_file():
+        if self._tokenizer is None:
             return 1000 + i
         ids = self._tokenizer.encode(piece, add_special_tokens=False).ids
         return ids[0] if ids else 1000 + i
