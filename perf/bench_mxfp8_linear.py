@@ -15,7 +15,7 @@ Shapes (N, K) are the model's MXFP8 projections: fused q/k/v/index-q/index-k (98
 * prefill, M 2048: both timed the same way (graph replay), TFLOP/s = 2 M N K / time.
 * the two decode kernels side by side at M <= 8 (`gemv_us`, `mma_us`: each forced, whatever
   `plan_mxfp8` picks), the measurement behind `GEMV_MAX_M`; `--gemv-sweep` times the GEMV
-  kernel's tile choices at M 1 and 4 on the first shape.
+  kernel's tile choices at M 1 and 2 on each shape.
 * the MMA tiles against the dequantized path (W to bf16, then cuBLAS), each forced, at the
   `--crossover-ms` sizes: the measurement behind `DEQUANT_MIN_M`.
 
@@ -122,21 +122,23 @@ def point(
 
 
 def gemv_sweep(name: str, bandwidth: float) -> list[dict[str, float | int | str]]:
-    """The GEMV kernel's tile choices on one shape at M 1 and 4 (graph replay)."""
+    """The GEMV kernel's tile choices on one shape at M 1 and 2 (graph replay). Narrow row
+    tiles are in the grid because the programs' count against the SMs' slots matters: the
+    model's N = 6144 projections give 768 programs of 8 rows."""
     n, k = SHAPES[name]
     weight = Weight(n, k, copies_for(n * k * 33 // 32), 1)
     rows: list[dict[str, float | int | str]] = []
     print(f"\nGEMV tiles on {name} ({n} x {k}): µs (% of read bandwidth)")
-    for m in (1, 4):
+    for m in (1, 2):
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         outs = [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for _ in weight.codes]
-        for block_n, block_k, warps, stages in itertools.product((8, 16, 32), (256, 512), (4, 8),
+        for block_n, block_k, warps, stages in itertools.product((4, 8, 16), (512, 1024), (4, 8),
                                                                  (3, 4)):  # fmt: skip
             plan = Mxfp8Plan(m, block_n, block_k, 1, warps, stages, gemv=True)
             us = graph_us(_calls(x, weight, outs, plan))
             frac = weight.bytes / (us * 1e-6) / bandwidth
             rows.append(
-                {"m": m, "block_n": block_n, "block_k": block_k, "warps": warps,
+                {"shape": name, "m": m, "block_n": block_n, "block_k": block_k, "warps": warps,
                  "stages": stages, "us": us, "read_fraction": frac}
             )  # fmt: skip
             tiles = f"n{block_n} k{block_k} w{warps} s{stages}"
@@ -190,7 +192,7 @@ def main() -> None:
     print(f"device read-only bandwidth: {bandwidth / 1e12:.2f} TB/s")
 
     decode, prefill, cross = [], [], []
-    sweep = gemv_sweep(shapes[0], bandwidth) if args.gemv_sweep else []
+    sweep = [r for name in shapes for r in gemv_sweep(name, bandwidth)] if args.gemv_sweep else []
     print("\ndecode (CUDA-graph replay; GB/s of weight bytes = codes + scales)")
     print(
         f"{'shape':>15} {'N':>6} {'K':>6} {'M':>4} {'bm':>4} {'split':>5} {'µs':>8} {'GB/s':>7} "

@@ -21,6 +21,8 @@ which can fall short of 1 only through near-ties).
 
     python perf/bench_router.py [--tokens 1,8,32,64,128,2048] [--sweep] [--out PATH]
 
+Up to 16 tokens the router takes its GEMV route (one launch); the `tile` column is the two-kernel
+tile route at the same T (the decode path before it).
 --sweep also times a grid of (splits, expert blocks, warps) launches at each T, to guide the
 heuristic (the 6 fastest, and the heuristic's own against the best).
 Prints a table; writes JSON to $OUT/bench_router.json when $OUT is set, else to
@@ -98,9 +100,18 @@ def torch_calls(sets: list[RouterSet]) -> list[Callable[[], object]]:
 
 
 def plan_name(plan: RoutePlan) -> str:
+    if plan.gemv:
+        return f"gemv bt{plan.block_t}"
     if plan.fused:
         return f"fused bt{plan.block_t}"
     return f"bt{plan.block_t} e{plan.expert_blocks} s{plan.splits}"
+
+
+def tile_plan(tokens: int) -> RoutePlan:
+    """The tile route's own plan at this T (a given block_t takes it, as at T > 16)."""
+    return route_plan(
+        tokens, E, H, torch.device("cuda"), block_t=max(16, 1 << (tokens - 1).bit_length())
+    )
 
 
 # --------------------------------------------------------------------------------- points
@@ -117,6 +128,14 @@ def point(tokens: int, read_bw: float) -> dict[str, float | int | str]:
     row["torch_us"] = graph_us(torch_calls(sets))
     row["torch_hot_us"] = graph_us(torch_calls(sets[:1]))
     row["speedup"] = row["torch_us"] / row["triton_us"]
+    if plan.gemv:  # what the tile route (the two-kernel split) takes at the same T
+        tile = tile_plan(tokens)
+        launch = {
+            "block_t": tile.block_t,
+            "splits": tile.splits,
+            "expert_blocks": tile.expert_blocks,
+        }
+        row["tile_route_us"] = graph_us(kernel_calls(sets, **launch))
     row["weight_floor_us"] = E * H * 4 / read_bw * 1e6
     row["io_floor_us"] = set_bytes(tokens) / read_bw * 1e6  # weight + x + outputs
     row["floor_fraction"] = row["weight_floor_us"] / row["triton_us"]
@@ -132,6 +151,8 @@ def sweep_point(tokens: int) -> list[dict[str, float | int]]:
     grid = [(s, b) for s in SWEEP_SPLITS for b in SWEEP_BLOCKS]
     seen: set[RoutePlan] = set()
     rows = []
+    # The GEMV route has no splits or blocks: the sweep times the tile route's plans beside it.
+    own = own if not own.gemv else tile_plan(tokens)
     for splits, blocks in [(own.splits, own.expert_blocks), *grid]:
         plan = route_plan(tokens, E, H, torch.device("cuda"), splits=splits, expert_blocks=blocks)
         if plan in seen:
@@ -165,7 +186,7 @@ def main() -> None:
     print(f"\nrouter E={E} H={H} top-{K}, bf16 x, fp32 weight; CUDA-graph µs per call")
     print(
         f"{'T':>5} {'plan':>16} {'triton':>8} {'hot':>7} {'torch':>8} {'hot':>7} {'×torch':>7} "
-        f"{'floor':>6} {'%floor':>6} {'TFLOP/s':>8} {'same':>6}"
+        f"{'floor':>6} {'%floor':>6} {'TFLOP/s':>8} {'same':>6} {'tile':>7}"
     )
     rows = []
     for t in tokens:
@@ -176,7 +197,7 @@ def main() -> None:
             f"{t:>5} {plan_name(plan):>16} {r['triton_us']:>8.2f} {r['triton_hot_us']:>7.2f} "
             f"{r['torch_us']:>8.2f} {r['torch_hot_us']:>7.2f} {r['speedup']:>7.2f} "
             f"{r['weight_floor_us']:>6.2f} {100 * r['floor_fraction']:>5.1f}% "
-            f"{r['tflops']:>8.2f} {r['same_experts']:>6.4f}"
+            f"{r['tflops']:>8.2f} {r['same_experts']:>6.4f} {r.get('tile_route_us', 0.0):>7.2f}"
         )
 
     sweep = []

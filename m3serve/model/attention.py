@@ -10,10 +10,12 @@ outputs are summed over the ranks."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
-from m3serve.model.backend import Backend
+from m3serve.model.backend import Backend, HeadInputs
 from m3serve.model.batch import ForwardBatch
 from m3serve.model.config import TextConfig
 from m3serve.model.kv_cache import LayerKV
@@ -67,30 +69,26 @@ class Attention(nn.Module):
         """The queries [T, Hq, D] and (sparse layers) index queries of the new tokens, with
         their keys, values and index keys written to the cache. Reads only the token count,
         positions and cache slots of the batch, so it can run inside a CUDA graph."""
-        cfg, backend = self.cfg, self.backend
+        cfg = self.cfg
         n = x.shape[0]
-        parts = backend.linear(x, self.qkv_proj.data).split(self.splits, dim=-1)
-        q = self._norm_rope(parts[0], self.q_norm, self.heads, batch, inv_freq)
-        # Keys are normalized, rotated and written to the cache in one backend op.
-        k = parts[1].view(n, self.kv_heads, cfg.head_dim)
-        v = parts[2].view(n, self.kv_heads, cfg.head_dim)
-        if not self.sparse:
-            eps = self.k_norm.eps
-            backend.store_kv(kv, batch, k, v, self.k_norm.weight, None, None, eps, inv_freq)
-            return q, None
-        index_q = self._norm_rope(parts[3], self.index_q_norm, self.index_heads, batch, inv_freq)
-        backend.store_kv(
-            kv,
-            batch,
-            k,
-            v,
-            self.k_norm.weight,
-            parts[4],
-            self.index_k_norm.weight,
-            self.k_norm.eps,
-            inv_freq,
+        parts = self.backend.linear(x, self.qkv_proj.data).split(self.splits, dim=-1)
+        heads = HeadInputs(
+            q=parts[0].view(n, self.heads, cfg.head_dim),
+            q_norm=self.q_norm.weight,
+            k=parts[1].view(n, self.kv_heads, cfg.head_dim),
+            v=parts[2].view(n, self.kv_heads, cfg.head_dim),
+            k_norm=self.k_norm.weight,
         )
-        return q, index_q
+        if self.sparse:
+            heads = replace(
+                heads,
+                index_q=parts[3].view(n, self.index_heads, cfg.index_head_dim),
+                index_q_norm=self.index_q_norm.weight,
+                index_k=parts[4],
+                index_k_norm=self.index_k_norm.weight,
+            )
+        # Every norm of the layer is built with the config's one epsilon.
+        return self.backend.attention_inputs(kv, batch, heads, self.k_norm.eps, inv_freq)
 
     def attend(
         self, q: torch.Tensor, index_q: torch.Tensor | None, batch: ForwardBatch, kv: LayerKV
@@ -114,17 +112,6 @@ class Attention(nn.Module):
     def output(self, attn: torch.Tensor) -> torch.Tensor:
         # Row-parallel: each rank's product covers its heads only; the sum is the output.
         return self.ranks.all_reduce(self.backend.linear(attn, self.o_proj.data))
-
-    def _norm_rope(
-        self,
-        y: torch.Tensor,
-        norm: Norm,
-        heads: int,
-        batch: ForwardBatch,
-        inv_freq: torch.Tensor,
-    ) -> torch.Tensor:
-        y = y.view(y.shape[0], heads, -1)
-        return self.backend.head_norm_rope(y, norm.weight, norm.eps, batch.positions, inv_freq)
 
 
 # The checkpoint projections fused into `qkv_proj`, in row order (full-attention layers have no

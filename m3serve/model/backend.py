@@ -7,7 +7,8 @@ implements it (the exact torch reference, Triton kernels on Hopper) and is chose
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol, TypeVar
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -15,8 +16,21 @@ from m3serve.model.batch import ForwardBatch
 from m3serve.model.kv_cache import LayerKV
 from m3serve.model.weights import ExpertWeights, LinearWeight
 
-A = TypeVar("A")
-B = TypeVar("B")
+
+@dataclass(frozen=True)
+class HeadInputs:
+    """One layer's raw projections, split per head, with their norm weights."""
+
+    q: torch.Tensor  # [T, Hq, D]
+    q_norm: torch.Tensor  # [D]
+    k: torch.Tensor  # [T, Hkv, D]
+    v: torch.Tensor  # [T, Hkv, D]
+    k_norm: torch.Tensor  # [D]
+    # The lightning indexer's (sparse layers only): queries [T, Hi, Di], the one key head [T, Di].
+    index_q: torch.Tensor | None = None
+    index_q_norm: torch.Tensor | None = None
+    index_k: torch.Tensor | None = None
+    index_k_norm: torch.Tensor | None = None
 
 
 class Backend(Protocol):
@@ -58,20 +72,17 @@ class Backend(Protocol):
         """Per-head RMSNorm of x [T, H, D], then partial RoPE at positions."""
         ...
 
-    def store_kv(
+    def attention_inputs(
         self,
         layer: LayerKV,
         batch: ForwardBatch,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_norm: torch.Tensor,
-        index_k: torch.Tensor | None,
-        index_k_norm: torch.Tensor | None,
+        heads: HeadInputs,
         eps: float,
         inv_freq: torch.Tensor,
-    ) -> None:
-        """Per-head norm + RoPE of the raw keys k [T, Hkv, D] and index keys [T, Di], then
-        write k, v and the index keys to the cache slots of the batch's new tokens."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-head norm + RoPE of every projection of `heads`: the queries and index queries
+        are returned (index queries None without an indexer); the keys and index keys are
+        written to the cache slots of the batch's new tokens, with the values as they are."""
         ...
 
     def index_topk(
@@ -129,13 +140,11 @@ class Backend(Protocol):
         limit: float,
         scale: float,
         first_expert: int = 0,
+        shared: Callable[[], torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """The routed experts' weighted sum times the routed scaling factor `scale`. Routing
-        picks among all of `router_weight`'s experts; `experts` holds those from `first_expert`
-        on (expert parallelism), and picks outside them add nothing (other ranks hold them)."""
-        ...
-
-    def concurrently(self, first: Callable[[], A], second: Callable[[], B]) -> tuple[A, B]:
-        """Both results; a backend may overlap the two (the shared expert beside the routed
-        ones). Each must only read what exists before the call."""
+        """The routed experts' weighted sum times the routed scaling factor `scale`, plus
+        `shared()` (the shared expert's output) when given. Routing picks among all of
+        `router_weight`'s experts; `experts` holds those from `first_expert` on (expert
+        parallelism), and picks outside them add nothing (other ranks hold them). A backend may
+        run `shared` beside the routed experts; it must only read what exists before the call."""
         ...

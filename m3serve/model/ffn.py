@@ -158,19 +158,17 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         # The routed scaling factor applies to the routed sum only, not to the shared expert.
-        routed, shared = self.backend.concurrently(
-            lambda: self.backend.moe(
-                x,
-                self.gate.weight,
-                self.e_score_correction_bias,
-                self.experts.data,
-                cfg.num_experts_per_tok,
-                cfg.swiglu_alpha,
-                cfg.swiglu_limit,
-                cfg.routed_scaling_factor,
-                first_expert=self.first_expert,
-            ),
-            lambda: self.shared_experts(x),
+        both = self.backend.moe(
+            x,
+            self.gate.weight,
+            self.e_score_correction_bias,
+            self.experts.data,
+            cfg.num_experts_per_tok,
+            cfg.swiglu_alpha,
+            cfg.swiglu_limit,
+            cfg.routed_scaling_factor,
+            first_expert=self.first_expert,
+            shared=lambda: self.shared_experts(x),
         )
         # One collective for both partial sums (routed: this rank's experts or slices of them).
-        return self.ranks.all_reduce(routed + shared)
+        return self.ranks.all_reduce(both)

@@ -1,11 +1,12 @@
 """Triton MoE router on the model's real shapes (E 128, H 6144, top-4, routed scaling 2.0) against
 the fp32 torch reference `route_topk`, on the GPU.
 
-Token counts from decode to a prefill chunk: T in (1, 3, 8, 64, 257, 2048) take the split path
-(partial logits over hidden chunks / expert blocks, then the combine kernel); T = 8192 the fused
-one; forced plans cover the other paths at T = 257. Activations are bf16 (unit RMS, like the
-normed hidden state), the router weight fp32 with logits of order one, the bias of the order of
-the gaps between the top scores, so it changes winners.
+Token counts from decode to a prefill chunk: T in (1, 3, 8, 16) take the GEMV route (a program
+per expert; the last to finish selects), T in (64, 257, 2048) the split path (partial logits
+over hidden chunks / expert blocks, then the combine kernel); T = 8192 the fused one; forced
+plans cover the other paths at T = 257, and the tile route at decode sizes. Activations are
+bf16 (unit RMS, like the normed hidden state), the router weight fp32 with logits of order one,
+the bias of the order of the gaps between the top scores, so it changes winners.
 
 Tolerances:
 - ids: the same set as the reference per token, except where the reference's k-th and (k+1)-th
@@ -31,7 +32,7 @@ from m3serve.kernels.triton.router import route, route_plan
 
 DEV = torch.device("cuda")
 E, H, K, SCALE = 128, 6144, 4, 2.0
-TOKENS = [1, 3, 8, 64, 257, 2048]
+TOKENS = [1, 3, 8, 16, 64, 257, 2048]
 NEAR_TIE = 1e-5
 WEIGHT_RTOL = 1e-5
 
@@ -137,6 +138,18 @@ def test_forced_plans(plan: dict[str, int]) -> None:
     w, b = router_params(seed=4)
     x = activations(257, seed=5)
     check(*route(x, w, b, K, SCALE, **plan), x, w, b)
+
+
+@pytest.mark.parametrize("t", [1, 8, 16])
+def test_the_gemv_and_tile_routes_agree_at_decode_sizes(t: int) -> None:
+    w, b = router_params(seed=18)
+    x = activations(t, seed=19)
+    assert route_plan(t, E, H, DEV).gemv
+    gemv_w, gemv_ids = route(x, w, b, K, SCALE)
+    tile_w, tile_ids = route(x, w, b, K, SCALE, splits=64)
+    assert torch.equal(gemv_ids.sort(1).values, tile_ids.sort(1).values)
+    torch.testing.assert_close(gemv_w.sort(1).values, tile_w.sort(1).values, rtol=1e-5, atol=0.0)
+    check(gemv_w, gemv_ids, x, w, b)
 
 
 def test_fp32_activations() -> None:

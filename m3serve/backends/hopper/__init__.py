@@ -1,7 +1,7 @@
 """The Hopper (sm_90) backend: Triton kernels for the norms, fused norm/RoPE/KV writes, the
 lightning indexer, sparse paged attention, the DSpark draft's block attention, the router,
-the SwiGLU-OAI activation, W8A16 MXFP8 projections and the W4A16 NVFP4 fused MoE; the shared
-expert runs on a side stream beside the routed experts.
+the SwiGLU-OAI activation, W8A16 MXFP8 projections and the W4A16 NVFP4 fused MoE; once the
+router has run, the shared expert runs on a side stream beside the routed experts.
 
 Weights stay in the checkpoint's formats (`weight_formats`); dense (bf16) projections run as
 torch matmuls and dense experts as grouped bf16 matmuls (`--moe-runner-backend torch`, or a
@@ -24,6 +24,7 @@ from m3serve.backends.hopper.moe import (
 )
 from m3serve.backends.reference import ReferenceBackend
 from m3serve.kernels.moe import local_expert_ids
+from m3serve.model.backend import HeadInputs
 from m3serve.model.batch import ForwardBatch
 from m3serve.model.ffn import Experts
 from m3serve.model.kv_cache import LayerKV
@@ -107,7 +108,7 @@ class HopperBackend(ReferenceBackend):
     def swiglu(self, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
         return self._swiglu.swiglu_oai(gate_up, alpha, limit)
 
-    def concurrently(self, first: Callable[[], A], second: Callable[[], B]) -> tuple[A, B]:
+    def _beside(self, first: Callable[[], A], second: Callable[[], B]) -> tuple[A, B]:
         """`second` on a side stream while `first` runs on the current one (also inside a CUDA
         graph capture, where the two become parallel branches)."""
         if self._side is None:
@@ -140,33 +141,24 @@ class HopperBackend(ReferenceBackend):
     ) -> torch.Tensor:
         return self._rope_kv.norm_rope(x, weight, eps, positions, inv_freq)
 
-    def store_kv(
+    def attention_inputs(
         self,
         layer: LayerKV,
         batch: ForwardBatch,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_norm: torch.Tensor,
-        index_k: torch.Tensor | None,
-        index_k_norm: torch.Tensor | None,
+        heads: HeadInputs,
         eps: float,
         inv_freq: torch.Tensor,
-    ) -> None:
-        kernels = self._rope_kv
-        kernels.norm_rope_write_kv(
-            k, v, k_norm, eps, batch.positions, inv_freq, batch.out_slots, layer.k, layer.v
-        )
-        if index_k is not None:
-            assert layer.index_k is not None and index_k_norm is not None
-            kernels.norm_rope_write_index_k(
-                index_k,
-                index_k_norm,
-                eps,
-                batch.positions,
-                inv_freq,
-                batch.out_slots,
-                layer.index_k,
-            )
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        index = None
+        if heads.index_q is not None:
+            assert heads.index_q_norm is not None and heads.index_k is not None
+            assert heads.index_k_norm is not None and layer.index_k is not None
+            index = (heads.index_q, heads.index_q_norm, heads.index_k, heads.index_k_norm,
+                     layer.index_k)  # fmt: skip
+        return self._rope_kv.norm_rope_heads(
+            heads.q, heads.q_norm, heads.k, heads.v, heads.k_norm, eps, batch.positions,
+            inv_freq, batch.out_slots, layer.k, layer.v, index,
+        )  # fmt: skip
 
     def index_topk(
         self,
@@ -243,13 +235,36 @@ class HopperBackend(ReferenceBackend):
         limit: float,
         scale: float,
         first_expert: int = 0,
+        shared: Callable[[], torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        # Routing first, on the critical path alone: beside the shared expert's GEMVs (which
+        # fill the GPU) it waited for them (H200, batch 1: 185 -> 165 µs per layer, then the
+        # routed experts and the shared expert overlap instead).
         # The routed scaling factor rides on the mixing weights (2.0: exact).
         weights, ids = self._router.route(x, router_weight, bias, top_k, scale)
         held = experts.w13.shape[0]
         partial = held != router_weight.shape[0]
         if partial:  # expert parallelism: pairs routed to other ranks' experts are skipped
             ids = local_expert_ids(ids, first_expert, held)
+
+        def routed() -> torch.Tensor:
+            return self._routed(x, weights, ids, experts, alpha, limit, partial)
+
+        if shared is None:
+            return routed()
+        out, extra = self._beside(routed, shared)
+        return out + extra
+
+    def _routed(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        experts: ExpertWeights,
+        alpha: float,
+        limit: float,
+        partial: bool,
+    ) -> torch.Tensor:
         if isinstance(experts, Nvfp4Experts):
             e = experts
             if not e.tiled:

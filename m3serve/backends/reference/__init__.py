@@ -8,7 +8,6 @@ dequantizes them exactly, which gives the same values.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
 
 import torch
 
@@ -21,6 +20,7 @@ from m3serve.kernels.norm import add_gemma_rms_norm, gemma_rms_norm
 from m3serve.kernels.nvfp4_tiles import untile_rows
 from m3serve.kernels.quant import NVFP4_GROUP, dequant_mxfp8, unpack_e2m1
 from m3serve.kernels.rope import apply_rope, rope_cos_sin
+from m3serve.model.backend import HeadInputs
 from m3serve.model.batch import ForwardBatch
 from m3serve.model.kv_cache import LayerKV
 from m3serve.model.weights import (
@@ -30,9 +30,6 @@ from m3serve.model.weights import (
     Mxfp8Weight,
     Nvfp4Experts,
 )
-
-A = TypeVar("A")
-B = TypeVar("B")
 
 
 class ReferenceBackend:
@@ -74,6 +71,26 @@ class ReferenceBackend:
         cos, sin = rope_cos_sin(positions, inv_freq)
         return apply_rope(gemma_rms_norm(x.float(), weight, eps), cos, sin).to(x.dtype)
 
+    def attention_inputs(
+        self,
+        layer: LayerKV,
+        batch: ForwardBatch,
+        heads: HeadInputs,
+        eps: float,
+        inv_freq: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        pos = batch.positions
+        q = self.head_norm_rope(heads.q, heads.q_norm, eps, pos, inv_freq)
+        index_q = None
+        if heads.index_q is not None:
+            assert heads.index_q_norm is not None
+            index_q = self.head_norm_rope(heads.index_q, heads.index_q_norm, eps, pos, inv_freq)
+        self.store_kv(
+            layer, batch, heads.k, heads.v, heads.k_norm, heads.index_k, heads.index_k_norm, eps,
+            inv_freq,
+        )  # fmt: skip
+        return q, index_q
+
     def store_kv(
         self,
         layer: LayerKV,
@@ -86,6 +103,8 @@ class ReferenceBackend:
         eps: float,
         inv_freq: torch.Tensor,
     ) -> None:
+        """Per-head norm + RoPE of the raw keys k [T, Hkv, D] and index keys [T, Di], then
+        write k, v and the index keys to the cache slots of the batch's new tokens."""
         k = self.head_norm_rope(k, k_norm, eps, batch.positions, inv_freq)
         layer.k[batch.out_slots] = k.to(layer.k.dtype)
         layer.v[batch.out_slots] = v.to(layer.v.dtype)
@@ -169,16 +188,15 @@ class ReferenceBackend:
         limit: float,
         scale: float,
         first_expert: int = 0,
+        shared: Callable[[], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         weights, ids = route_topk(x, router_weight, bias, top_k)
         held = experts.w13.shape[0]
         if held != router_weight.shape[0]:
             ids = local_expert_ids(ids, first_expert, held)
         dense = dequant_experts(experts, x.dtype) if isinstance(experts, Nvfp4Experts) else experts
-        return moe_experts(x, weights, ids, dense.w13, dense.w2, alpha, limit) * scale
-
-    def concurrently(self, first: Callable[[], A], second: Callable[[], B]) -> tuple[A, B]:
-        return first(), second()
+        routed = moe_experts(x, weights, ids, dense.w13, dense.w2, alpha, limit) * scale
+        return routed if shared is None else routed + shared()
 
 
 def dequant_experts(experts: Nvfp4Experts, dtype: torch.dtype) -> DenseExperts:

@@ -7,16 +7,20 @@ result is cast once to the input dtype. Cache writes then cast that result to th
 (bf16, or float8_e4m3fn with scale 1.0, saturating at +-448: what a plain torch cast does
 past that differs between builds and devices, NaN on some).
 
-One kernel per projection family:
-  - `norm_rope`: q and the indexer's q, returned (or written to `out`);
+One kernel, `_heads_kernel`, for every projection family, alone or together:
+  - `norm_rope`: q or the indexer's q, returned (or written to `out`);
   - `norm_rope_write_kv`: k is normalized and rotated, then k and v go straight to the caches;
-  - `norm_rope_write_index_k`: the single index-key head, straight to the index-K cache.
+  - `norm_rope_write_index_k`: the single index-key head, straight to the index-K cache;
+  - `norm_rope_heads`: all of a layer's at once, one launch where the parts took four (at batch
+    1 each was a ~2 µs kernel, mostly its launch and its one round trip to memory).
 
-A program handles one token and a block of heads. Grids depend only on shapes, and slots and
-positions are read on the device, so all three can be captured in a CUDA graph.
+A program handles one token and a block of heads of one part. Grids depend only on shapes, and
+slots and positions are read on the device, so every call can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -124,7 +128,7 @@ def _to_cache(x, cache_ptr, FP8: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope_kernel(
+def _heads_out(
     x_ptr,
     stride_xt,
     stride_xh,
@@ -132,58 +136,52 @@ def _norm_rope_kernel(
     stride_ot,
     stride_oh,
     w_ptr,
-    pos_ptr,
+    heads,
+    block,
+    t,
+    pos_f,
     inv_freq_ptr,
     eps,
-    H,
     D: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_mask = heads < H
-    pos_f = tl.load(pos_ptr + t).to(tl.float32)
+    """Heads [block * BLOCK_H, ...) of token t: normalized, rotated, stored to out."""
+    h = block * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = h < heads
     y = _norm_rope_tile(
-        x_ptr + t * stride_xt,
-        stride_xh,
-        heads,
-        h_mask,
-        w_ptr,
-        eps,
-        pos_f,
-        inv_freq_ptr,
-        D,
-        HALF,
+        x_ptr + t * stride_xt, stride_xh, h, h_mask, w_ptr, eps, pos_f, inv_freq_ptr, D, HALF,
         BLOCK_D,
-    )
+    )  # fmt: skip
     d = tl.arange(0, BLOCK_D)
     mask = h_mask[:, None] & (d < D)[None, :]
-    ptrs = out_ptr + t * stride_ot + heads[:, None] * stride_oh + d[None, :]
+    ptrs = out_ptr + t * stride_ot + h[:, None] * stride_oh + d[None, :]
     tl.store(ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _norm_rope_write_kernel(
+def _heads_to_cache(
     k_ptr,
     stride_kt,
     stride_kh,
-    v_ptr,
-    stride_vt,
-    stride_vh,
     w_ptr,
-    pos_ptr,
-    inv_freq_ptr,
-    slot_ptr,
     kc_ptr,
     stride_kcs,
     stride_kch,
+    v_ptr,
+    stride_vt,
+    stride_vh,
     vc_ptr,
     stride_vcs,
     stride_vch,
+    heads,
+    block,
+    t,
+    slot,
+    pos_f,
+    inv_freq_ptr,
     eps,
-    H,
     D: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -191,38 +189,114 @@ def _norm_rope_write_kernel(
     HAS_V: tl.constexpr,
     FP8: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_mask = heads < H
+    """Heads [block * BLOCK_H, ...) of token t's keys: normalized, rotated, written to the cache
+    at `slot`; with HAS_V the values beside them, as they are."""
+    h = block * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = h < heads
     d = tl.arange(0, BLOCK_D)
     mask = h_mask[:, None] & (d < D)[None, :]
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    pos_f = tl.load(pos_ptr + t).to(tl.float32)
-
     k = _norm_rope_tile(
-        k_ptr + t * stride_kt,
-        stride_kh,
-        heads,
-        h_mask,
-        w_ptr,
-        eps,
-        pos_f,
-        inv_freq_ptr,
-        D,
-        HALF,
+        k_ptr + t * stride_kt, stride_kh, h, h_mask, w_ptr, eps, pos_f, inv_freq_ptr, D, HALF,
         BLOCK_D,
-    )
+    )  # fmt: skip
     # The reference rounds the rotated key to k's dtype before the cache cast; for a bf16 key
     # and an fp8 cache the double rounding can differ from a direct one, so keep it.
     k = k.to(k_ptr.dtype.element_ty).to(tl.float32)
-    kc_ptrs = kc_ptr + slot * stride_kcs + heads[:, None] * stride_kch + d[None, :]
+    kc_ptrs = kc_ptr + slot * stride_kcs + h[:, None] * stride_kch + d[None, :]
     tl.store(kc_ptrs, _to_cache(k, kc_ptr, FP8), mask=mask)
-
     if HAS_V:
-        v_ptrs = v_ptr + t * stride_vt + heads[:, None] * stride_vh + d[None, :]
+        v_ptrs = v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :]
         v = tl.load(v_ptrs, mask=mask, other=0.0).to(tl.float32)
-        vc_ptrs = vc_ptr + slot * stride_vcs + heads[:, None] * stride_vch + d[None, :]
+        vc_ptrs = vc_ptr + slot * stride_vcs + h[:, None] * stride_vch + d[None, :]
         tl.store(vc_ptrs, _to_cache(v, vc_ptr, FP8), mask=mask)
+
+
+@triton.jit
+def _heads_kernel(
+    pos_ptr,
+    inv_freq_ptr,
+    slot_ptr,
+    eps,
+    q_ptr,
+    stride_qt,
+    stride_qh,
+    qo_ptr,
+    stride_qot,
+    stride_qoh,
+    qw_ptr,
+    q_heads,
+    iq_ptr,
+    stride_iqt,
+    stride_iqh,
+    iqo_ptr,
+    stride_iqot,
+    stride_iqoh,
+    iqw_ptr,
+    iq_heads,
+    k_ptr,
+    stride_kt,
+    stride_kh,
+    kw_ptr,
+    kc_ptr,
+    stride_kcs,
+    stride_kch,
+    v_ptr,
+    stride_vt,
+    stride_vh,
+    vc_ptr,
+    stride_vcs,
+    stride_vch,
+    kv_heads,
+    ik_ptr,
+    stride_ikt,
+    ikw_ptr,
+    ikc_ptr,
+    stride_ikcs,
+    D: tl.constexpr,
+    DI: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DI: tl.constexpr,
+    Q_BLOCKS: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    IQ_BLOCKS: tl.constexpr,
+    BLOCK_HIQ: tl.constexpr,
+    KV_BLOCKS: tl.constexpr,
+    BLOCK_HKV: tl.constexpr,
+    HAS_V: tl.constexpr,
+    FP8: tl.constexpr,
+    IK: tl.constexpr,
+    IK_FP8: tl.constexpr,
+):
+    """Program (t, j): token t's j-th block of heads, in the order q, index q, k (+ v), index k.
+    A part with no blocks is absent (its pointers are placeholders)."""
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    pos_f = tl.load(pos_ptr + t).to(tl.float32)
+    if j < Q_BLOCKS:
+        _heads_out(
+            q_ptr, stride_qt, stride_qh, qo_ptr, stride_qot, stride_qoh, qw_ptr, q_heads, j, t,
+            pos_f, inv_freq_ptr, eps, D, HALF, BLOCK_HQ, BLOCK_D,
+        )  # fmt: skip
+    elif j < Q_BLOCKS + IQ_BLOCKS:
+        _heads_out(
+            iq_ptr, stride_iqt, stride_iqh, iqo_ptr, stride_iqot, stride_iqoh, iqw_ptr, iq_heads,
+            j - Q_BLOCKS, t, pos_f, inv_freq_ptr, eps, DI, HALF, BLOCK_HIQ, BLOCK_DI,
+        )  # fmt: skip
+    elif j < Q_BLOCKS + IQ_BLOCKS + KV_BLOCKS:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        _heads_to_cache(
+            k_ptr, stride_kt, stride_kh, kw_ptr, kc_ptr, stride_kcs, stride_kch, v_ptr,
+            stride_vt, stride_vh, vc_ptr, stride_vcs, stride_vch, kv_heads,
+            j - Q_BLOCKS - IQ_BLOCKS, t, slot, pos_f, inv_freq_ptr, eps, D, HALF, BLOCK_HKV,
+            BLOCK_D, HAS_V, FP8,
+        )  # fmt: skip
+    elif IK:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        _heads_to_cache(
+            ik_ptr, stride_ikt, 0, ikw_ptr, ikc_ptr, stride_ikcs, 0, ik_ptr, 0, 0, ikc_ptr, 0, 0,
+            1, 0, t, slot, pos_f, inv_freq_ptr, eps, DI, HALF, 1, BLOCK_DI, False, IK_FP8,
+        )  # fmt: skip
 
 
 def _heads_view_ok(x: Tensor, name: str, dims: int) -> None:
@@ -255,6 +329,87 @@ def _block_h(heads: int, block_d: int) -> int:
     return max(1, min(triton.next_power_of_2(heads), _TILE_ELEMS // block_d))
 
 
+@dataclass(frozen=True)
+class _Rotated:
+    """Heads normalized, rotated and stored to `out`: x, out [T, H, D]."""
+
+    x: Tensor
+    weight: Tensor
+    out: Tensor
+
+
+@dataclass(frozen=True)
+class _Cached:
+    """Keys [T, H, D] normalized, rotated and written to `cache` [slots, H, D] (and values, as
+    they are, to `v_cache`); the index key is one head, [T, D] into [slots, D]."""
+
+    k: Tensor
+    weight: Tensor
+    cache: Tensor
+    v: Tensor | None = None
+    v_cache: Tensor | None = None
+
+
+def _launch(
+    positions: Tensor,
+    inv_freq: Tensor,
+    eps: float,
+    out_slots: Tensor,
+    q: _Rotated | None = None,
+    index_q: _Rotated | None = None,
+    kv: _Cached | None = None,
+    index_k: _Cached | None = None,
+) -> None:
+    """One launch for every part given: a program per token and block of heads."""
+    heads = [(p.x if isinstance(p, _Rotated) else p.k) for p in (q, index_q, kv, index_k) if p]
+    t = heads[0].shape[0]
+    if t == 0:
+        return
+    main = q.x if q else kv.k if kv else heads[0]
+    index = index_q.x if index_q else index_k.k if index_k else heads[0]
+    d, di = main.shape[-1], index.shape[-1]
+    block_d, block_di = triton.next_power_of_2(d), triton.next_power_of_2(di)
+    hold = positions  # the placeholder pointer of an absent part (its branch never runs)
+
+    def rotated(part: _Rotated | None, block_d: int) -> tuple[list, int, int]:
+        if part is None:
+            return [hold, 0, 0, hold, 0, 0, hold, 0], 0, 1
+        x, out = part.x, part.out
+        h = x.shape[1]
+        block_h = _block_h(h, block_d)
+        args = [x, x.stride(0), x.stride(1), out, out.stride(0), out.stride(1), part.weight, h]
+        return args, triton.cdiv(h, block_h), block_h
+
+    q_args, q_blocks, block_hq = rotated(q, block_d)
+    iq_args, iq_blocks, block_hiq = rotated(index_q, block_di)
+    if kv is None:
+        kv_args, kv_blocks, block_hkv = [hold, 0, 0, hold, hold, 0, 0] + [hold, 0, 0] * 2, 0, 1
+        kv_heads, fp8 = 0, False
+    else:
+        k, cache, kv_heads = kv.k, kv.cache, kv.k.shape[1]
+        block_hkv = _block_h(kv_heads, block_d)
+        kv_blocks = triton.cdiv(kv_heads, block_hkv)
+        v = kv.v if kv.v is not None else k
+        v_cache = kv.v_cache if kv.v_cache is not None else cache
+        kv_args = [k, k.stride(0), k.stride(1), kv.weight, cache, cache.stride(0), cache.stride(1)]
+        kv_args += [v, v.stride(0), v.stride(1), v_cache, v_cache.stride(0), v_cache.stride(1)]
+        fp8 = _cache_fp8(cache, "k_cache")
+    if index_k is None:
+        ik_args, ik_fp8 = [hold, 0, hold, hold, 0], False
+    else:
+        ik, ik_cache = index_k.k, index_k.cache
+        ik_args = [ik, ik.stride(0), index_k.weight, ik_cache, ik_cache.stride(0)]
+        ik_fp8 = _cache_fp8(ik_cache, "index_k_cache")
+    grid = (t, q_blocks + iq_blocks + kv_blocks + (index_k is not None))
+    _heads_kernel[grid](
+        positions, inv_freq, out_slots, eps, *q_args, *iq_args, *kv_args, kv_heads, *ik_args,
+        D=d, DI=di, HALF=inv_freq.numel(), BLOCK_D=block_d, BLOCK_DI=block_di,
+        Q_BLOCKS=q_blocks, BLOCK_HQ=block_hq, IQ_BLOCKS=iq_blocks, BLOCK_HIQ=block_hiq,
+        KV_BLOCKS=kv_blocks, BLOCK_HKV=block_hkv, HAS_V=kv is not None and kv.v is not None,
+        FP8=fp8, IK=index_k is not None, IK_FP8=ik_fp8, num_warps=4,
+    )  # fmt: skip
+
+
 def norm_rope(
     x: Tensor,
     weight: Tensor,
@@ -268,36 +423,23 @@ def norm_rope(
     weight: [D]; positions: [T] int; inv_freq: [rotary_dim / 2] fp32. `out` ([T, H, D], x's
     dtype, last dim contiguous) receives the result when given.
     """
-    _heads_view_ok(x, "x", 3)
-    d, half, block_d = _rope_args(x, weight, positions, inv_freq)
+    out = _rotated_out(x, weight, positions, inv_freq, out, "x")
+    if x.shape[1]:
+        _launch(positions, inv_freq, eps, positions, q=_Rotated(x, weight, out))
+    return out
+
+
+def _rotated_out(
+    x: Tensor, weight: Tensor, positions: Tensor, inv_freq: Tensor, out: Tensor | None, name: str
+) -> Tensor:
+    """Check a part that norm_rope returns; its output buffer."""
+    _heads_view_ok(x, name, 3)
+    _rope_args(x, weight, positions, inv_freq)
     if out is None:
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    else:
-        if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
-            raise ValueError("out must have x's shape, dtype and device")
-        _heads_view_ok(out, "out", 3)
-    t, h = x.shape[0], x.shape[1]
-    if t == 0 or h == 0:
-        return out
-    block_h = _block_h(h, block_d)
-    _norm_rope_kernel[(t, triton.cdiv(h, block_h))](
-        x,
-        x.stride(0),
-        x.stride(1),
-        out,
-        out.stride(0),
-        out.stride(1),
-        weight,
-        positions,
-        inv_freq,
-        eps,
-        h,
-        D=d,
-        HALF=half,
-        BLOCK_H=block_h,
-        BLOCK_D=block_d,
-        num_warps=4,
-    )
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+    if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
+        raise ValueError(f"the output of {name} must have its shape, dtype and device")
+    _heads_view_ok(out, "out", 3)
     return out
 
 
@@ -316,6 +458,51 @@ def _check_slots(out_slots: Tensor, t: int) -> None:
         raise ValueError("out_slots must be contiguous")
 
 
+def _checked_kv(
+    k: Tensor,
+    v: Tensor,
+    k_weight: Tensor,
+    positions: Tensor,
+    inv_freq: Tensor,
+    out_slots: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+) -> _Cached:
+    _heads_view_ok(k, "k", 3)
+    _heads_view_ok(v, "v", 3)
+    _heads_view_ok(k_cache, "k_cache", 3)
+    _heads_view_ok(v_cache, "v_cache", 3)
+    d, _, _ = _rope_args(k, weight=k_weight, positions=positions, inv_freq=inv_freq)
+    h = k.shape[1]
+    if v.shape != k.shape:
+        raise ValueError(f"v shape {tuple(v.shape)} differs from k shape {tuple(k.shape)}")
+    if k_cache.shape[1:] != (h, d) or v_cache.shape != k_cache.shape:
+        raise ValueError(f"caches must be [slots, {h}, {d}] and alike")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError("k_cache and v_cache must share a dtype")
+    _check_slots(out_slots, k.shape[0])
+    _cache_fp8(k_cache, "k_cache")
+    return _Cached(k, k_weight, k_cache, v, v_cache)
+
+
+def _checked_index_k(
+    ik: Tensor,
+    weight: Tensor,
+    positions: Tensor,
+    inv_freq: Tensor,
+    out_slots: Tensor,
+    index_k_cache: Tensor,
+) -> _Cached:
+    _heads_view_ok(ik, "ik", 2)
+    _heads_view_ok(index_k_cache, "index_k_cache", 2)
+    d, _, _ = _rope_args(ik, weight, positions, inv_freq)
+    if index_k_cache.shape[1] != d:
+        raise ValueError(f"index_k_cache must be [slots, {d}]")
+    _check_slots(out_slots, ik.shape[0])
+    _cache_fp8(index_k_cache, "index_k_cache")
+    return _Cached(ik, weight, index_k_cache)
+
+
 def norm_rope_write_kv(
     k: Tensor,
     v: Tensor,
@@ -329,50 +516,8 @@ def norm_rope_write_kv(
 ) -> None:
     """Normalize and rotate k [T, Hkv, D], then write k and v [T, Hkv, D] to the caches
     ([slots, Hkv, D]) at out_slots [T], cast to the cache dtype. Slots must be distinct."""
-    _heads_view_ok(k, "k", 3)
-    _heads_view_ok(v, "v", 3)
-    _heads_view_ok(k_cache, "k_cache", 3)
-    _heads_view_ok(v_cache, "v_cache", 3)
-    d, half, block_d = _rope_args(k, weight=k_weight, positions=positions, inv_freq=inv_freq)
-    t, h = k.shape[0], k.shape[1]
-    if v.shape != k.shape:
-        raise ValueError(f"v shape {tuple(v.shape)} differs from k shape {tuple(k.shape)}")
-    if k_cache.shape[1:] != (h, d) or v_cache.shape != k_cache.shape:
-        raise ValueError(f"caches must be [slots, {h}, {d}] and alike")
-    if k_cache.dtype != v_cache.dtype:
-        raise ValueError("k_cache and v_cache must share a dtype")
-    _check_slots(out_slots, t)
-    fp8 = _cache_fp8(k_cache, "k_cache")
-    if t == 0:
-        return
-    block_h = _block_h(h, block_d)
-    _norm_rope_write_kernel[(t, triton.cdiv(h, block_h))](
-        k,
-        k.stride(0),
-        k.stride(1),
-        v,
-        v.stride(0),
-        v.stride(1),
-        k_weight,
-        positions,
-        inv_freq,
-        out_slots,
-        k_cache,
-        k_cache.stride(0),
-        k_cache.stride(1),
-        v_cache,
-        v_cache.stride(0),
-        v_cache.stride(1),
-        eps,
-        h,
-        D=d,
-        HALF=half,
-        BLOCK_H=block_h,
-        BLOCK_D=block_d,
-        HAS_V=True,
-        FP8=fp8,
-        num_warps=4,
-    )
+    kv = _checked_kv(k, v, k_weight, positions, inv_freq, out_slots, k_cache, v_cache)
+    _launch(positions, inv_freq, eps, out_slots, kv=kv)
 
 
 def norm_rope_write_index_k(
@@ -386,41 +531,38 @@ def norm_rope_write_index_k(
 ) -> None:
     """Normalize and rotate the index key ik [T, Di] (one head), then write it to
     index_k_cache [slots, Di] at out_slots [T], cast to the cache dtype."""
-    _heads_view_ok(ik, "ik", 2)
-    _heads_view_ok(index_k_cache, "index_k_cache", 2)
-    d, half, block_d = _rope_args(ik, weight, positions, inv_freq)
-    t = ik.shape[0]
-    if index_k_cache.shape[1] != d:
-        raise ValueError(f"index_k_cache must be [slots, {d}]")
-    _check_slots(out_slots, t)
-    fp8 = _cache_fp8(index_k_cache, "index_k_cache")
-    if t == 0:
-        return
-    # One head: the head strides are never used; v arguments are placeholders (HAS_V=False).
-    _norm_rope_write_kernel[(t, 1)](
-        ik,
-        ik.stride(0),
-        0,
-        ik,
-        0,
-        0,
-        weight,
-        positions,
-        inv_freq,
-        out_slots,
-        index_k_cache,
-        index_k_cache.stride(0),
-        0,
-        index_k_cache,
-        0,
-        0,
-        eps,
-        1,
-        D=d,
-        HALF=half,
-        BLOCK_H=1,
-        BLOCK_D=block_d,
-        HAS_V=False,
-        FP8=fp8,
-        num_warps=4,
-    )
+    index_k = _checked_index_k(ik, weight, positions, inv_freq, out_slots, index_k_cache)
+    _launch(positions, inv_freq, eps, out_slots, index_k=index_k)
+
+
+def norm_rope_heads(
+    q: Tensor,
+    q_weight: Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_weight: Tensor,
+    eps: float,
+    positions: Tensor,
+    inv_freq: Tensor,
+    out_slots: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    index: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """A layer's attention inputs in one launch: `norm_rope` of q [T, H, D], `norm_rope_write_kv`
+    of k and v, and with `index` = (index_q [T, Hi, Di], its norm weight, index_k [T, Di], its
+    norm weight, index_k_cache [slots, Di]) `norm_rope` of index_q and `norm_rope_write_index_k`
+    of index_k. Returns (q, index_q) normalized and rotated (index_q None without `index`)."""
+    q_out = _rotated_out(q, q_weight, positions, inv_freq, None, "q")
+    kv = _checked_kv(k, v, k_weight, positions, inv_freq, out_slots, k_cache, v_cache)
+    if index is None:
+        _launch(positions, inv_freq, eps, out_slots, q=_Rotated(q, q_weight, q_out), kv=kv)
+        return q_out, None
+    iq, iq_weight, ik, ik_weight, ik_cache = index
+    iq_out = _rotated_out(iq, iq_weight, positions, inv_freq, None, "index_q")
+    index_k = _checked_index_k(ik, ik_weight, positions, inv_freq, out_slots, ik_cache)
+    _launch(
+        positions, inv_freq, eps, out_slots, q=_Rotated(q, q_weight, q_out),
+        index_q=_Rotated(iq, iq_weight, iq_out), kv=kv, index_k=index_k,
+    )  # fmt: skip
+    return q_out, iq_out

@@ -8,10 +8,20 @@ the winners' sum, times `scale`. The sigmoid and the renormalization divide with
 the exp is Triton's (ex2-based, a few ulps at these magnitudes), so scores match torch's to
 about 1e-6 relative on the same logits.
 
-Work split. A program computes a [BLOCK_T tokens, BLOCK_E experts] tile of logits over a chunk
-of the hidden dimension, as a loop of [BLOCK_T, BLOCK_K] x [BLOCK_K, BLOCK_E] fp32 dots, so
-each weight tile it loads serves all BLOCK_T tokens (up to 64: prefill reuses every 16 KB weight
-tile 64 times). The grid is (token tiles, expert blocks, hidden splits), sized from shapes only:
+Work split, decode (T <= GEMV_MAX_TOKENS): one program per expert reads that expert's weight row
+over all of H and multiplies it with every token's x on CUDA cores (no dot tile padded to 16
+tokens), writes the T logits to a scratch buffer and counts itself in with an atomic; the last
+program to arrive reads all the logits back and runs the top-k epilogue, then resets the count
+for the next call. One launch: the two-kernel split below took 13 µs a call at T = 1 on the
+H200 (`perf/bench_router.py`), for a 3 MB weight whose read takes 0.7 µs. The arrival count is
+one int32 per device, so calls must not run concurrently on two streams (the MoE layers route
+one after another on the main stream).
+
+Work split, otherwise. A program computes a [BLOCK_T tokens, BLOCK_E experts] tile of logits
+over a chunk of the hidden dimension, as a loop of [BLOCK_T, BLOCK_K] x [BLOCK_K, BLOCK_E] fp32
+dots, so each weight tile it loads serves all BLOCK_T tokens (up to 64: prefill reuses every
+16 KB weight tile 64 times). The grid is (token tiles, expert blocks, hidden splits), sized
+from shapes only:
 - When the token tiles alone nearly fill the GPU (>= 3/4 of a program per SM: prefill of ~8K
   tokens), a program owns whole rows (all experts, all of H) and runs the top-k epilogue
   itself: one kernel, no intermediate.
@@ -65,6 +75,11 @@ _COMBINE_TILE = 8192
 MAX_EXPERTS = 512
 # tl.dot needs every dimension >= 16.
 _MIN_DOT = 16
+# Up to this many tokens, the GEMV route (one program per expert over all of H).
+GEMV_MAX_TOKENS = 16
+# Products a GEMV program holds per hidden step (BLOCK_T x BLOCK_H): 64 fp32 a thread at 4 warps.
+_GEMV_PRODUCTS = 8192
+_GEMV_MAX_H = 1024
 
 
 @dataclass(frozen=True)
@@ -77,6 +92,7 @@ class RoutePlan:
     splits: int  # programs sharing the hidden dimension
     chunk: int  # hidden columns per split, a multiple of BLOCK_K
     fused: bool  # one program per token tile does everything (no scratch, no second kernel)
+    gemv: bool = False  # one program per expert on CUDA cores; the last to finish selects
 
     @property
     def programs(self) -> int:
@@ -104,18 +120,23 @@ def route_plan(
     splits: int | None = None,
     expert_blocks: int | None = None,
 ) -> RoutePlan:
-    """The launch plan `route` uses; block_t, splits and expert_blocks override the heuristic.
+    """The launch plan `route` uses; block_t, splits and expert_blocks override the heuristic
+    (and always take the tile route).
 
-    Token tiles of up to 64 tokens (the token count rounded up to a power of two, >= 16). If the
-    tiles give at least 3/4 of a program per SM, the kernel runs fused (the hidden split would
-    only add a scratch round trip to a full wave). Else H is split until ~2 programs per SM
-    (chunks of >= 64 columns, <= 64 splits), then the experts, in blocks of >= 16, while the
-    grid is at most half the target. A requested split count is rounded to whole
-    BLOCK_K steps per chunk, which can lower it.
+    Up to GEMV_MAX_TOKENS tokens, the GEMV route: one program per expert, all tokens in one
+    block (their count rounded up to a power of two). Otherwise token tiles of up to 64 tokens
+    (the token count rounded up to a power of two, >= 16). If the tiles give at least 3/4 of a
+    program per SM, the kernel runs fused (the hidden split would only add a scratch round trip
+    to a full wave). Else H is split until ~2 programs per SM (chunks of >= 64 columns, <= 64
+    splits), then the experts, in blocks of >= 16, while the grid is at most half the target. A
+    requested split count is rounded to whole BLOCK_K steps per chunk, which can lower it.
     """
     if num_experts < 1 or num_experts > MAX_EXPERTS:
         raise ValueError(f"{num_experts} experts: 1..{MAX_EXPERTS} fit a row in registers")
     all_e = max(next_pow2(num_experts), _MIN_DOT)
+    overridden = not (block_t is None and splits is None and expert_blocks is None)
+    if num_tokens <= GEMV_MAX_TOKENS and not overridden:
+        return RoutePlan(next_pow2(num_tokens), num_experts, 1, 1, hidden, False, gemv=True)
     if block_t is None:
         block_t = min(max(next_pow2(num_tokens), _MIN_DOT), max(_TILE // all_e, _MIN_DOT))
     elif block_t < _MIN_DOT or block_t & (block_t - 1):
@@ -195,6 +216,80 @@ def _select_store(
     tok64 = tok.to(tl.int64)
     tl.store(weights_ptr + tok64[:, None] * stride_wt + slot[None, :], weights, mask=out_ok)
     tl.store(ids_ptr + tok64[:, None] * stride_it + slot[None, :], top_id.to(tl.int64), mask=out_ok)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _router_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    logits_ptr,
+    arrived_ptr,
+    weights_ptr,
+    ids_ptr,
+    num_tokens,
+    hidden,
+    num_experts,
+    scale,
+    stride_xt,
+    stride_we,
+    stride_lt,
+    stride_wt,
+    stride_it,
+    TOP_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ALL_E: tl.constexpr,
+    BLOCK_TOPK: tl.constexpr,
+    EVEN_H: tl.constexpr,
+):
+    """Program e: the logits of expert e for every token; the last program to finish selects."""
+    expert = tl.program_id(0)
+    tok = tl.arange(0, BLOCK_T)
+    tok_ok = tok < num_tokens
+    h = tl.arange(0, BLOCK_H)
+    x_rows = x_ptr + tok.to(tl.int64)[:, None] * stride_xt
+    w_row = w_ptr + expert.to(tl.int64) * stride_we
+    # Products are summed per lane across the steps and over the lanes once at the end.
+    acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_H):
+        cols = k0 + h
+        if EVEN_H:
+            w = tl.load(w_row + cols)
+            xt = tl.load(x_rows + cols[None, :], mask=tok_ok[:, None], other=0.0)
+        else:
+            w = tl.load(w_row + cols, mask=cols < hidden, other=0.0)
+            x_mask = tok_ok[:, None] & (cols < hidden)[None, :]
+            xt = tl.load(x_rows + cols[None, :], mask=x_mask, other=0.0)
+        acc += xt.to(tl.float32) * w[None, :]
+    logits = tl.sum(acc, 1)
+    tl.store(logits_ptr + tok * stride_lt + expert, logits, mask=tok_ok)
+    # Every thread's store is issued before the arrival, whose release publishes them.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(arrived_ptr, 1, sem="acq_rel")
+    if arrived == tl.num_programs(0) - 1:
+        e = tl.arange(0, ALL_E)
+        ptrs = logits_ptr + tok[:, None] * stride_lt + e[None, :]
+        live = tok_ok[:, None] & (e < num_experts)[None, :]
+        # Past L1 (.cg): the other programs wrote these from other SMs.
+        every = tl.load(ptrs, mask=live, other=0.0, cache_modifier=".cg")
+        _select_store(
+            every,
+            tok,
+            tok_ok,
+            bias_ptr,
+            weights_ptr,
+            ids_ptr,
+            num_experts,
+            scale,
+            stride_wt,
+            stride_it,
+            TOP_K,
+            BLOCK_T,
+            ALL_E,
+            BLOCK_TOPK,
+        )
+        tl.atomic_xchg(arrived_ptr, 0)  # the next call counts from zero again
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -388,8 +483,11 @@ def route(
         splits=splits,
         expert_blocks=expert_blocks,
     )
-    all_e = plan.block_e * plan.expert_blocks
     block_topk = max(next_pow2(top_k), 2)
+    if plan.gemv:
+        _route_gemv(x, weight, bias, weights, ids, plan, top_k, scale, block_topk)
+        return weights, ids
+    all_e = plan.block_e * plan.expert_blocks
     pdl = not plan.fused and pdl_supported(x)
     if plan.fused:
         part = weights  # never touched: the fused kernel writes the outputs itself
@@ -455,3 +553,52 @@ def route(
         **({"launch_pdl": True} if pdl else {}),
     )
     return weights, ids
+
+
+# One arrival count per device for the GEMV route (zero between calls: the last program resets it).
+_ARRIVED: dict[torch.device, Tensor] = {}
+
+
+def _route_gemv(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    plan: RoutePlan,
+    top_k: int,
+    scale: float,
+    block_topk: int,
+) -> None:
+    num_tokens, hidden = x.shape
+    num_experts = weight.shape[0]
+    arrived = _ARRIVED.get(x.device)
+    if arrived is None:
+        arrived = _ARRIVED[x.device] = torch.zeros(1, dtype=torch.int32, device=x.device)
+    logits = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=x.device)
+    block_h = min(_GEMV_MAX_H, _GEMV_PRODUCTS // plan.block_t, next_pow2(hidden))
+    _router_gemv_kernel[(num_experts,)](
+        x,
+        weight,
+        bias,
+        logits,
+        arrived,
+        weights,
+        ids,
+        num_tokens,
+        hidden,
+        num_experts,
+        float(scale),
+        x.stride(0),
+        weight.stride(0),
+        logits.stride(0),
+        weights.stride(0),
+        ids.stride(0),
+        TOP_K=top_k,
+        BLOCK_T=plan.block_t,
+        BLOCK_H=block_h,
+        ALL_E=max(next_pow2(num_experts), 2),
+        BLOCK_TOPK=block_topk,
+        EVEN_H=hidden % block_h == 0,
+        num_warps=4,
+    )

@@ -21,6 +21,7 @@ from m3serve.backends.reference import ReferenceBackend
 from m3serve.kernels.rope import rope_inv_freq
 from m3serve.kernels.triton.rope_kv import (
     norm_rope,
+    norm_rope_heads,
     norm_rope_write_index_k,
     norm_rope_write_kv,
 )
@@ -185,6 +186,42 @@ def test_write_kv_and_index_k_match_reference(act: torch.dtype, cache: torch.dty
     assert_close_in(gather(ic, slots), ref_ik, cache)
     # v is a pure cast; rounding to nearest even must agree with torch bit for bit.
     assert torch.equal(raw(gather(vc, slots)), raw(ref_v))
+
+
+@pytest.mark.parametrize("indexer", [True, False], ids=["sparse", "full"])
+@pytest.mark.parametrize(("act", "cache"), [(torch.float32, FP8), (torch.bfloat16, torch.bfloat16)])
+def test_one_launch_does_what_the_separate_calls_do(
+    indexer: bool, act: torch.dtype, cache: torch.dtype
+) -> None:
+    # A fused projection's output: q (H heads), k, v (HKV), index q (3 heads), index k.
+    fused = randn(T, (H + 2 * HKV + 3 + 1) * D, seed=20, scale=3.0).to(act)
+    q, k, v, iq, ik = fused.split([H * D, HKV * D, HKV * D, 3 * D, D], dim=1)
+    q, k, v, iq = q.view(T, H, D), k.view(T, HKV, D), v.view(T, HKV, D), iq.view(T, 3, D)
+    norms = [randn(D, seed=21 + i, scale=0.5).to(act) for i in range(4)]
+    inv_freq = rope_inv_freq(ROT, THETA, DEVICE)
+    slots = shuffled_slots(seed=25)
+
+    apart, together = poisoned_layer(cache), poisoned_layer(cache)
+    assert apart.index_k is not None and together.index_k is not None
+    want_q = norm_rope(q, norms[0], EPS, positions(), inv_freq)
+    want_iq = norm_rope(iq, norms[2], EPS, positions(), inv_freq)
+    norm_rope_write_kv(k, v, norms[1], EPS, positions(), inv_freq, slots, apart.k, apart.v)
+    if indexer:
+        norm_rope_write_index_k(ik, norms[3], EPS, positions(), inv_freq, slots, apart.index_k)
+
+    index = (iq, norms[2], ik, norms[3], together.index_k) if indexer else None
+    got_q, got_iq = norm_rope_heads(
+        q, norms[0], k, v, norms[1], EPS, positions(), inv_freq, slots, together.k, together.v,
+        index,
+    )  # fmt: skip
+    assert torch.equal(got_q, want_q)
+    assert (got_iq is not None) == indexer
+    if got_iq is not None:
+        assert torch.equal(got_iq, want_iq)
+    # Byte for byte: the unwritten slots hold NaN, which never equals itself.
+    for name in ("k", "v", "index_k"):  # index_k: untouched by both without the indexer
+        mine, theirs = getattr(together, name), getattr(apart, name)
+        assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8)), name
 
 
 def e4m3_probe_values() -> torch.Tensor:

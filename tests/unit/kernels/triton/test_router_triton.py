@@ -1,9 +1,10 @@
 """Triton MoE router (m3serve.kernels.triton.router) against the torch reference `route_topk`.
 
 Tiny shapes (E 8 and 16, H 64, k 2 and 4) so the file runs in seconds under TRITON_INTERPRET=1
-on the CPU; real shapes live in tests/gpu/test_router_gpu.py. Both kernel paths are covered:
-fused (the default at these sizes) and split, where partial logits over hidden chunks and/or
-expert blocks go through scratch and a second kernel sums them and selects. Ties are built from
+on the CPU; real shapes live in tests/gpu/test_router_gpu.py. Every kernel path is covered: the
+GEMV route (the default up to 16 tokens: a program per expert, the last to finish selects),
+fused (the default above, at these sizes) and split, where partial logits over hidden chunks
+and/or expert blocks go through scratch and a second kernel sums them and selects. Ties are built from
 small dyadic numbers, so every logit is exact whatever the summation order and equal biased
 scores are really equal.
 """
@@ -16,7 +17,7 @@ from helpers.devices import DEVICE
 
 from m3serve.kernels.moe import route_topk
 from m3serve.kernels.triton import router
-from m3serve.kernels.triton.router import BLOCK_K, route, route_plan
+from m3serve.kernels.triton.router import BLOCK_K, GEMV_MAX_TOKENS, route, route_plan
 
 H = 64
 SCALE = 2.0
@@ -85,8 +86,22 @@ def test_split_paths_match_route_topk(plan: dict[str, int]) -> None:
 def test_expert_blocks_and_ragged_hidden() -> None:
     # 32 experts in two blocks of 16, and H = 40: the last split holds a partial BLOCK_K step.
     x, w, b = inputs(5, 32, seed=4, hidden=40)
+    assert_matches_reference(x, w, b, 4)  # the GEMV route's last hidden step is partial
     assert_matches_reference(x, w, b, 4, expert_blocks=2)
     assert_matches_reference(x, w, b, 4, expert_blocks=2, splits=2)
+
+
+@pytest.mark.parametrize("t", [1, 2, 3, GEMV_MAX_TOKENS])
+def test_the_gemv_route_agrees_with_the_tile_route_call_after_call(t: int) -> None:
+    assert route_plan(t, 16, H, torch.device("cpu")).gemv
+    x, w, b = inputs(t, 16, seed=20 + t, dtype=torch.bfloat16)
+    tile_w, tile_ids = route(x, w, b, 4, SCALE, splits=1)
+    # The arrival count goes back to zero after each call: the next call selects again.
+    for _ in range(3):
+        gemv_w, gemv_ids = assert_matches_reference(x, w, b, 4)
+        assert torch.equal(gemv_ids, tile_ids)
+        torch.testing.assert_close(gemv_w, tile_w, rtol=RTOL, atol=0.0)
+    assert not route_plan(GEMV_MAX_TOKENS + 1, 16, H, torch.device("cpu")).gemv
 
 
 def test_paths_agree_and_repeat_bit_for_bit() -> None:
@@ -199,11 +214,14 @@ def test_plan_on_the_real_shapes(h200: torch.device, t: int) -> None:
     assert plan.chunk % BLOCK_K == 0
     assert (plan.splits - 1) * plan.chunk < hidden <= plan.splits * plan.chunk
     assert plan.block_e * plan.expert_blocks == e
+    if plan.gemv:  # decode: one program per expert, every token in one block
+        assert t <= GEMV_MAX_TOKENS and plan.programs == e and plan.block_t >= t
+        return
     tiles = -(-t // plan.block_t)
     if plan.fused:  # only when the token tiles alone nearly fill the GPU
         assert t >= 8192 and tiles * 4 >= 3 * 132
     else:  # split until the grid has about two programs per SM
         assert 132 <= tiles * plan.programs <= 4 * 132
-    if t == 1:
-        # Decode: the 3 MB weight over 256 programs of 32 experts x 96 columns.
-        assert (plan.block_t, plan.splits, plan.expert_blocks) == (16, 64, 4)
+    if t == 32:
+        # Verify and short prefill: the 3 MB weight over 256 programs of 32 experts x 96 columns.
+        assert (plan.block_t, plan.splits, plan.expert_blocks) == (32, 64, 4)
