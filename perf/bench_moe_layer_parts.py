@@ -9,7 +9,9 @@ and is timed in the same run:
 * served: the layer as the engine runs it;
 * serial: the shared expert on the main stream after the routed experts (no side stream);
 * no_shared / no_routed / no_moe: the shared expert, the routed experts (the router still
-  runs), or the whole MoE block replaced by zeros — what remains is the rest's cost.
+  runs), or the whole MoE block replaced by zeros — what remains is the rest's cost;
+* no_pdl: no kernel launched with programmatic dependent launch (what PDL buys where used);
+  no_pdl_moe: only the routed experts' kernels without it.
 
 The byte floor is the served layer's weight bytes at the read bandwidth measured in the run.
 
@@ -47,6 +49,7 @@ REPLAYS = 50
 def variant(name: str, model: M3ForCausalLM, backend: HopperBackend) -> Iterator[None]:
     """The model's code as `name` changes it, for the duration of the block."""
     forward, moe, side = MoE.forward, HopperBackend.moe, backend._side
+    stack = contextlib.ExitStack()
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     shared = [m.shared_experts for m in moes]
     try:
@@ -59,11 +62,34 @@ def variant(name: str, model: M3ForCausalLM, backend: HopperBackend) -> Iterator
         elif name == "no_shared":
             for mlp in shared:
                 mlp.forward = torch.zeros_like  # type: ignore[method-assign]
+        elif name in ("no_pdl", "no_pdl_moe"):
+            stack.enter_context(_pdl_off(moe_only=name == "no_pdl_moe"))
         yield
     finally:
         MoE.forward, HopperBackend.moe, backend._side = forward, moe, side  # type: ignore[method-assign]
         for mlp in shared:
             mlp.__dict__.pop("forward", None)
+        stack.close()
+
+
+@contextlib.contextmanager
+def _pdl_off(moe_only: bool) -> Iterator[None]:
+    """Every kernel launcher's PDL check answers no (or only the routed experts')."""
+    from m3serve.kernels.triton import mxfp8_linear, nvfp4_moe, router
+    from m3serve.kernels.triton.attention import decode
+
+    modules = (nvfp4_moe,) if moe_only else (decode, router, nvfp4_moe)
+    saved = [m.pdl_supported for m in modules], mxfp8_linear._sm90
+    try:
+        for m in modules:
+            m.pdl_supported = lambda *a, **k: False  # type: ignore[assignment]
+        if not moe_only:
+            mxfp8_linear._sm90 = lambda *a, **k: False  # type: ignore[assignment]
+        yield
+    finally:
+        for m, f in zip(modules, saved[0], strict=True):
+            m.pdl_supported = f  # type: ignore[assignment]
+        mxfp8_linear._sm90 = saved[1]  # type: ignore[assignment]
 
 
 def _route_only(
@@ -117,7 +143,7 @@ def marginal_us(
     return per_layer, full - layers * per_layer
 
 
-VARIANTS = ("served", "serial", "no_shared", "no_routed", "no_moe")
+VARIANTS = ("served", "serial", "no_pdl", "no_pdl_moe", "no_shared", "no_routed", "no_moe")
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ which can fall short of 1 only through near-ties).
 
     python perf/bench_router.py [--tokens 1,8,32,64,128,2048] [--sweep] [--out PATH]
 
-Up to 16 tokens the router takes its GEMV route (one launch); the `tile` column is the two-kernel
+Up to 8 tokens the router takes its GEMV route (one launch); the `tile` column is the two-kernel
 tile route at the same T (the decode path before it).
 --sweep also times a grid of (splits, expert blocks, warps) launches at each T, to guide the
 heuristic (the 6 fastest, and the heuristic's own against the best).
@@ -108,7 +108,7 @@ def plan_name(plan: RoutePlan) -> str:
 
 
 def tile_plan(tokens: int) -> RoutePlan:
-    """The tile route's own plan at this T (a given block_t takes it, as at T > 16)."""
+    """The tile route's own plan at this T (a given block_t takes it, as above GEMV_MAX_TOKENS)."""
     return route_plan(
         tokens, E, H, torch.device("cuda"), block_t=max(16, 1 << (tokens - 1).bit_length())
     )

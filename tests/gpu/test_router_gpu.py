@@ -1,8 +1,8 @@
 """Triton MoE router on the model's real shapes (E 128, H 6144, top-4, routed scaling 2.0) against
 the fp32 torch reference `route_topk`, on the GPU.
 
-Token counts from decode to a prefill chunk: T in (1, 3, 8, 16) take the GEMV route (a program
-per expert; the last to finish selects), T in (64, 257, 2048) the split path (partial logits
+Token counts from decode to a prefill chunk: T in (1, 3, 8) take the GEMV route (a program per
+expert; the last to finish selects), T in (16, 64, 257, 2048) the split path (partial logits
 over hidden chunks / expert blocks, then the combine kernel); T = 8192 the fused one; forced
 plans cover the other paths at T = 257, and the tile route at decode sizes. Activations are
 bf16 (unit RMS, like the normed hidden state), the router weight fp32 with logits of order one,
@@ -140,7 +140,7 @@ def test_forced_plans(plan: dict[str, int]) -> None:
     check(*route(x, w, b, K, SCALE, **plan), x, w, b)
 
 
-@pytest.mark.parametrize("t", [1, 8, 16])
+@pytest.mark.parametrize("t", [1, 5, 8])
 def test_the_gemv_and_tile_routes_agree_at_decode_sizes(t: int) -> None:
     w, b = router_params(seed=18)
     x = activations(t, seed=19)

@@ -30,10 +30,12 @@ Paths, chosen from shapes only by `plan_mxfp8` (no autotuning, no runtime search
   by its power of two (exact, so the order of scaling does not matter). The MMA path below pads M
   to 16 and moves every dequantized tile through shared memory into the MMA's operand layout;
   here the tile stays in the layout it was loaded in, which is what bounds a memory-bound call.
-  Products and sums are fp32 for every activation dtype (no bf16 split needed). BLOCK_N 8,
-  BLOCK_K 512, 4 warps, 3 stages; K is split only when the rows give under 2 programs per SM
-  (never at the model's shapes). On the H200 (perf/bench_mxfp8_linear.py) it beats the MMA path
-  at M 1-2 (qkv at M = 1: 19.1 vs 43.8 µs, 72 % of read bandwidth) and loses from M = 4.
+  Products and sums are fp32 for every activation dtype (no bf16 split needed). BLOCK_N 4,
+  BLOCK_K 1024, 4 warps, 3 stages; K is split only when the rows give under 2 programs per SM
+  (never at the model's shapes). On the H200 (`perf/bench_mxfp8_linear.py --gemv-sweep`, 24
+  tile choices a shape) these tiles were the fastest or within 7 % of it on the four projections
+  at M 1 and 2 (74 % of read bandwidth on qkv and o_proj at M = 1); the earlier 8 x 512 tiles
+  left o_proj (6144 x 8192) at 61 %. It beats the MMA path at M 1-2 and loses from M = 4.
 * decode, M <= 64: BLOCK_M = 16, 32 or 64 (M padded to the next one), BLOCK_N 64, BLOCK_K 128,
   4 warps, 4 stages. One M tile, so every weight byte is read once per call. When the N tiles alone
   do not give ~2 programs per SM, K is split across programs (at least 2 K steps each); each split
@@ -94,8 +96,8 @@ _DEQUANT_BLOCK_N = 32
 _DEQUANT_BLOCK_K = 256
 # M up to this takes the GEMV kernel (CUDA cores; its cost grows with M, the MMA path's does not).
 GEMV_MAX_M = 2
-_GEMV_BLOCK_N = 8
-_GEMV_BLOCK_K = 512
+_GEMV_BLOCK_N = 4
+_GEMV_BLOCK_K = 1024
 # An explicit GEMV plan (tuning) may go this far; each row is one more pass over every tile.
 _GEMV_PLAN_MAX_M = 16
 # Smallest tl.dot dimension: decode pads M up to this.

@@ -2,11 +2,11 @@
 
 Tiny shapes (E 8 and 16, H 64, k 2 and 4) so the file runs in seconds under TRITON_INTERPRET=1
 on the CPU; real shapes live in tests/gpu/test_router_gpu.py. Every kernel path is covered: the
-GEMV route (the default up to 16 tokens: a program per expert, the last to finish selects),
+GEMV route (the default up to 8 tokens: a program per expert, the last to finish selects),
 fused (the default above, at these sizes) and split, where partial logits over hidden chunks
-and/or expert blocks go through scratch and a second kernel sums them and selects. Ties are built from
-small dyadic numbers, so every logit is exact whatever the summation order and equal biased
-scores are really equal.
+and/or expert blocks go through scratch and a second kernel sums them and selects. Ties are
+built from small dyadic numbers, so every logit is exact whatever the summation order and equal
+biased scores are really equal.
 """
 
 from __future__ import annotations
