@@ -14,8 +14,12 @@ and is timed in the same run:
   no_pdl_moe: only the routed experts' kernels without it.
 
 The byte floor is the served layer's weight bytes at the read bandwidth measured in the run.
+`--kernels` also profiles replays of the served layers (torch.profiler, CUPTI sees the kernels
+a graph launches) and prints one layer's kernels in order: each one's µs, and the idle time
+before it on its stream (launch latency and dependency waits: what no kernel's speed buys back).
 
     python perf/bench_moe_layer_parts.py [--layers 4] [--batches 1 8] [--context 4096]
+        [--kernels]
 
 Prints a table; writes JSON to $OUT/bench_moe_layer_parts.json when $OUT is set, else
 perf/results/ (or --out).
@@ -25,7 +29,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import statistics
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -101,8 +107,10 @@ def _route_only(
     return torch.zeros_like(x) if shared is None else shared()
 
 
-def replay_us(model: M3ForCausalLM, batch: ForwardBatch, kv: KVCache, layers: list[int]) -> float:
-    """Median µs of one graph replay of `layers` (back to back, so no host gap is timed)."""
+def captured(
+    model: M3ForCausalLM, batch: ForwardBatch, kv: KVCache, layers: list[int]
+) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `layers`' decode, compiled outside the capture and replayed once."""
 
     def step() -> torch.Tensor:
         with torch.inference_mode():
@@ -111,7 +119,7 @@ def replay_us(model: M3ForCausalLM, batch: ForwardBatch, kv: KVCache, layers: li
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        step()  # compile outside the capture
+        step()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
@@ -119,6 +127,12 @@ def replay_us(model: M3ForCausalLM, batch: ForwardBatch, kv: KVCache, layers: li
     torch.cuda.current_stream().wait_stream(stream)
     graph.replay()
     torch.cuda.synchronize()
+    return graph
+
+
+def replay_us(model: M3ForCausalLM, batch: ForwardBatch, kv: KVCache, layers: list[int]) -> float:
+    """Median µs of one graph replay of `layers` (back to back, so no host gap is timed)."""
+    graph = captured(model, batch, kv, layers)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     samples = []
     for _ in range(5):
@@ -143,6 +157,77 @@ def marginal_us(
     return per_layer, full - layers * per_layer
 
 
+PROFILED_REPLAYS = 20
+
+
+def kernel_timeline(
+    model: M3ForCausalLM, batch: ForwardBatch, kv: KVCache, layers: int
+) -> list[dict[str, Any]]:
+    """One layer's kernels in launch order, from profiled replays of `layers` layers: name,
+    stream, median µs, and median idle µs on its stream before it (since the previous kernel
+    there ended). A kernel is matched across replays by (name, stream, occurrence), which the
+    side stream's interleaving with the main one does not change."""
+    graph = captured(model, batch, kv, list(range(layers)))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(PROFILED_REPLAYS):
+            graph.replay()
+        torch.cuda.synchronize()
+    del graph
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.loads(Path(f.name).read_text())["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: float(e["ts"]))
+    per_replay = len(kernels) // PROFILED_REPLAYS
+    if per_replay == 0 or len(kernels) % PROFILED_REPLAYS:
+        print(f"  (profile: {len(kernels)} kernels for {PROFILED_REPLAYS} replays, no timeline)")
+        return []
+    samples: dict[tuple[str, Any, int], list[tuple[float, float]]] = {}
+    order: list[tuple[str, Any, int]] = []
+    for r in range(PROFILED_REPLAYS):
+        seen: dict[tuple[str, Any], int] = {}
+        last_end: dict[Any, float] = {}
+        for k in kernels[r * per_replay : (r + 1) * per_replay]:
+            ts, dur, stream = float(k["ts"]), float(k["dur"]), k["tid"]
+            n = seen.get((k["name"], stream), 0)
+            seen[(k["name"], stream)] = n + 1
+            key = (k["name"], stream, n)
+            idle = ts - last_end[stream] if stream in last_end else 0.0
+            last_end[stream] = ts + dur
+            if r == 0:
+                order.append(key)
+            samples.setdefault(key, []).append((dur, idle))
+    lo, hi = _one_layer(order, layers)
+    return [
+        {
+            "name": key[0],
+            "stream": key[1],
+            "us": statistics.median(d for d, _ in samples[key]),
+            "idle_us": statistics.median(i for _, i in samples[key]),
+        }
+        for key in order[lo:hi]
+    ]
+
+
+def _one_layer(order: list[tuple[str, Any, int]], layers: int) -> tuple[int, int]:
+    """[lo, hi) of the second layer's kernels in `order`: a layer starts where the earliest
+    name that occurs exactly once per layer occurs."""
+    names = [key[0] for key in order]
+    for name in names:
+        at = [j for j, n in enumerate(names) if n == name]
+        if len(at) == layers >= 3:
+            return at[1], at[2]
+    return 0, len(order)
+
+
+def print_timeline(bs: int, rows: list[dict[str, Any]]) -> None:
+    busy = sum(r["us"] for r in rows)
+    idle = sum(r["idle_us"] for r in rows)
+    print(f"\nbatch {bs}: one layer's kernels ({len(rows)}), µs and idle µs before each")
+    for r in rows:
+        print(f"  s{r['stream']!s:>3} {r['us']:7.1f} {r['idle_us']:6.1f}  {r['name'][:90]}")
+    print(f"  kernel µs {busy:.1f}, idle µs before them {idle:.1f} (all streams)")
+
+
 VARIANTS = ("served", "serial", "no_pdl", "no_pdl_moe", "no_shared", "no_routed", "no_moe")
 
 
@@ -152,6 +237,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--batches", type=int, nargs="*", default=[1, 8])
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--kernels", action="store_true", help="print one layer's kernel timeline")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -161,6 +247,7 @@ def main() -> None:
     read_bw = read_bandwidth()
     page = cfg.page_size
     rows: list[dict[str, Any]] = []
+    timelines: dict[int, list[dict[str, Any]]] = {}
     for bs in args.batches:
         pages = bs * (-(-(args.context + 1) // page)) + 1
         kv = random_kv(cfg, pages + 1, device)
@@ -179,6 +266,10 @@ def main() -> None:
                 }
             )
             print(f"batch {bs:4d} {name:>13}: {per_layer:8.1f} µs/layer (rest {rest:6.1f} µs)")
+        if args.kernels:
+            timeline = kernel_timeline(model, batch, kv, args.layers)
+            print_timeline(bs, timeline)
+            timelines[bs] = timeline
         del kv
         torch.cuda.empty_cache()
     print(f"\nread bandwidth {read_bw / 1e12:.2f} TB/s; µs per MoE layer (marginal)")
@@ -188,7 +279,12 @@ def main() -> None:
         print(f"{name:>13} " + " ".join(f"{c:9.1f}" for c in cells))
     floors = [next(r["floor_us_per_layer"] for r in rows if r["batch"] == b) for b in args.batches]
     print(f"{'floor':>13} " + " ".join(f"{f:9.1f}" for f in floors))
-    report = {"benchmark": "bench_moe_layer_parts", "read_bandwidth": read_bw, "rows": rows}
+    report = {
+        "benchmark": "bench_moe_layer_parts",
+        "read_bandwidth": read_bw,
+        "rows": rows,
+        "kernel_timelines": timelines,
+    }
     write_result(report, "bench_moe_layer_parts.json", args.out)
 
 

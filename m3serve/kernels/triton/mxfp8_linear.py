@@ -36,12 +36,15 @@ Paths, chosen from shapes only by `plan_mxfp8` (no autotuning, no runtime search
   tile choices a shape) these tiles were the fastest or within 7 % of it on the four projections
   at M 1 and 2 (74 % of read bandwidth on qkv and o_proj at M = 1); the earlier 8 x 512 tiles
   left o_proj (6144 x 8192) at 61 %. It beats the MMA path at M 1-2 and loses from M = 4.
-* decode, M <= 64: BLOCK_M = 16, 32 or 64 (M padded to the next one), BLOCK_N 64, BLOCK_K 128,
-  4 warps, 4 stages. One M tile, so every weight byte is read once per call. When the N tiles alone
-  do not give ~2 programs per SM, K is split across programs (at least 2 K steps each); each split
-  writes an fp32 partial [split, M, N] and a second kernel sums the splits in a fixed order and
-  casts (deterministic, no atomics). That kernel is launched with programmatic dependent launch
-  on sm_90, so its launch overlaps the first kernel.
+* decode, M <= 64: BLOCK_M = 16, 32 or 64 (M padded to the next one), BLOCK_K 128, 4 warps;
+  per M tile (`_DECODE_TILES`) BLOCK_N 128 and 3 stages at 16, 64 and 4 stages at 32, 128 and
+  4 stages at 64. One M tile, so every weight byte is read once per call. When the N tiles alone
+  do not give ~2 programs per SM (1 at M tile 64), K is split across programs (at least 2 K
+  steps each); each split writes an fp32 partial [split, M, N] and a second kernel sums the
+  splits in a fixed order and casts (deterministic, no atomics). That kernel is launched with
+  programmatic dependent launch on sm_90, so its launch overlaps the first kernel. On the H200
+  at M 4-16 the 128-row tiles took 20-25 % off the 64-row ones on qkv, o_proj and the shared
+  gate_up (qkv 30.0 µs vs 40.2 at M 8), at M 64 10-20 %; at M 32 they lost (register-bound).
 * prefill, M > 64: BLOCK_M 128, BLOCK_N 128, BLOCK_K 64, 8 warps, 3 stages; tiles in groups of 16
   M tiles (2048 tokens) so the programs running together share their weight tiles through L2.
   Split-K applies too while the tiles leave SMs idle (e.g. M = 128 on a narrow N).
@@ -102,9 +105,11 @@ _GEMV_BLOCK_K = 1024
 _GEMV_PLAN_MAX_M = 16
 # Smallest tl.dot dimension: decode pads M up to this.
 MIN_BLOCK_M = 16
-# Split K while the tiles give fewer programs than this many per SM (decode programs are small:
-# 4 warps and ~50 KB of shared memory, so 3-4 share an SM and their loads overlap).
-_DECODE_PROGRAMS_PER_SM = 2
+# Decode tiles per M tile: (BLOCK_N, BLOCK_K, warps, stages, programs per SM below which K is
+# split). Decode programs are small (4 warps, 25-50 KB of shared memory), so several share an
+# SM and their loads overlap. From a sweep of 8 tile choices on the four projections at M 4..64
+# (H200, see the module docstring).
+_DECODE_TILES = {16: (128, 128, 4, 3, 2), 32: (64, 128, 4, 4, 2), 64: (128, 128, 4, 4, 1)}
 _PREFILL_PROGRAMS_PER_SM = 1
 _MAX_SPLIT = 32
 # Each split streams at least this many K steps, so that the pipeline has loads to overlap.
@@ -165,8 +170,7 @@ def plan_mxfp8(
         return _plan_gemv(m, n, k, num_sms)
     if m <= DECODE_MAX_M:
         block_m = max(MIN_BLOCK_M, triton.next_power_of_2(max(m, 1)))
-        block_n, block_k, warps, stages = 64, 128, 4, 4
-        per_sm = _DECODE_PROGRAMS_PER_SM
+        block_n, block_k, warps, stages, per_sm = _DECODE_TILES[block_m]
     else:
         block_m, block_n, block_k, warps, stages = 128, 128, 64, 8, 3
         per_sm = _PREFILL_PROGRAMS_PER_SM

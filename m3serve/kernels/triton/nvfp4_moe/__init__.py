@@ -78,6 +78,8 @@ launched with programmatic dependent launch and wait on the device for their pre
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -224,6 +226,8 @@ def nvfp4_moe(
         "E_PAD": triton.next_power_of_2(num_experts),
         "SKIPS": skips,
         "BLOCK_M": plan.block_m,
+        # A step's tiles must divide both projections' K tiles.
+        "K_TILES": math.gcd(plan.k_tiles, hidden // tk_h, inter // tk_i),
         "DEQUANT": dequant,
         "DOT": dot,
         "PDL": pdl,

@@ -133,16 +133,19 @@ def nvfp4_mma(
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    K_TILES: tl.constexpr,
     DEQUANT: tl.constexpr,
     DOT: tl.constexpr,
 ):
     """acc [BLOCK_N, BLOCK_M] fp32 = W[w_rows, :k_end] @ A[a_rows, :k_end]^T, W NVFP4 (without its
     global scale, times 2^-7) in the row-tiled layout (`m3serve.kernels.nvfp4_tiles`: rows in
     groups of 32, each group's K in contiguous tiles), A bf16 at element offsets a_rows (int64)
-    from a_ptr, its columns in MMA K order (`mma_k_position`): each K step's two halves are the
+    from a_ptr, its columns in MMA K order (`mma_k_position`): each tile's two halves are the
     right operands of the even- and odd-element dots as they are in memory, so they go from the
-    pipelined load to the tensor cores without a trip through registers. A K step is one weight
-    tile: BLOCK_K is the tile's width, the period of the activations' order."""
+    pipelined load to the tensor cores without a trip through registers. BLOCK_K is a weight
+    tile's width, the period of the activations' order; a loop step takes K_TILES tiles (the
+    loads of one step are what the pipeline keeps in flight, and the step's fixed costs, its
+    barriers and waits, are shared by them), K_TILES dividing k_end's tiles."""
     HALF: tl.constexpr = BLOCK_K // 2  # bytes of a tile row
     GROUPS: tl.constexpr = BLOCK_K // 16  # scales of a tile row
     kb = tl.arange(0, HALF)
@@ -150,24 +153,26 @@ def nvfp4_mma(
     # int32 offsets: an expert's codes are its rows x K/2 bytes (18.9 MB at M3.1's widths).
     group = w_rows // 32
     lane = w_rows % 32
-    # A row's place in its group's first tile; each K step moves one tile (32 rows) on.
+    # A row's place in its group's first tile; each tile moves 32 rows on.
     w_tile = w_ptr + (group * (32 * (k_end // 2)) + lane * HALF)[:, None] + kb[None, :]
     s_tile = s_ptr + (group * (32 * (k_end // 16)) + lane * GROUPS)[:, None] + kg[None, :]
     a_half = a_ptr + a_rows[:, None] + kb[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, k_end, BLOCK_K):
-        b = tl.load(w_tile + k0 * 16, mask=w_ok[:, None], other=0)
-        s = tl.load(s_tile + k0 * 2, mask=w_ok[:, None], other=0.0)
-        # Each scale covers 8 bytes: read the [N, K/16] tile once, broadcast it in registers.
-        s = _group_scales(s, DEQUANT)
-        s = tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_N, GROUPS, 8]), [BLOCK_N, HALF])
-        lo, hi = _dequant(
-            _mma_k_order(b, BLOCK_N, HALF), _mma_k_order(s, BLOCK_N, HALF), DEQUANT, DOT
-        )
-        a_even = tl.load(a_half + k0, mask=a_ok[:, None], other=0.0)
-        a_odd = tl.load(a_half + (k0 + HALF), mask=a_ok[:, None], other=0.0)
-        acc = _dot_exact(lo, tl.trans(a_even), acc, DOT)
-        acc = _dot_exact(hi, tl.trans(a_odd), acc, DOT)
+    for k0 in range(0, k_end, BLOCK_K * K_TILES):
+        for u in tl.static_range(K_TILES):
+            k = k0 + u * BLOCK_K
+            b = tl.load(w_tile + k * 16, mask=w_ok[:, None], other=0)
+            s = tl.load(s_tile + k * 2, mask=w_ok[:, None], other=0.0)
+            # Each scale covers 8 bytes: read the [N, K/16] tile once, broadcast it in registers.
+            s = _group_scales(s, DEQUANT)
+            s = tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_N, GROUPS, 8]), [BLOCK_N, HALF])
+            lo, hi = _dequant(
+                _mma_k_order(b, BLOCK_N, HALF), _mma_k_order(s, BLOCK_N, HALF), DEQUANT, DOT
+            )
+            a_even = tl.load(a_half + k, mask=a_ok[:, None], other=0.0)
+            a_odd = tl.load(a_half + (k + HALF), mask=a_ok[:, None], other=0.0)
+            acc = _dot_exact(lo, tl.trans(a_even), acc, DOT)
+            acc = _dot_exact(hi, tl.trans(a_odd), acc, DOT)
     return acc
 
 

@@ -82,6 +82,7 @@ def _gate_up_tile(
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    K_TILES: tl.constexpr,
     ACT_TILE_K: tl.constexpr,
     DEQUANT: tl.constexpr,
     DOT: tl.constexpr,
@@ -105,6 +106,7 @@ def _gate_up_tile(
         BLOCK_N,
         BLOCK_M,
         BLOCK_K,
+        K_TILES,
         DEQUANT,
         DOT,
     )
@@ -152,6 +154,7 @@ def gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    K_TILES: tl.constexpr,
     ACT_TILE_K: tl.constexpr,
     DEQUANT: tl.constexpr,
     DOT: tl.constexpr,
@@ -171,7 +174,7 @@ def gate_up_kernel(
             _gate_up_tile(
                 x_ptr, stride_xt, w_base, s_base, g_ptr, act_ptr, stride_ap, expert, pair,
                 pair_ok, hidden, inter, alpha, limit, TOP_K, BLOCK_N, BLOCK_M, BLOCK_K,
-                ACT_TILE_K, DEQUANT, DOT,
+                K_TILES, ACT_TILE_K, DEQUANT, DOT,
             )  # fmt: skip
     else:
         expert = tl.load(block_expert_ptr + tl.program_id(1))
@@ -182,7 +185,7 @@ def gate_up_kernel(
             _gate_up_tile(
                 x_ptr, stride_xt, w_base, s_base, g_ptr, act_ptr, stride_ap, expert,
                 tl.maximum(pair, 0), pair >= 0, hidden, inter, alpha, limit, TOP_K, BLOCK_N,
-                BLOCK_M, BLOCK_K, ACT_TILE_K, DEQUANT, DOT,
+                BLOCK_M, BLOCK_K, K_TILES, ACT_TILE_K, DEQUANT, DOT,
             )  # fmt: skip
 
 
@@ -204,6 +207,7 @@ def _down_tile(
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    K_TILES: tl.constexpr,
     DEQUANT: tl.constexpr,
     DOT: tl.constexpr,
 ):
@@ -221,6 +225,7 @@ def _down_tile(
         BLOCK_N,
         BLOCK_M,
         BLOCK_K,
+        K_TILES,
         DEQUANT,
         DOT,
     )
@@ -256,6 +261,7 @@ def down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    K_TILES: tl.constexpr,
     DEQUANT: tl.constexpr,
     DOT: tl.constexpr,
     PDL: tl.constexpr,
@@ -275,7 +281,7 @@ def down_kernel(
             pair_ok = first + tl.arange(0, BLOCK_M) < count
             _down_tile(
                 act_ptr, stride_ap, w_base, s_base, g_ptr, tw_ptr, y_ptr, stride_yp, expert, pair,
-                pair_ok, hidden, inter, BLOCK_N, BLOCK_M, BLOCK_K, DEQUANT, DOT,
+                pair_ok, hidden, inter, BLOCK_N, BLOCK_M, BLOCK_K, K_TILES, DEQUANT, DOT,
             )  # fmt: skip
     else:
         expert = tl.load(block_expert_ptr + tl.program_id(1))
@@ -288,7 +294,7 @@ def down_kernel(
             _down_tile(
                 act_ptr, stride_ap, w_base, s_base, g_ptr, tw_ptr, y_ptr, stride_yp, expert,
                 tl.maximum(pair, 0), pair >= 0, hidden, inter, BLOCK_N, BLOCK_M, BLOCK_K,
-                DEQUANT, DOT,
+                K_TILES, DEQUANT, DOT,
             )  # fmt: skip
 
 

@@ -122,6 +122,7 @@ def run(
     route: str = "auto",
     limit: float = LIMIT,
     skips: bool = False,
+    **tiles: int,
 ) -> torch.Tensor:
     out = nvfp4_moe(
         x.to(DEVICE),
@@ -131,7 +132,7 @@ def run(
         ALPHA,
         limit,
         skips=skips,
-        config=NVFP4MoEConfig(route=route),
+        config=NVFP4MoEConfig(route=route, **tiles),
     )
     assert out.shape == x.shape and out.dtype == x.dtype
     return out.cpu()
@@ -164,14 +165,36 @@ def test_matches_reference(tokens: int, route: str) -> None:
     assert_exact(run(ex, x, weights, ids, route), reference(ex, x, weights, ids))
 
 
+@pytest.mark.parametrize("k_tiles", [1, 2, 4])
 @pytest.mark.parametrize("route", ROUTES)
-def test_several_k_tiles_per_row(route: str) -> None:
+def test_several_k_tiles_per_row(route: str, k_tiles: int) -> None:
     """H 512 and I 256: two 128-wide K tiles per row group for down, four for gate_up, which the
-    K loop walks one or two at a time (the small-block sorted plan steps 256 at once)."""
+    K loop walks one, two or four at a time (four: down's two, as many as divide both)."""
     ex = Experts(num_experts=3, inter=256, seed=17, hidden=512)
     x = activations(5, seed=18, hidden=512)
     weights, ids = routing(5, 3, seed=19)
-    assert_exact(run(ex, x, weights, ids, route), reference(ex, x, weights, ids))
+    got = run(ex, x, weights, ids, route, k_tiles=k_tiles)
+    assert_exact(got, reference(ex, x, weights, ids))
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_wide_weight_tiles(route: str) -> None:
+    """128 weight rows a program (the plan's tiles from two tokens on), 64 gate and 64 up."""
+    ex = Experts(num_experts=3, inter=128, seed=21, hidden=128)
+    x = activations(4, seed=22, hidden=128)
+    weights, ids = routing(4, 3, seed=23)
+    got = run(ex, x, weights, ids, route, block_n=128)
+    assert_exact(got, reference(ex, x, weights, ids))
+
+
+def test_plan_tiles_by_pairs() -> None:
+    """One token: narrow tiles, two K tiles a step; more decode pairs: wide tiles."""
+    one = planning.plan_moe(4, 128, "auto")
+    assert (one.route, one.gate_up_n, one.k_tiles) == (planning.ROUTE_SLOTS, 64, 2)
+    eight = planning.plan_moe(32, 128, "auto")
+    assert (eight.route, eight.gate_up_n, eight.k_tiles) == (planning.ROUTE_SLOTS, 128, 1)
+    sorted_small = planning.plan_moe(256, 128, "auto")
+    assert (sorted_small.route, sorted_small.block_m, sorted_small.gate_up_n) == (1, 16, 128)
 
 
 @pytest.mark.parametrize("route", ROUTES)
