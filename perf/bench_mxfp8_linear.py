@@ -15,13 +15,17 @@ Shapes (N, K) are the model's MXFP8 projections: fused q/k/v/index-q/index-k (98
 * prefill, M 2048: both timed the same way (graph replay), TFLOP/s = 2 M N K / time.
 * the two decode kernels side by side at M <= 8 (`gemv_us`, `mma_us`: each forced, whatever
   `plan_mxfp8` picks), the measurement behind `GEMV_MAX_M`; `--gemv-sweep` times the GEMV
-  kernel's tile choices at M 1 and 2 on each shape.
+  kernel's tile choices at M 1 and 2 on each shape, `--decode-sweep` the MMA path's
+  (`DECODE_SWEEP`: rows, stages, warps, programs per SM before K is split) at M 4-64, the
+  measurement behind `_DECODE_TILES`.
 * the MMA tiles against the dequantized path (W to bf16, then cuBLAS), each forced, at the
   `--crossover-ms` sizes: the measurement behind `DEQUANT_MIN_M`.
 
     python perf/bench_mxfp8_linear.py [--ms 1,8,32,64,128] [--prefill-m 2048]
         [--crossover-ms 64,96,128,...] [--shapes qkv_index,o_proj,...] [--gemv-sweep]
-        [--out PATH]
+        [--decode-sweep] [--out PATH]
+
+(`--ms '' --prefill-m 0 --crossover-ms ''` leaves only the sweeps.)
 
 Timing and the bandwidth measurement come from perf/gpu_timing.py (run the script by path, so
 that perf/ is on sys.path).
@@ -44,7 +48,12 @@ from gpu_timing import graph_us, read_bandwidth
 from result_json import write_result
 
 from m3serve.kernels.quant import dequant_mxfp8, quant_mxfp8
-from m3serve.kernels.triton.mxfp8_linear import Mxfp8Plan, mxfp8_linear, plan_mxfp8
+from m3serve.kernels.triton.mxfp8_linear import (
+    Mxfp8Plan,
+    mxfp8_linear,
+    plan_mxfp8,
+    split_for,
+)
 
 SHAPES = {
     "qkv_index": (9856, 6144),
@@ -146,6 +155,50 @@ def gemv_sweep(name: str, bandwidth: float) -> list[dict[str, float | int | str]
     return rows
 
 
+# MMA decode tiles the sweep times: (BLOCK_N, BLOCK_K, warps, stages, programs per SM below which
+# K is split).
+DECODE_SWEEP = (
+    (64, 128, 4, 4, 2),
+    (64, 128, 4, 4, 4),
+    (128, 128, 4, 4, 2),
+    (128, 128, 4, 3, 2),
+    (128, 128, 8, 4, 2),
+    (64, 256, 4, 3, 2),
+    (128, 256, 4, 3, 2),
+    (128, 128, 4, 4, 1),
+)
+DECODE_SWEEP_MS = (4, 8, 16, 32, 64)
+
+
+def decode_sweep(name: str, bandwidth: float) -> list[dict[str, float | int | str]]:
+    """The MMA decode tiles of `DECODE_SWEEP` on one shape at M 4..64 (graph replay)."""
+    n, k = SHAPES[name]
+    weight = Weight(n, k, copies_for(n * k * 33 // 32), 1)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows: list[dict[str, float | int | str]] = []
+    print(f"\nMMA decode tiles on {name} ({n} x {k}): µs (% of read bandwidth)")
+    for m in DECODE_SWEEP_MS:
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        outs = [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for _ in weight.codes]
+        block_m = max(16, triton.next_power_of_2(m))
+        for block_n, block_k, warps, stages, per_sm in DECODE_SWEEP:
+            tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+            split = split_for(tiles, triton.cdiv(k, block_k), per_sm * sms)
+            plan = Mxfp8Plan(block_m, block_n, block_k, split, warps, stages)
+            us = graph_us(_calls(x, weight, outs, plan))
+            frac = weight.bytes / (us * 1e-6) / bandwidth
+            served = plan_mxfp8(m, n, k, sms) == plan
+            rows.append(
+                {"shape": name, "m": m, "block_n": block_n, "block_k": block_k, "warps": warps,
+                 "stages": stages, "split_k": split, "us": us, "read_fraction": frac,
+                 "served": served}
+            )  # fmt: skip
+            tiles_text = f"n{block_n} k{block_k} w{warps} s{stages} split {split}"
+            mark = "  (served)" if served else ""
+            print(f"  M {m:2d} {tiles_text:>26}: {us:7.2f} ({100 * frac:4.1f}%){mark}")
+    return rows
+
+
 def crossover(name: str, weight: Weight, ms: list[int]) -> list[dict[str, float | int | str]]:
     """The MMA tiles and the dequantized path, each forced, at each M (graph replay)."""
     n, k = SHAPES[name]
@@ -182,9 +235,10 @@ def main() -> None:
     parser.add_argument("--crossover-ms", default="64,96,128,160,192,256,384,512,1024,2048")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--gemv-sweep", action="store_true")
+    parser.add_argument("--decode-sweep", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    ms = [int(m) for m in args.ms.split(",")]
+    ms = [int(m) for m in args.ms.split(",") if m]
     cross_ms = [int(m) for m in args.crossover_ms.split(",") if m]
     shapes = args.shapes.split(",")
 
@@ -193,6 +247,9 @@ def main() -> None:
 
     decode, prefill, cross = [], [], []
     sweep = [r for name in shapes for r in gemv_sweep(name, bandwidth)] if args.gemv_sweep else []
+    tiles = []
+    if args.decode_sweep:
+        tiles = [r for name in shapes for r in decode_sweep(name, bandwidth)]
     print("\ndecode (CUDA-graph replay; GB/s of weight bytes = codes + scales)")
     print(
         f"{'shape':>15} {'N':>6} {'K':>6} {'M':>4} {'bm':>4} {'split':>5} {'µs':>8} {'GB/s':>7} "
@@ -213,7 +270,8 @@ def main() -> None:
             )
 
         # Prefill now, while this shape's weights exist: one shape's copies in memory at a time.
-        prefill.append(point(name, weight, args.prefill_m, bandwidth, "prefill"))
+        if args.prefill_m > 0:
+            prefill.append(point(name, weight, args.prefill_m, bandwidth, "prefill"))
         cross += crossover(name, weight, cross_ms)
         del weight
         torch.cuda.empty_cache()
@@ -249,6 +307,7 @@ def main() -> None:
         "decode": decode,
         "prefill": prefill,
         "gemv_sweep": sweep,
+        "decode_sweep": tiles,
         "crossover": cross,
     }
     write_result(result, "bench_mxfp8_linear.json", args.out)

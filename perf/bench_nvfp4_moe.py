@@ -209,6 +209,11 @@ ABLATIONS = {
     "no_pdl": NVFP4MoEConfig(pdl=False),
     "stages4": NVFP4MoEConfig(num_stages=4),
     "stages5": NVFP4MoEConfig(num_stages=5),
+    # The decode tiles `plan_moe` chooses between: weight rows a program, K tiles a step.
+    "rows64_k1": NVFP4MoEConfig(block_n=64, k_tiles=1),
+    "rows64_k2": NVFP4MoEConfig(block_n=64, k_tiles=2),
+    "rows128_k1": NVFP4MoEConfig(block_n=128, k_tiles=1),
+    "rows128_k2": NVFP4MoEConfig(block_n=128, k_tiles=2),
     "block_n128_w8": NVFP4MoEConfig(block_n=128, num_warps=8),
     "warps8": NVFP4MoEConfig(num_warps=8),
 }

@@ -107,8 +107,8 @@ _GEMV_PLAN_MAX_M = 16
 MIN_BLOCK_M = 16
 # Decode tiles per M tile: (BLOCK_N, BLOCK_K, warps, stages, programs per SM below which K is
 # split). Decode programs are small (4 warps, 25-50 KB of shared memory), so several share an
-# SM and their loads overlap. From a sweep of 8 tile choices on the four projections at M 4..64
-# (H200, see the module docstring).
+# SM and their loads overlap. From `perf/bench_mxfp8_linear.py --decode-sweep` (H200, see the
+# module docstring).
 _DECODE_TILES = {16: (128, 128, 4, 3, 2), 32: (64, 128, 4, 4, 2), 64: (128, 128, 4, 4, 1)}
 _PREFILL_PROGRAMS_PER_SM = 1
 _MAX_SPLIT = 32
@@ -175,14 +175,18 @@ def plan_mxfp8(
         block_m, block_n, block_k, warps, stages = 128, 128, 64, 8, 3
         per_sm = _PREFILL_PROGRAMS_PER_SM
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    k_steps = triton.cdiv(k, block_k)
-    target = per_sm * num_sms
-    split = 1
-    if tiles < target:
-        wanted = min(triton.next_power_of_2(triton.cdiv(target, tiles)), _MAX_SPLIT)
-        steps = max(triton.cdiv(k_steps, wanted), min(_MIN_STEPS_PER_SPLIT, k_steps))
-        split = triton.cdiv(k_steps, steps)
+    split = split_for(tiles, triton.cdiv(k, block_k), per_sm * num_sms)
     return Mxfp8Plan(block_m, block_n, block_k, split, warps, stages, dequant=m >= dequant_min_m)
+
+
+def split_for(tiles: int, k_steps: int, target: int) -> int:
+    """Programs along K so that `tiles` output tiles make about `target` programs, each split
+    streaming at least `_MIN_STEPS_PER_SPLIT` of the `k_steps` K steps (1: no split)."""
+    if tiles >= target:
+        return 1
+    wanted = min(triton.next_power_of_2(triton.cdiv(target, tiles)), _MAX_SPLIT)
+    steps = max(triton.cdiv(k_steps, wanted), min(_MIN_STEPS_PER_SPLIT, k_steps))
+    return triton.cdiv(k_steps, steps)
 
 
 def _plan_gemv(m: int, n: int, k: int, num_sms: int) -> Mxfp8Plan:

@@ -70,7 +70,8 @@ def plan_moe(num_pairs: int, num_experts: int, route: str) -> Plan:
         # give few programs: 64-row weight tiles (one warpgroup MMA) and two K tiles a step keep
         # more bytes in flight (H200, T = 1: 56.8 µs vs 62.8 one tile a step, 66.1 with
         # 128 rows). With more experts, 128-row tiles share each step's fixed costs over twice
-        # the bytes (T = 8: 319.8 µs vs 343.9).
+        # the bytes (T = 8: 319.8 µs vs 343.9). `perf/bench_nvfp4_moe.py --ablations` times
+        # these choices.
         if num_pairs <= _NARROW_MAX_PAIRS:
             return Plan(ROUTE_SLOTS, 16, 64, 64, 4, 3, p_pad, k_tiles=2)
         return Plan(ROUTE_SLOTS, 16, 128, 128, 4, 3, p_pad)
