@@ -14,12 +14,15 @@ and is timed in the same run:
   no_pdl_moe: only the routed experts' kernels without it.
 
 The byte floor is the served layer's weight bytes at the read bandwidth measured in the run.
-`--kernels` also profiles replays of the served layers (torch.profiler, CUPTI sees the kernels
-a graph launches) and prints one layer's kernels in order: each one's µs, and the idle time
-before it on its stream (launch latency and dependency waits: what no kernel's speed buys back).
+`--kernels [VARIANT...]` also profiles replays of the layers as those variants run them (the
+served ones when none is named; torch.profiler, CUPTI sees the kernels a graph launches) and
+prints one layer's kernels in order: each one's µs, and the idle time before it on its stream
+(launch latency and dependency waits: what no kernel's speed buys back). A kernel launched with
+programmatic dependent launch starts early and waits on the device, so its span holds its
+predecessor's tail: `--kernels no_pdl` gives each kernel's own time.
 
     python perf/bench_moe_layer_parts.py [--layers 4] [--batches 1 8] [--context 4096]
-        [--kernels]
+        [--kernels [VARIANT...]]
 
 Prints a table; writes JSON to $OUT/bench_moe_layer_parts.json when $OUT is set, else
 perf/results/ (or --out).
@@ -219,10 +222,10 @@ def _one_layer(order: list[tuple[str, Any, int]], layers: int) -> tuple[int, int
     return 0, len(order)
 
 
-def print_timeline(bs: int, rows: list[dict[str, Any]]) -> None:
+def print_timeline(bs: int, name: str, rows: list[dict[str, Any]]) -> None:
     busy = sum(r["us"] for r in rows)
     idle = sum(r["idle_us"] for r in rows)
-    print(f"\nbatch {bs}: one layer's kernels ({len(rows)}), µs and idle µs before each")
+    print(f"\nbatch {bs}, {name}: one layer's kernels ({len(rows)}), µs and idle µs before each")
     for r in rows:
         print(f"  s{r['stream']!s:>3} {r['us']:7.1f} {r['idle_us']:6.1f}  {r['name'][:90]}")
     print(f"  kernel µs {busy:.1f}, idle µs before them {idle:.1f} (all streams)")
@@ -237,7 +240,13 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--batches", type=int, nargs="*", default=[1, 8])
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS)
-    parser.add_argument("--kernels", action="store_true", help="print one layer's kernel timeline")
+    parser.add_argument(
+        "--kernels",
+        nargs="*",
+        default=None,
+        choices=VARIANTS,
+        help="print one layer's kernel timeline as these variants run it (none named: served)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -247,7 +256,8 @@ def main() -> None:
     read_bw = read_bandwidth()
     page = cfg.page_size
     rows: list[dict[str, Any]] = []
-    timelines: dict[int, list[dict[str, Any]]] = {}
+    timelines: dict[str, list[dict[str, Any]]] = {}
+    profiled = [] if args.kernels is None else (args.kernels or ["served"])
     for bs in args.batches:
         pages = bs * (-(-(args.context + 1) // page)) + 1
         kv = random_kv(cfg, pages + 1, device)
@@ -266,10 +276,11 @@ def main() -> None:
                 }
             )
             print(f"batch {bs:4d} {name:>13}: {per_layer:8.1f} µs/layer (rest {rest:6.1f} µs)")
-        if args.kernels:
-            timeline = kernel_timeline(model, batch, kv, args.layers)
-            print_timeline(bs, timeline)
-            timelines[bs] = timeline
+        for name in profiled:
+            with variant(name, model, backend):
+                timeline = kernel_timeline(model, batch, kv, args.layers)
+            print_timeline(bs, name, timeline)
+            timelines[f"{bs}/{name}"] = timeline
         del kv
         torch.cuda.empty_cache()
     print(f"\nread bandwidth {read_bw / 1e12:.2f} TB/s; µs per MoE layer (marginal)")

@@ -29,7 +29,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, say how it went and 
 step tests 240 python3 -m pytest -q tests/gpu/test_mxfp8_linear_gpu.py \
   tests/gpu/test_nvfp4_moe_gpu.py tests/gpu/test_hopper_quantized.py tests/gpu/test_router_gpu.py
 tail -2 "$OUT/tests.txt"
-step parts 150 python3 perf/bench_moe_layer_parts.py --batches 1 8 64 --kernels \
+step parts 180 python3 perf/bench_moe_layer_parts.py --batches 1 8 64 --kernels served no_pdl \
   --out "$OUT/parts.json"
 grep -A10 "read bandwidth" "$OUT/parts.txt"
 step moe_layer 150 python3 perf/bench_moe_layer.py --out "$OUT/moe_layer.json"
