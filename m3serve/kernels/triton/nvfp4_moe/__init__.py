@@ -37,7 +37,8 @@ each half permuted): x by `permute_k_kernel` (one small launch), act by the gate
 epilogue. Each K step's two halves then go from the pipelined load straight to the tensor
 cores; reordering them in registers instead cost a shared-memory round trip, two more barriers
 and a second MMA wait per K step (sm_90 SASS), and registers (the prefill down kernel: 163 ->
-118, two blocks an SM instead of one). One K step is one weight tile.
+118, two blocks an SM instead of one). A K loop step takes one weight tile, or `k_tiles` of them
+(the plan's choice at one token: more bytes in flight per program).
 
 The dots put weights on the left (out^T = W @ X^T): the MMA's M side is 64 or 128 weight rows,
 its N side the 16..128 token rows of one expert, so decode wastes no weight-side tile.

@@ -34,13 +34,13 @@ class NVFP4MoEConfig:
     pdl: bool = True
     # Tile overrides for tuning sweeps (0: the plan's). block_m: pairs per program (a power of
     # two >= 16); block_n: weight rows per program (a power of two >= 64: 64 per warpgroup of
-    # MMA). The K step is not a choice: it is the weights' K tile (`nvfp4_tiles.tile_k`), the
-    # period of the activations' MMA K order.
+    # MMA). A tile's K width is not a choice: it is the weights' K tile (`nvfp4_tiles.tile_k`),
+    # the period of the activations' MMA K order; how many tiles a K loop step takes is.
     block_m: int = 0
     block_n: int = 0
     num_warps: int = 0
     num_stages: int = 0
-    # Weight tiles per K loop step (0: the plan's).
+    # Weight tiles per K loop step (0: the plan's; reduced to a count dividing both projections').
     k_tiles: int = 0
 
 
