@@ -4,11 +4,12 @@ Per (step kind, batch size), over consecutive traced steps: how many, the median
 the median wall time from the previous step's line to this one's, and the median host time
 (planning + processing, on the event loop) and run time (the executor thread: forward,
 sampling and the token copy back, which waits for the device), with the run time's 99th
-percentile and the garbage collector's pauses (`gc=`) summed. `--slowest N` lists the N steps
-that took longest from the step before them (what an inter-token latency tail is made of), with
-the part of the gap beyond the step's own run (large: the engine sat idle, or waited on
-something outside the step); `--since` / `--until` keep the steps logged inside a window (one
-benchmark level of a longer run), as HH:MM:SS of the log's clock.
+percentile, the garbage collector's pauses (`gc=`) summed, and the range of the mixed steps'
+prompt budgets (`budget=`). `--slowest N` lists the N steps that took longest from the step
+before them (what an inter-token latency tail is made of), with the part of the gap beyond the
+step's own run (large: the engine sat idle, or waited on something outside the step);
+`--since` / `--until` keep the steps logged inside a window (one benchmark level of a longer
+run), as HH:MM:SS of the log's clock.
 
     python perf/summarize_step_trace.py serve.log [--top 25] [--slowest 10]
         [--since 16:17:05 --until 16:17:08]
@@ -28,6 +29,7 @@ from typing import NamedTuple
 LINE = re.compile(
     r"^(\S+ \S+) .*step (\d+) (\w+) batch=(\d+) tokens=(\d+).*host=([\d.]+)ms "
     r"\(plan ([\d.]+) \+ process ([\d.]+)\) run=([\d.]+)ms(?: gc=([\d.]+)ms)?"
+    r"(?: budget=(\d+))?"
 )
 
 
@@ -42,6 +44,7 @@ class Step(NamedTuple):
     process_ms: float
     run_ms: float
     gc_ms: float = 0.0  # the garbage collector's pauses in the step (`gc=`, traced servers)
+    budget: int = 0  # a mixed step's prompt budget (`budget=`; 0: not logged)
 
 
 def steps(path: Path) -> list[Step]:
@@ -52,7 +55,8 @@ def steps(path: Path) -> list[Step]:
             stamp = datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
             numbers = (float(m[i]) for i in (6, 7, 8, 9))
             gc_ms = float(m[10]) if m[10] else 0.0
-            rows.append(Step(stamp, int(m[2]), m[3], int(m[4]), int(m[5]), *numbers, gc_ms))
+            budget = int(m[11]) if m[11] else 0
+            rows.append(Step(stamp, int(m[2]), m[3], int(m[4]), int(m[5]), *numbers, gc_ms, budget))
     return rows
 
 
@@ -105,6 +109,7 @@ def main() -> None:
     for (kind, batch), items in ranked:
         gap = statistics.median(g for g, _ in items)
         med = {f: statistics.median(getattr(r, f) for _, r in items) for f in Step._fields[4:]}
+        budgets = sorted({r.budget for _, r in items if r.budget})
         p99 = percentile([r.run_ms for _, r in items], 0.99)
         paused = sum(r.gc_ms for _, r in items)
         print(
@@ -112,6 +117,7 @@ def main() -> None:
             f"wall gap {gap:6.2f} ms  host {med['host_ms']:5.2f} (plan {med['plan_ms']:4.2f} "
             f"process {med['process_ms']:4.2f})  run {med['run_ms']:6.2f} ms (p99 {p99:6.2f})"
             + (f"  gc {paused:.1f} ms in all" if paused else "")
+            + (f"  budget {budgets[0]}-{budgets[-1]}" if budgets else "")
         )
     if args.slowest:
         print(f"--- the {args.slowest} longest gaps from the step before")
@@ -122,6 +128,7 @@ def main() -> None:
                 f"tokens={step.tokens:6d} gap {gap:7.2f} ms  run {step.run_ms:7.2f} ms  "
                 f"host {step.host_ms:5.2f} ms  beyond run {gap - step.run_ms:7.2f} ms"
                 + (f"  gc {step.gc_ms:.2f} ms" if step.gc_ms else "")
+                + (f"  budget {step.budget}" if step.budget else "")
             )
 
 

@@ -76,6 +76,9 @@ class Scheduler(StepCommit):
         keeps slot page lists, `SlotPages`); else every row its whole list."""
         self.args = args
         self.mixed_budget = mixed_budget
+        # The prompt tokens the last planned step was allowed beside its decode rows by
+        # `mixed_budget` (0: not limited by it); the step trace logs it with mixed steps.
+        self.mixed_limit = 0
         self.page_deltas = page_deltas
         self.page_size = page_size
         self.cache = cache or PrefixCache(PagePool(num_pages), page_size, enabled=radix)
@@ -213,10 +216,12 @@ class Scheduler(StepCommit):
 
     def _plan_prefill(self, decodes: int) -> list[tuple[Req, int]]:
         budget = self.args.max_prefill_tokens
+        self.mixed_limit = 0
         if self.args.chunked_prefill_size > 0:
             budget = min(budget, self.args.chunked_prefill_size)
             if decodes and self.mixed_budget is not None:
-                budget = min(budget, self.mixed_budget(decodes))
+                self.mixed_limit = self.mixed_budget(decodes)
+                budget = min(budget, self.mixed_limit)
         chosen: list[tuple[Req, int]] = []
         if self.args.schedule_policy == "lpm" and 1 < len(self.waiting) <= LPM_MAX_WAITING:
             self._longest_prefix_first()

@@ -89,7 +89,8 @@ class StepLoop:
         plan = self.scheduler.schedule()
         if plan is not None:
             self.inputs.keep(plan, self.scheduler.running)
-            self.trace.planned(plan, time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            self.trace.planned(plan, seconds, budget=self.scheduler.mixed_limit)
         return plan
 
     def _launch(self, plan: StepPlan) -> Launched:

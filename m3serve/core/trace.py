@@ -103,6 +103,9 @@ class StepRecord:
     # Collector pauses from planning to processing (the trace's GcPauses): the running total's
     # negative when planned, the total added back when processed.
     gc_ms: float = 0.0
+    # The mixed-step prompt budget the plan was held to (0: none): the served budget moves with
+    # the steps run, and a log line of it goes out at most every 30 s.
+    budget: int = 0
 
     @property
     def tokens(self) -> int:
@@ -116,10 +119,12 @@ class StepRecord:
         loaded = sum(len(copy.device) for copy in self.plan.loads)
         loads = f" load-back={loaded} pages" if loaded else ""
         paused = f" gc={self.gc_ms:.2f}ms" if self.gc_ms >= 0.005 else ""
+        kind = step_kind(self.plan)
+        budget = f" budget={self.budget}" if self.budget and kind == "mixed" else ""
         return (
-            f"step {self.plan.step} {step_kind(self.plan)} batch={len(self.plan.seqs)} "
+            f"step {self.plan.step} {kind} batch={len(self.plan.seqs)} "
             f"tokens={self.tokens}{loads} host={host:.2f}ms (plan {self.schedule_ms:.2f} + "
-            f"process {self.process_ms:.2f}) run={self.run_ms:.2f}ms{paused}{compiled}"
+            f"process {self.process_ms:.2f}) run={self.run_ms:.2f}ms{paused}{budget}{compiled}"
         )
 
 
@@ -133,9 +138,10 @@ class StepTrace:
         self.gc = GcPauses() if log_every_step else None
         self._records: dict[int, StepRecord] = {}
 
-    def planned(self, plan: StepPlan, seconds: float) -> None:
+    def planned(self, plan: StepPlan, seconds: float, budget: int = 0) -> None:
+        """`budget`: the mixed-step prompt budget the plan was held to (0: none)."""
         paused = -self.gc.total_ms if self.gc is not None else 0.0
-        self._records[plan.step] = StepRecord(plan, seconds * 1e3, gc_ms=paused)
+        self._records[plan.step] = StepRecord(plan, seconds * 1e3, gc_ms=paused, budget=budget)
 
     def ran(self, step: int, seconds: float, compiles_before: int) -> None:
         record = self._records.get(step)

@@ -17,7 +17,9 @@ def test_the_summary_parses_the_trace_lines_the_engine_writes(tmp_path: Path) ->
     mixed = StepPlan(step=8, seqs=[SeqStep([1, 2, 3], 0, [2], slot=2), SeqStep(None, 11, [0])])
     lines = []
     for stamp, plan, run_ms, gc_ms in (("00,100", decode, 3.5, 0.0), ("00,104", mixed, 4.25, 1.5)):
-        record = StepRecord(plan, schedule_ms=0.1, run_ms=run_ms, process_ms=0.05, gc_ms=gc_ms)
+        record = StepRecord(
+            plan, schedule_ms=0.1, run_ms=run_ms, process_ms=0.05, gc_ms=gc_ms, budget=384
+        )
         lines.append(f"2026-12-03 13:50:{stamp} INFO [engine] m3serve.core.trace: {record.line()}")
     log = tmp_path / "serve.log"
     log.write_text("\n".join(["unrelated line", *lines]) + "\n")
@@ -26,7 +28,9 @@ def test_the_summary_parses_the_trace_lines_the_engine_writes(tmp_path: Path) ->
     assert second[1:5] == (8, "mixed", 2, 4)
     assert second[0] - first[0] == pytest.approx(0.004, abs=1e-5)
     assert first.gc_ms == 0.0  # no pause: nothing logged
-    assert second[5:] == pytest.approx((0.15, 0.1, 0.05, 4.25, 1.5))
+    assert first.budget == 0  # a decode step logs no budget
+    assert second[5:10] == pytest.approx((0.15, 0.1, 0.05, 4.25, 1.5))
+    assert second.budget == 384
 
 
 def _log(tmp_path: Path, entries: list[tuple[str, int, float]]) -> Path:

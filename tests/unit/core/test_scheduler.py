@@ -323,18 +323,23 @@ def test_steps_that_decode_carry_at_most_the_mixed_budget_of_prompt_tokens() -> 
     plans: list[StepPlan] = []
     schedule = run.scheduler.schedule
 
+    limits: list[int] = []
+
     def recording() -> StepPlan | None:
         plan = schedule()
         if plan is not None:
             plans.append(plan)
+            limits.append(run.scheduler.mixed_limit)
         return plan
 
     run.scheduler.schedule = recording  # type: ignore[method-assign]
     drive(run, arrivals=arrivals)
-    for plan in plans:
+    for plan, limit in zip(plans, limits, strict=True):
         decodes = sum(seq.input_ids is None for seq in plan.seqs)
         prompt_tokens = sum(seq.extend for seq in plan.seqs if seq.input_ids is not None)
         assert prompt_tokens <= (4 * decodes if decodes else 32)
+        # What the step trace logs: the mixed budget the step was held to, 0 with no decodes.
+        assert limit == 4 * decodes
     assert any(sum(s.input_ids is None for s in p.seqs) == 0 and len(p.seqs) == 1 for p in plans)
     for req in [early, *late]:
         assert run.outputs[req.rid] == reference_output(req.prompt, req.max_new, STOP)

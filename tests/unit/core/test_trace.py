@@ -39,6 +39,20 @@ def test_each_step_logs_its_kind_batch_tokens_and_times(caplog: pytest.LogCaptur
     trace.close()
 
 
+def test_a_mixed_step_logs_the_prompt_budget_it_was_held_to(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    trace = StepTrace(log_every_step=True)
+    trace.planned(plan(DECODE, PREFILL, step=8), 0.0, budget=256)
+    trace.planned(plan(DECODE, step=9), 0.0, budget=256)  # a decode step: no prompt, no budget
+    with caplog.at_level(logging.INFO, logger="m3serve.core.trace"):
+        trace.processed(8, 0.0)
+        trace.processed(9, 0.0)
+    mixed, decode = [r.getMessage() for r in caplog.records]
+    assert mixed.endswith("budget=256") and "budget" not in decode
+    trace.close()
+
+
 def test_a_step_that_compiled_is_a_warning_even_without_the_trace(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
