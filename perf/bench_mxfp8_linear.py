@@ -48,12 +48,7 @@ from gpu_timing import graph_us, read_bandwidth
 from result_json import write_result
 
 from m3serve.kernels.quant import dequant_mxfp8, quant_mxfp8
-from m3serve.kernels.triton.mxfp8_linear import (
-    Mxfp8Plan,
-    mxfp8_linear,
-    plan_mxfp8,
-    split_for,
-)
+from m3serve.kernels.triton.mxfp8_linear import Mxfp8Plan, mxfp8_linear, plan_mxfp8
 
 SHAPES = {
     "qkv_index": (9856, 6144),
@@ -180,20 +175,20 @@ def decode_sweep(name: str, bandwidth: float) -> list[dict[str, float | int | st
     for m in DECODE_SWEEP_MS:
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         outs = [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for _ in weight.codes]
-        block_m = max(16, triton.next_power_of_2(m))
-        for block_n, block_k, warps, stages, per_sm in DECODE_SWEEP:
-            tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-            split = split_for(tiles, triton.cdiv(k, block_k), per_sm * sms)
-            plan = Mxfp8Plan(block_m, block_n, block_k, split, warps, stages)
+        for tiles in DECODE_SWEEP:
+            plan = plan_mxfp8(m, n, k, sms, decode_tiles=tiles)
             us = graph_us(_calls(x, weight, outs, plan))
             frac = weight.bytes / (us * 1e-6) / bandwidth
             served = plan_mxfp8(m, n, k, sms) == plan
             rows.append(
-                {"shape": name, "m": m, "block_n": block_n, "block_k": block_k, "warps": warps,
-                 "stages": stages, "split_k": split, "us": us, "read_fraction": frac,
-                 "served": served}
+                {"shape": name, "m": m, "block_n": plan.block_n, "block_k": plan.block_k,
+                 "warps": plan.num_warps, "stages": plan.num_stages, "split_k": plan.split_k,
+                 "us": us, "read_fraction": frac, "served": served}
             )  # fmt: skip
-            tiles_text = f"n{block_n} k{block_k} w{warps} s{stages} split {split}"
+            tiles_text = (
+                f"n{plan.block_n} k{plan.block_k} w{plan.num_warps} s{plan.num_stages} "
+                f"split {plan.split_k}"
+            )
             mark = "  (served)" if served else ""
             print(f"  M {m:2d} {tiles_text:>26}: {us:7.2f} ({100 * frac:4.1f}%){mark}")
     return rows

@@ -11,12 +11,7 @@
 # About 3.5 minutes with a warm Triton cache; each step has its own time limit, so a slow one
 # costs its own output, not the others'.
 set -u
-: "${OUT:?run on the device machine, where \$OUT is set}"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
-export TRITON_CACHE_DIR=/tmp/tcache
-if [ -f .scratch/tcache.tgz ]; then tar xzf .scratch/tcache.tgz -C /tmp; fi
+. perf/device_env.sh
 
 step() {  # step NAME SECONDS COMMAND...: run with a limit, say how it went and how long it took
   local name=$1 limit=$2 t0

@@ -15,13 +15,7 @@
 set -u
 levels=("$@")
 [ ${#levels[@]} -gt 0 ] || levels=(c1:1:12 c16:16:192 c64:64:256:probe c128:128:256 c256:256:512)
-: "${OUT:?run on the device machine, where \$OUT is set}"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
-export TRITON_CACHE_DIR=/tmp/tcache
-carried=0
-if [ -f .scratch/tcache.tgz ]; then tar xzf .scratch/tcache.tgz -C /tmp && carried=1; fi
+. perf/device_env.sh
 # Fail in seconds, not after the health wait, when a wheel is missing.
 python3 -c "import m3serve.api.server, m3serve.core.engine_core, xgrammar" || exit 1
 t0=$(date +%s)

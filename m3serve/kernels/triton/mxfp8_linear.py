@@ -109,7 +109,12 @@ MIN_BLOCK_M = 16
 # split). Decode programs are small (4 warps, 25-50 KB of shared memory), so several share an
 # SM and their loads overlap. From `perf/bench_mxfp8_linear.py --decode-sweep` (H200, see the
 # module docstring).
-_DECODE_TILES = {16: (128, 128, 4, 3, 2), 32: (64, 128, 4, 4, 2), 64: (128, 128, 4, 4, 1)}
+DecodeTiles = tuple[int, int, int, int, int]
+_DECODE_TILES: dict[int, DecodeTiles] = {
+    16: (128, 128, 4, 3, 2),
+    32: (64, 128, 4, 4, 2),
+    64: (128, 128, 4, 4, 1),
+}
 _PREFILL_PROGRAMS_PER_SM = 1
 _MAX_SPLIT = 32
 # Each split streams at least this many K steps, so that the pipeline has loads to overlap.
@@ -162,24 +167,26 @@ def plan_mxfp8(
     num_sms: int,
     gemv_max_m: int = GEMV_MAX_M,
     dequant_min_m: int = DEQUANT_MIN_M,
+    decode_tiles: DecodeTiles | None = None,
 ) -> Mxfp8Plan:
     """Tiles and split count for x [m, k] @ W[n, k]^T on a device with `num_sms` SMs; M up to
-    `gemv_max_m` takes the GEMV kernel, M from `dequant_min_m` the dequantized path (benchmarks
-    move the crossovers)."""
+    `gemv_max_m` takes the GEMV kernel, M from `dequant_min_m` the dequantized path, and the
+    MMA decode path `decode_tiles` instead of `_DECODE_TILES`' (benchmarks move the crossovers
+    and sweep the tiles)."""
     if m <= gemv_max_m:
         return _plan_gemv(m, n, k, num_sms)
     if m <= DECODE_MAX_M:
         block_m = max(MIN_BLOCK_M, triton.next_power_of_2(max(m, 1)))
-        block_n, block_k, warps, stages, per_sm = _DECODE_TILES[block_m]
+        block_n, block_k, warps, stages, per_sm = decode_tiles or _DECODE_TILES[block_m]
     else:
         block_m, block_n, block_k, warps, stages = 128, 128, 64, 8, 3
         per_sm = _PREFILL_PROGRAMS_PER_SM
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    split = split_for(tiles, triton.cdiv(k, block_k), per_sm * num_sms)
+    split = _split_for(tiles, triton.cdiv(k, block_k), per_sm * num_sms)
     return Mxfp8Plan(block_m, block_n, block_k, split, warps, stages, dequant=m >= dequant_min_m)
 
 
-def split_for(tiles: int, k_steps: int, target: int) -> int:
+def _split_for(tiles: int, k_steps: int, target: int) -> int:
     """Programs along K so that `tiles` output tiles make about `target` programs, each split
     streaming at least `_MIN_STEPS_PER_SPLIT` of the `k_steps` K steps (1: no split)."""
     if tiles >= target:
