@@ -6,27 +6,20 @@ in fp32 on weights dequantized by `m3serve.kernels.quant`. With fp32 activations
 in the kernel is exact and only fp32 summation order differs, so the tolerance is fp32 rounding;
 bf16 activations add the rounding of the output to bf16 (which the interpreter truncates).
 
-The GPU decodes nibbles with inline PTX, which the interpreter cannot run: `test_e2m1_ptx_*`
-execute that PTX text on a small emulator of its four instructions, for every byte and a sweep of
-scales, against `unpack_e2m1`.
+The sorted route's metadata and the decode helpers (the PTX nibble decode, the activations' K
+order) have their own files: test_nvfp4_moe_align_triton.py, test_nvfp4_moe_decode_triton.py.
 """
 
 from __future__ import annotations
 
-import struct
-
 import pytest
 import torch
-import triton
-import triton.language as tl
 from helpers.devices import DEVICE, ON_GPU
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from m3serve.kernels.moe import local_expert_ids, moe_experts
 from m3serve.kernels.nvfp4_tiles import tile_experts
-from m3serve.kernels.quant import dequant_nvfp4, quant_nvfp4, unpack_e2m1
-from m3serve.kernels.triton.nvfp4_moe import NVFP4MoEConfig, align, decode, nvfp4_moe
+from m3serve.kernels.quant import dequant_nvfp4, quant_nvfp4
+from m3serve.kernels.triton.nvfp4_moe import NVFP4MoEConfig, nvfp4_moe
 from m3serve.kernels.triton.nvfp4_moe import plan as planning
 
 H = 64
@@ -324,197 +317,3 @@ def test_rejects_bad_inputs() -> None:
         nvfp4_moe(x, weights, ids, *bad, ALPHA, LIMIT)
     with pytest.raises(ValueError, match="topk_ids"):
         nvfp4_moe(x, weights, ids[:1], *args, ALPHA, LIMIT)
-
-
-# --------------------------------------------------------------------------- sorted metadata
-
-
-@pytest.mark.parametrize("block_m", [16, 64])
-def test_align_pairs(block_m: int) -> None:
-    gen = torch.Generator().manual_seed(30)
-    ids = torch.randint(0, 6, (45,), generator=gen)
-    ids[ids == 4] = 5  # expert 4 empty
-    sorted_pairs, block_expert, blocks = align.align_pairs(ids.to(DEVICE), 6, block_m)
-    sorted_pairs, block_expert = sorted_pairs.cpu(), block_expert.cpu()
-    assert sorted_pairs.shape == (blocks * block_m,) and block_expert.shape == (blocks,)
-    valid = sorted_pairs[sorted_pairs >= 0]
-    assert sorted(valid.tolist()) == list(range(45)), "every pair exactly once"
-    owner = block_expert.repeat_interleave(block_m)
-    assert torch.equal(ids[sorted_pairs[sorted_pairs >= 0].long()], owner[sorted_pairs >= 0])
-    for e in range(6):
-        count = int((ids == e).sum())
-        assert int((block_expert == e).sum()) == -(-count // block_m)
-    used = block_expert >= 0
-    assert not used[used.long().argmin() :].any() or used.all(), "unused blocks come last"
-    # Within an expert the pairs keep ascending order (stable), so results are reproducible.
-    for e in range(6):
-        mine = sorted_pairs[(owner == e) & (sorted_pairs >= 0)]
-        assert torch.equal(mine, mine.sort().values)
-
-
-def _aligned_reference(ids: list[int], num_experts: int, block_m: int, blocks: int) -> tuple:
-    """The layout align_pairs promises, built by hand: experts in id order, each one's pairs in
-    pair order then -1 up to a multiple of block_m, -1 to the end; each block's expert."""
-    sorted_pairs: list[int] = []
-    block_expert: list[int] = []
-    for e in range(num_experts):
-        mine = [p for p, i in enumerate(ids) if i == e]
-        padded = -(-len(mine) // block_m) * block_m
-        sorted_pairs += mine + [-1] * (padded - len(mine))
-        block_expert += [e] * (padded // block_m)
-    sorted_pairs += [-1] * (blocks * block_m - len(sorted_pairs))
-    block_expert += [-1] * (blocks - len(block_expert))
-    return sorted_pairs, block_expert
-
-
-@settings(max_examples=25, deadline=None)
-@given(
-    num_experts=st.integers(1, 9),
-    block_m=st.sampled_from([16, 32, 64, 128]),
-    data=st.data(),
-)
-def test_align_pairs_matches_the_stable_grouping(num_experts: int, block_m: int, data) -> None:
-    # Up to ~5 chunks of the placing kernels; id num_experts is an expert held elsewhere.
-    ids = data.draw(st.lists(st.integers(0, num_experts), min_size=1, max_size=600))
-    sorted_pairs, block_expert, blocks = align.align_pairs(
-        torch.tensor(ids, dtype=torch.int32, device=DEVICE), num_experts, block_m
-    )
-    want_pairs, want_experts = _aligned_reference(ids, num_experts, block_m, blocks)
-    assert sorted_pairs.cpu().tolist() == want_pairs
-    assert block_expert.cpu().tolist() == want_experts
-
-
-def test_align_pairs_leaves_out_experts_held_elsewhere() -> None:
-    ids = torch.tensor([3, 0, 3, 2, 1, 3, 0, 3])  # id 3: held by another rank (E = 3 here)
-    sorted_pairs, block_expert, _ = align.align_pairs(ids.to(DEVICE), 3, 16)
-    sorted_pairs, block_expert = sorted_pairs.cpu(), block_expert.cpu()
-    assert sorted(sorted_pairs[sorted_pairs >= 0].tolist()) == [1, 3, 4, 6]
-    assert block_expert[block_expert >= 0].tolist() == [0, 1, 2]
-
-
-# ----------------------------------------------------------------------- the GPU's PTX decode
-
-
-def _bf16_bits_to_float(bits: int) -> float:
-    return struct.unpack("<f", struct.pack("<I", (bits & 0xFFFF) << 16))[0]
-
-
-def _float_to_bf16_bits(value: float) -> int:
-    """Round-to-nearest-even fp32 -> bf16 (products here are exact, so rounding never acts)."""
-    (u,) = struct.unpack("<I", struct.pack("<f", value))
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
-
-
-def _prmt(a: int, b: int, sel: int) -> int:
-    src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
-    out = 0
-    for i in range(4):
-        nib = (sel >> (4 * i)) & 0xF
-        byte = src[nib & 7]
-        if nib & 8:  # sign-replicate mode: the PTX never uses it
-            byte = 0xFF if byte & 0x80 else 0
-        out |= byte << (8 * i)
-    return out
-
-
-def run_ptx(asm: str, operands: dict[int, int]) -> dict[int, int]:
-    """Execute the decode PTX (prmt / and / mul.lo.u32 / mul.rn.bf16x2 on .b32) on ints."""
-    regs: dict[str, int] = {f"${k}": v for k, v in operands.items()}
-
-    def val(tok: str) -> int:
-        tok = tok.strip()
-        return regs[tok] if tok in regs else int(tok, 0)
-
-    for line in asm.splitlines():
-        line = line.strip().rstrip(";")
-        if not line or line[0] in "{}." or line.startswith(".reg"):
-            continue
-        op, rest = line.split(None, 1)
-        dst, *srcs = [s.strip() for s in rest.split(",")]
-        if op == "prmt.b32":
-            res = _prmt(val(srcs[0]), val(srcs[1]), val(srcs[2]))
-        elif op == "and.b32":
-            res = val(srcs[0]) & val(srcs[1])
-        elif op == "mul.lo.u32":
-            res = (val(srcs[0]) * val(srcs[1])) & 0xFFFFFFFF
-        elif op == "mul.rn.bf16x2":
-            a, b = val(srcs[0]), val(srcs[1])
-            halves = [
-                _float_to_bf16_bits(
-                    _bf16_bits_to_float(a >> (16 * h)) * _bf16_bits_to_float(b >> (16 * h))
-                )
-                for h in range(2)
-            ]
-            res = halves[0] | (halves[1] << 16)
-        else:
-            raise AssertionError(f"the emulator does not know {op}")
-        regs[dst] = res & 0xFFFFFFFF
-    return {int(k[1:]): v for k, v in regs.items() if k.startswith("$") and int(k[1:]) < 4}
-
-
-def _boosted(scale: float) -> int:
-    """What `_group_scales` feeds the PTX: bf16(e4m3 scale * 2^119)."""
-    return _float_to_bf16_bits(scale * 2.0**119)
-
-
-@pytest.mark.parametrize(
-    "scale", [0.0, 2.0**-9, 3 * 2.0**-9, 2.0**-6, 0.8125, 1.0, 13.0, 240.0, 448.0]
-)
-def test_e2m1_ptx_decodes_every_byte(scale: float) -> None:
-    assert float(torch.tensor(scale).to(torch.float8_e4m3fn).float()) == scale
-    table = unpack_e2m1(torch.arange(256, dtype=torch.uint8)).view(256, 2)
-    asm = decode.E2M1_PTX.value
-    s_reg = _boosted(scale) | (_boosted(scale) << 16)
-    for start in range(0, 256, 4):
-        packed = sum(b << (8 * i) for i, b in enumerate(range(start, start + 4)))
-        out = run_ptx(asm, {4: packed, 5: s_reg, 6: s_reg})
-        for i, byte in enumerate(range(start, start + 4)):
-            reg, half = divmod(i, 2)
-            lo = _bf16_bits_to_float(out[reg] >> (16 * half))
-            hi = _bf16_bits_to_float(out[2 + reg] >> (16 * half))
-            want_lo, want_hi = (float(v) * scale * 2.0**-7 for v in table[byte])
-            assert lo == want_lo and hi == want_hi, (byte, scale, lo, hi)
-
-
-def test_e2m1_ptx_keeps_bytes_apart() -> None:
-    """Each byte of a pack decodes on its own: neighbours with every bit set change nothing."""
-    asm = decode.E2M1_PTX.value
-    one = _boosted(1.0) | (_boosted(1.0) << 16)
-    for byte in range(256):
-        for pos in range(4):
-            noisy = 0xFFFFFFFF & ~(0xFF << (8 * pos)) | (byte << (8 * pos))
-            clean = byte << (8 * pos)
-            a = run_ptx(asm, {4: noisy, 5: one, 6: one})
-            b = run_ptx(asm, {4: clean, 5: one, 6: one})
-            reg, half = divmod(pos, 2)
-            for r in (reg, 2 + reg):
-                assert (a[r] >> (16 * half)) & 0xFFFF == (b[r] >> (16 * half)) & 0xFFFF
-
-
-# ------------------------------------------------------------------ the activations' K order
-
-
-@triton.jit
-def _k_order_probe(cols_ptr, where_ptr, TILE_K: tl.constexpr):
-    """Column numbers in the order the decoded even/odd weight tiles come in (`_mma_k_order` of
-    the even, then of the odd columns), and where `mma_k_position` puts each column."""
-    HALF: tl.constexpr = TILE_K // 2
-    cols = tl.arange(0, TILE_K)
-    even, odd = tl.split(tl.reshape(cols, [HALF, 2]))
-    even = tl.reshape(decode._mma_k_order(tl.reshape(even, [1, HALF]), 1, HALF), [HALF])
-    odd = tl.reshape(decode._mma_k_order(tl.reshape(odd, [1, HALF]), 1, HALF), [HALF])
-    tl.store(cols_ptr + tl.arange(0, HALF), even)
-    tl.store(cols_ptr + HALF + tl.arange(0, HALF), odd)
-    tl.store(where_ptr + cols, decode.mma_k_position(cols, TILE_K))
-
-
-@pytest.mark.parametrize("tile_k", [32, 64, 128])
-def test_activations_are_stored_where_the_decoded_weights_expect_them(tile_k: int) -> None:
-    """Position p of a K tile of activations holds the column the weight tile's position p came
-    from, so the two operands of each dot agree."""
-    order = torch.empty(tile_k, dtype=torch.int32, device=DEVICE)
-    where = torch.empty(tile_k, dtype=torch.int32, device=DEVICE)
-    _k_order_probe[(1,)](order, where, TILE_K=tile_k)
-    order, where = order.cpu(), where.cpu()
-    assert sorted(where.tolist()) == list(range(tile_k)), "a permutation of the tile"
-    assert torch.equal(where[order.long()], torch.arange(tile_k, dtype=torch.int32))
