@@ -183,7 +183,7 @@ class EngineCore(StepLoop):
                 self.spec.attach(self.runner, self.model, self.backend, self.budget, kv_dtype)
         self.plans: PlanChannel | None = None
         if self.ranks.size > 1:
-            self.plans = PlanChannel(self.ranks, self.device)
+            self.plans = PlanChannel(self.ranks)
             self.runner.share = TokenShare(self.ranks, self.device)
             hidden = cfg.hidden_size
             self.runner.media_share = MediaShare(self.ranks, self.device, hidden, self.model.dtype)
@@ -210,7 +210,6 @@ class EngineCore(StepLoop):
             self.device,
             self.runner,
             self.budget,
-            self.ranks,
             self.startup,
             slots,
             self.loaded.path,

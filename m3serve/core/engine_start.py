@@ -176,18 +176,17 @@ def mixed_budget(
     device: torch.device,
     runner: StepRunner,
     budget: KVBudget,
-    ranks: RankGroup,
     startup: StartupPhases,
     slots: int,
     model_dir: Path,
 ) -> MixedBudget | None:
     """The scheduler's prompt budget for steps that decode, from step times measured now and
     then from the steps served (GPU only: on a CPU the forward is too noisy to time, and nobody
-    streams from it)."""
+    streams from it). With several ranks every rank times the same steps in the same order
+    (each forward's collectives need them all); only rank 0's budget is used, since only rank 0
+    schedules, and its times include the collectives as served steps do."""
     stretch = args.sched.mixed_step_stretch
     if not stretch or device.type != "cuda" or args.sched.chunked_prefill_size < 0:
-        return None
-    if ranks.size > 1:  # timed on rank 0 alone, its forwards would wait on the others
         return None
     page = budget.page_size
     graphs = runner.graphs

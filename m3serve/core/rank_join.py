@@ -3,7 +3,8 @@ before they serve.
 
 Every engine process of a `--tp N` engine calls `join_ranks` while it starts: a TCP rendezvous on
 127.0.0.1 at the port the launcher chose, over gloo on the CPU and NCCL on GPUs (where each rank
-takes the GPU of its own index). The KV pool's page count is agreed once: each rank plans its
+takes the GPU of its own index, and a gloo group beside it carries the host's step plans and
+token ids). The KV pool's page count is agreed once: each rank plans its
 own budget, and all take the smallest (on the CPU every rank plans the same count; on GPUs free
 memory may differ by rank, and the scheduler's page count must fit every rank's pool).
 """
@@ -34,16 +35,22 @@ def rank_device(device: torch.device, address: RankAddress) -> torch.device:
 def join_ranks(address: RankAddress, device: torch.device) -> RankGroup:
     """This process as rank `address.rank` of the default process group (returns once every
     rank has joined)."""
-    if device.type == "cuda":
+    cuda = device.type == "cuda"
+    if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo",
+        "nccl" if cuda else "gloo",
         init_method=f"tcp://127.0.0.1:{address.port}",
         rank=address.rank,
         world_size=address.size,
         timeout=COLLECTIVE_TIMEOUT,
+        # NCCL's communicator is made now, bound to this GPU, not lazily by the first
+        # collective (which could fall inside a CUDA graph capture).
+        device_id=device if cuda else None,
     )
-    return RankGroup(address.rank, address.size)
+    # Plans and token ids cross as CPU tensors (model/parallel.py RankGroup.host_group).
+    host = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT) if cuda else None
+    return RankGroup(address.rank, address.size, host_group=host)
 
 
 def agree_on_pages(ranks: RankGroup, pages: int, device: torch.device) -> int:

@@ -1,20 +1,23 @@
 """Rank 0 to the follower ranks of a tensor-parallel engine: each `StepPlan`, as msgpack bytes,
-over two broadcasts of the rank group (NCCL on GPUs, gloo on the CPU) — an int64 length, then a
-uint8 tensor of that many bytes. No pickle, and nothing but the plan crosses.
+over two broadcasts of the ranks' host group (gloo, CPU tensors, on GPUs too: model/parallel.py
+`RankGroup`) — an int64 length, then a uint8 tensor of that many bytes. No pickle, and nothing
+but the plan crosses.
 
 A length of -1 tells the followers to stop. A rank that dies breaks the broadcast on every other
 rank (gloo: the peer's socket closes; NCCL: the communicator's timeout), so `follow` raises
 instead of waiting forever; the supervisor then fails the requests and ends the rest.
 
 After each sampled step, `TokenShare` hands rank 0's tokens to the followers (its docstring says
-why); with speculative decoding also each verify step's drafts and verdicts. `MediaShare` hands
-them the image/video features of a step's prefill rows, which only rank 0 encodes. `EngineCore`
-sends (rank 0) and `engine/ranks.py` follows (ranks 1..N-1).
+why), over the host group too; with speculative decoding also each verify step's drafts and
+verdicts, which live on the device and cross the device group. `MediaShare` hands them the
+image/video features of a step's prefill rows, which only rank 0 encodes (device group).
+`EngineCore` sends (rank 0) and `engine/ranks.py` follows (ranks 1..N-1).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import torch
@@ -32,14 +35,13 @@ class RankLost(RuntimeError):
 
 
 class PlanChannel:
-    """One end of the plan broadcast; `device` is where the collective's tensors live."""
+    """One end of the plan broadcast (CPU tensors over the host group)."""
 
-    def __init__(self, ranks: RankGroup, device: torch.device | str = "cpu") -> None:
+    def __init__(self, ranks: RankGroup) -> None:
         self.ranks = ranks
-        self.device = torch.device(device)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(StepPlan)
-        self._length = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._length = torch.zeros(1, dtype=torch.int64)
 
     def send(self, plan: StepPlan | None) -> None:
         """Rank 0: `plan` to every follower (None: stop them)."""
@@ -49,8 +51,7 @@ class PlanChannel:
         self._length.fill_(STOP if plan is None else len(body))
         self._broadcast(self._length)
         if plan is not None:
-            payload = torch.frombuffer(bytearray(body), dtype=torch.uint8)
-            self._broadcast(payload.to(self.device))
+            self._broadcast(torch.frombuffer(bytearray(body), dtype=torch.uint8))
 
     def receive(self) -> StepPlan | None:
         """A follower: the next plan rank 0 sent, or None when it said stop."""
@@ -58,16 +59,12 @@ class PlanChannel:
         length = int(self._length.item())
         if length == STOP:
             return None
-        payload = torch.empty(length, dtype=torch.uint8, device=self.device)
+        payload = torch.empty(length, dtype=torch.uint8)
         self._broadcast(payload)
-        return self._decoder.decode(payload.cpu().numpy().tobytes())
+        return self._decoder.decode(payload.numpy().tobytes())
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
-        try:
-            dist.broadcast(tensor, src=LEADER, group=self.ranks.group)
-        except RuntimeError as exc:  # DistBackendError and gloo's connection errors
-            rank = self.ranks.rank
-            raise RankLost(f"rank {rank}: the step-plan broadcast failed: {exc}") from exc
+        _broadcast(tensor, self.ranks, "step-plan", self.ranks.host)
 
 
 def follow(channel: PlanChannel, run: Callable[[StepPlan], object]) -> int:
@@ -82,7 +79,8 @@ def follow(channel: PlanChannel, run: Callable[[StepPlan], object]) -> int:
 
 class TokenShare:
     """Rank 0's sampled tokens, and whether each ended its grammar, on every rank after each
-    step (one broadcast of a 2 x rows int64 tensor).
+    step (one broadcast of a 2 x rows int64 CPU tensor over the host group: both are host lists
+    on either side).
 
     Every rank computes the same full logits, but only rank 0 holds the requests' grammars, and
     a sampled (non-greedy) draw need not agree across processes; so the followers take rank 0's
@@ -98,11 +96,8 @@ class TokenShare:
         """Rank 0: its own `tokens` and `ended`, sent; a follower: rank 0's, in place of its own
         (`ended` empty: no row is constrained)."""
         flags = [int(e) for e in ended] if ended else [0] * len(tokens)
-        both = torch.tensor([tokens, flags], dtype=torch.int64, device=self.device)
-        try:
-            dist.broadcast(both, src=LEADER, group=self.ranks.group)
-        except RuntimeError as exc:
-            raise RankLost(f"rank {self.ranks.rank}: the token broadcast failed: {exc}") from exc
+        both = torch.tensor([tokens, flags], dtype=torch.int64)
+        _broadcast(both, self.ranks, "token", self.ranks.host)
         shared, flags = both.tolist()
         return shared, [bool(f) for f in flags] if any(flags) else []
 
@@ -158,8 +153,9 @@ class MediaShare:
         return rows, features
 
 
-def _broadcast(tensor: torch.Tensor, ranks: RankGroup, what: str) -> None:
+def _broadcast(tensor: torch.Tensor, ranks: RankGroup, what: str, group: Any = None) -> None:
+    """Rank 0's `tensor` into every rank's, over `group` (None: the device group)."""
     try:
-        dist.broadcast(tensor, src=LEADER, group=ranks.group)
-    except RuntimeError as exc:
+        dist.broadcast(tensor, src=LEADER, group=ranks.group if group is None else group)
+    except RuntimeError as exc:  # DistBackendError and gloo's connection errors
         raise RankLost(f"rank {ranks.rank}: the {what} broadcast failed: {exc}") from exc

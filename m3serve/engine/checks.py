@@ -81,10 +81,6 @@ def check_parallel(args: ServerArgs, config: ModelConfig, device: torch.device) 
 def _rank_problems(args: ServerArgs, device: torch.device) -> list[str]:
     """What an engine of several ranks cannot do yet in this build."""
     problems = []
-    if device.type != "cpu":
-        # NCCL ranks are written (core/rank_join.py) but not run yet, and the warm-up, the
-        # CUDA graphs and the step-cost timing still run rank by rank, not in step.
-        problems.append("--tp > 1 runs on the CPU (gloo) only so far, not on GPUs")
     if args.runtime.single_process:
         problems.append("--tp > 1 needs one engine process per rank, not --single-process")
     if args.hicache.enable_hierarchical_cache:

@@ -81,13 +81,28 @@ def split_or_replicate(total: int, parts: int, index: int) -> Shard:
     return Shard(index // (parts // total), 1)
 
 
+# One output tensor for the gathered parts: a single collective that a CUDA graph captures
+# (the list form allocates and copies on the communicator's stream). torch 2.13 renamed it.
+_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 @dataclass(frozen=True)
 class RankGroup:
-    """This process's place in the tensor-parallel group. `group` None: the default group."""
+    """This process's place in the tensor-parallel group. `group` None: the default group.
+
+    `host_group` carries what the host sends and reads (step plans, sampled token ids) as CPU
+    tensors: on GPUs a gloo group beside the NCCL one, so a follower learns its next plan without
+    waiting for its device queue to drain (a broadcast on an NCCL stream, then `.item()`, would
+    sync with every kernel queued before it). None: `group` (on the CPU both are gloo)."""
 
     rank: int = 0
     size: int = 1
     group: Any = None
+    host_group: Any = None
+
+    @property
+    def host(self) -> Any:
+        return self.group if self.host_group is None else self.host_group
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of `x` over the ranks, in place (x itself with one rank)."""
@@ -99,9 +114,10 @@ class RankGroup:
         """The ranks' `x` concatenated along `dim`, in rank order."""
         if self.size == 1:
             return x
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=dim)
+        # The parts land one after another along dim 0 (the form gloo takes too).
+        parts = x.new_empty(self.size * x.shape[0], *x.shape[1:])
+        _gather_into(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts.chunk(self.size), dim=dim)
 
 
 @dataclass(frozen=True)

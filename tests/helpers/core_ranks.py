@@ -108,8 +108,9 @@ def pages_at_baseline(core: EngineCore) -> bool:
 
 
 def core_args(path: Path, **kwargs: Any) -> ServerArgs:
-    kwargs.setdefault("max_total_tokens", 2048)
-    return ServerArgs.from_kwargs(model_path=str(path), device="cpu", dtype="float32", **kwargs)
+    """An fp32 engine on the CPU, unless `kwargs` say otherwise."""
+    defaults = {"max_total_tokens": 2048, "device": "cpu", "dtype": "float32"}
+    return ServerArgs.from_kwargs(model_path=str(path), **{**defaults, **kwargs})
 
 
 def run_cores(

@@ -7,7 +7,9 @@ import os
 import time
 from pathlib import Path
 
-from m3serve.core.ranks import PlanChannel, RankLost, follow
+import torch.distributed as dist
+
+from m3serve.core.ranks import PlanChannel, RankLost, TokenShare, follow
 from m3serve.model.parallel import RankGroup
 from m3serve.runtime.messages import SamplingParams, SeqStep, StepPlan
 
@@ -35,6 +37,18 @@ def relay(ranks: RankGroup, count: int) -> list[StepPlan]:
     ran: list[StepPlan] = []
     assert follow(channel, ran.append) == count
     return ran
+
+
+def relay_over_the_host_group(ranks: RankGroup, count: int) -> tuple[list[StepPlan], list[int]]:
+    """`relay`, and one token share, where the device group is no group at all (any collective
+    on it raises) and only the host group is real: as on GPUs, where plans and tokens must not
+    queue behind the device's NCCL work."""
+    host = dist.new_group(backend="gloo")
+    split = RankGroup(ranks.rank, ranks.size, group=object(), host_group=host)
+    ran = relay(split, count)
+    tokens = [11, 12, 13] if ranks.rank == 0 else [0, 0, 0]
+    shared, _ = TokenShare(split).share(tokens, [])
+    return ran, shared
 
 
 def leader_dies(ranks: RankGroup, report: str) -> None:

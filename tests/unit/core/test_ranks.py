@@ -1,7 +1,8 @@
 """The step-plan broadcast between real ranks (gloo, spawned processes): followers run exactly
 rank 0's plans, in order, until it says stop; and when rank 0 dies mid-stream a follower
 notices within 5 s instead of hanging. The media-feature share checks rank 0's rows against the
-plan's count before any collective, and a step without feature rows broadcasts nothing."""
+plan's count before any collective, and a step without feature rows broadcasts nothing. Plans
+and sampled tokens go over the host group, which on GPUs is a gloo group beside NCCL's."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.plan_jobs import leader_dies, plans, relay
+from helpers.plan_jobs import leader_dies, plans, relay, relay_over_the_host_group
 from helpers.ranks import run_on_ranks, start_ranks
 
 from m3serve.core.ranks import MediaShare, PlanChannel, RankLost
@@ -21,6 +22,12 @@ from m3serve.model.parallel import RankGroup
 def test_followers_run_rank_zeros_plans_in_order() -> None:
     per_rank = run_on_ranks(3, relay, 5)
     assert per_rank == [plans(5)] * 3
+
+
+@pytest.mark.slow
+def test_plans_and_tokens_cross_the_host_group_not_the_device_group() -> None:
+    per_rank = run_on_ranks(2, relay_over_the_host_group, 3)
+    assert per_rank == [(plans(3), [11, 12, 13])] * 2
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """--tp / --ep at start: sizes below 1 fail when the flags are parsed; what this model, these
 devices or --tp cannot run fails in the start-up checks with one message naming every problem;
---tp above 1 runs on the CPU only, as engine processes, and without HiCache."""
+--tp above 1 runs as engine processes (gloo on the CPU, NCCL on GPUs) and without HiCache."""
 
 from __future__ import annotations
 
@@ -51,6 +51,11 @@ def test_more_ranks_than_gpus_is_refused(monkeypatch: pytest.MonkeyPatch) -> Non
         check_parallel(ServerArgs.from_kwargs(tp_size=4), REAL, torch.device("cuda"))
 
 
+def test_tp_4_on_four_gpus_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    check_parallel(ServerArgs.from_kwargs(tp_size=4, ep_size=2), REAL, torch.device("cuda"))
+
+
 def test_tp_and_ep_are_built() -> None:
     args = ServerArgs.from_kwargs(tp_size=4, ep_size=4)
     assert args.unsupported() == []
@@ -65,5 +70,6 @@ def test_what_ranks_cannot_do_yet_is_refused_in_the_one_message() -> None:
         check_parallel(args, REAL, torch.device("cuda"))
     message = str(info.value)
     assert message.startswith("--tp 4 --ep 3 cannot run this model: ")
-    for part in ("--ep 3 must divide", "CPU (gloo) only", "--single-process", "hierarchical"):
+    for part in ("--ep 3 must divide", "--single-process", "hierarchical"):
         assert part in message
+    assert "not on GPUs" not in message  # NCCL ranks are built
