@@ -12,7 +12,9 @@ HiCache (`--enable-hierarchical-cache`): `host` is the host KV tier beside `kv`,
 pool that the host-cache actor owns and opens for us (`hicache`, an `ActorLink`), and the
 scheduler's prefix cache is the tiered one over both; backups run on the executor thread behind
 the steps, a step's load-backs inside its forward, layer by layer (`core/hicache/`). `storage`
-runs the L3 tier (with `--hicache-storage-backend`) and notices the actor's death.
+runs the L3 tier (with `--hicache-storage-backend`) and notices the actor's death. With several
+ranks each holds a host pool of its own KV slice (a follower's is its own segment, `OwnPool`),
+and rank 0 hands each backup it runs to the followers (`HostTier.mirror`); L3 is refused there.
 
 Tensor parallelism (`rank`, one engine process per rank): each rank builds its model shard, its
 KV pool of its own KV heads and a StepRunner; the ranks agree on the smallest page count any
@@ -54,10 +56,10 @@ from m3serve.core.engine_start import (
 )
 from m3serve.core.executor import Executor
 from m3serve.core.hicache.storage_tier import ActorLink
-from m3serve.core.hicache.tier import HostTier
+from m3serve.core.hicache.tier import HostTier, OwnPool
 from m3serve.core.matchers import GrammarMatchers
 from m3serve.core.memory import kv_cache_dtype, leave_a_core_for_the_scheduler
-from m3serve.core.rank_join import join_ranks, leave_ranks, rank_device
+from m3serve.core.rank_join import agree_on_pages, join_ranks, leave_ranks, rank_device
 from m3serve.core.ranks import LEADER, MediaShare, PlanChannel, TokenShare, follow
 from m3serve.core.sampler import Sampler
 from m3serve.core.scheduler import Scheduler
@@ -72,13 +74,15 @@ from m3serve.model.kv_cache import KVCache
 from m3serve.model.parallel import Parallel, RankGroup
 from m3serve.model.slot_pages import SlotPages
 from m3serve.runtime.config import ServerArgs
-from m3serve.runtime.messages import RankAddress
+from m3serve.runtime.messages import PageCopy, RankAddress, StepPlan
 from m3serve.runtime.paths import cache_root
 
 log = logging.getLogger(__name__)
 
 # At shutdown, how long the last L3 writes may take to be handed to the host-cache actor.
 FLUSH_S = 10.0
+# The step number of a plan that only carries rank 0's HiCache backups to the followers.
+BACKUP_STEP = -(2**31)
 
 
 class EngineCore(StepLoop):
@@ -86,11 +90,12 @@ class EngineCore(StepLoop):
         self,
         args: ServerArgs,
         model_path: Path | None,
-        hicache: ActorLink | None = None,
+        hicache: ActorLink | OwnPool | None = None,
         rank: RankAddress | None = None,
     ) -> None:
-        """`hicache`: the host-cache actor, which HiCache needs (it owns the host pool);
-        `rank`: this process's place in a tensor-parallel group (None: one rank)."""
+        """`hicache`: where HiCache's host pool comes from: the host-cache actor, which owns it
+        (rank 0), or a follower rank's own segment; `rank`: this process's place in a
+        tensor-parallel group (None: one rank)."""
         # First, so that every compile from here on is counted and cached on disk.
         self.trace = StepTrace(args.runtime.enable_step_trace)
         use_kernel_cache(cache_root() / "triton")
@@ -158,6 +163,8 @@ class EngineCore(StepLoop):
                     hicache.open_pool,
                     lambda job, what: self.executor.call(job, what),
                     draft=draft_kv,
+                    ranks_on_host=self.ranks.size,
+                    agree=lambda pages: agree_on_pages(self.ranks, pages, self.device),
                 )
         # ------------------------------------------------------------------ grammars
         # Only rank 0 constrains: the followers take its tokens (core/ranks.py TokenShare).
@@ -187,6 +194,10 @@ class EngineCore(StepLoop):
             self.runner.share = TokenShare(self.ranks, self.device)
             hidden = cfg.hidden_size
             self.runner.media_share = MediaShare(self.ranks, self.device, hidden, self.model.dtype)
+            if self.host is not None and leader:
+                self.host.mirror = self._mirror_backup
+            elif self.host is not None:
+                self.host.follower = True
         # ------------------------------------------------------------------ warm-up
         if self.device.type == "cuda" and not args.kernel.skip_warmup:
             with self.startup.phase("warm-up"):
@@ -216,7 +227,8 @@ class EngineCore(StepLoop):
         )
         pages = self.budget.num_pages
         cache = self.host.prefix_cache(pages, cfg.page_size) if self.host is not None else None
-        self.storage = storage_tier(args, hicache, cache, self.host, self.loaded.path, self.spec)
+        link = hicache if isinstance(hicache, ActorLink) else None  # L3: rank 0's actor only
+        self.storage = storage_tier(args, link, cache, self.host, self.loaded.path, self.spec)
         self.scheduler = Scheduler(
             args.sched,
             pages,
@@ -265,6 +277,12 @@ class EngineCore(StepLoop):
         says stop; the number of plans run. Raises `RankLost` when another rank dies."""
         assert self.plans is not None and self.ranks.rank != LEADER
         return follow(self.plans, self.runner.run)
+
+    def _mirror_backup(self, copy: PageCopy) -> None:
+        """Rank 0, on the executor thread: a HiCache backup it is about to run, to the
+        followers (core/hicache/tier.py)."""
+        assert self.plans is not None
+        self.plans.send(StepPlan(step=BACKUP_STEP, seqs=[], backups=[copy]))
 
     def _warm_up(self, args: ServerArgs, context: int, slots: int) -> None:
         """Run every step shape class once (core/engine_start.py `warm_up`), then wait for the

@@ -97,6 +97,8 @@ class StepRunner:
     def run(self, plan: StepPlan, layers: Sequence[int] | None = None) -> StepResult:
         """One forward over the plan's tokens (only `layers`, for the warm-up), and a sampled
         token for each seq that asks."""
+        if plan.backups and self.host is not None:  # a follower rank: rank 0's backups
+            self.host.mirror_backups(plan.backups)
         self._start_new_requests(plan)
         load = self.host.start_loads(plan) if self.host is not None else None
         try:

@@ -342,6 +342,10 @@ class StepPlan(msgspec.Struct, tag=True, kw_only=True, array_like=True):
     # Rows of this step's prefill chunks that take image/video features (the follower ranks of
     # a tensor-parallel engine receive that many from rank 0: core/ranks.py MediaShare).
     media_rows: int = 0
+    # HiCache backups (device -> host pages) that rank 0 of a tensor-parallel engine ran just
+    # now: the follower ranks copy their own KV slices of those pages before the next step.
+    # Only in a plan of its own (no seqs), sent to the followers alone.
+    backups: list[PageCopy] = msgspec.field(default_factory=list)
 
 
 # A sampled row the engine core dropped: its request had ended on the step before (overlap).

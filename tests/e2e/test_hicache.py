@@ -7,25 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers.hf_oracle import random_prompt
+from helpers.hicache_workload import GREEDY, PREFIX, PROMPTS, SMALL_POOL
 from helpers.metrics_text import samples
 from prometheus_client import generate_latest
 
 from m3serve import Engine
 from m3serve.actors.scheduler import SchedulerActor
-from m3serve.model.tiny.checkpoint import TinySpec
-
-VOCAB = TinySpec().vocab_size - 64
-GREEDY = {"temperature": 0.0, "max_new_tokens": 8}
-PREFIX = random_prompt(700, 40, VOCAB)  # 10 pages of the tiny model's 4-token pages
-# Three turns on the prefix (a selective backup needs two hits), one unrelated prompt that
-# takes nearly the whole 16-page device pool, then the prefix again.
-PROMPTS = [
-    *[[*PREFIX, *random_prompt(710 + i, 4, VOCAB)] for i in range(3)],
-    random_prompt(720, 48, VOCAB),
-    [*PREFIX, *random_prompt(730, 6, VOCAB)],
-]
-SMALL_POOL = 64  # tokens: the unrelated prompt evicts the prefix from the device
 
 
 def serve(path: Path, **server_args: object) -> tuple[list[list[int]], list[int], SchedulerActor]:

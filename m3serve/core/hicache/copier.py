@@ -74,6 +74,9 @@ class Copier:
     def start_load(self, tickets: Sequence[Ticket]) -> LayerLoad:
         return LayerLoad(self, tickets)
 
+    def order_after(self, copy: Completion) -> None:
+        """Work issued from now on starts after `copy` (here copies are synchronous)."""
+
     def load_layer(self, layer: int, device: list[int], host: list[int]) -> None:
         into, src = self._index(device), self._index(host)
         for i in self.by_layer[layer]:

@@ -95,6 +95,11 @@ class CudaCopier(Copier):
     def start_load(self, tickets: Sequence[Ticket]) -> LayerLoad:
         return CudaLayerLoad(self, tickets)
 
+    def order_after(self, copy: Completion) -> None:
+        """The compute stream waits for `copy` on the device (the host does not)."""
+        if isinstance(copy, EventDone):
+            torch.cuda.current_stream(self.stream.device).wait_event(copy.event)
+
     def load_layer(self, layer: int, device: list[int], host: list[int]) -> None:
         # Called inside `torch.cuda.stream(self.stream)` by CudaLayerLoad.
         for i in self.by_layer[layer]:

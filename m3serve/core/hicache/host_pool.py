@@ -74,11 +74,15 @@ class PageLayout:
 
 
 def model_layout(
-    cfg: TextConfig, dtype: torch.dtype, extra: Sequence[PoolTensor] = ()
+    cfg: TextConfig,
+    dtype: torch.dtype,
+    extra: Sequence[PoolTensor] = (),
+    kv_heads: int | None = None,
 ) -> PageLayout:
     """The target model's KV pools in a host page: per layer K, V and (sparse layers) index-K;
-    then `extra` (the draft's, `draft_tensors`)."""
-    kv = (cfg.num_kv_heads, cfg.head_dim)
+    then `extra` (the draft's, `draft_tensors`). `kv_heads`: the KV heads this rank caches
+    (tensor parallelism: each rank's host pool holds its own slice); default all."""
+    kv = (kv_heads or cfg.num_kv_heads, cfg.head_dim)
     tensors = []
     for layer in range(cfg.num_layers):
         tensors.append(PoolTensor("k", layer, kv, dtype))

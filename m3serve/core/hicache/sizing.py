@@ -29,12 +29,18 @@ def mem_available_bytes() -> int:
     raise RuntimeError(f"no MemAvailable in {MEMINFO}")
 
 
-def plan_host_pages(args: HiCacheArgs, device_pages: int, page_bytes: int) -> int:
+def plan_host_pages(
+    args: HiCacheArgs, device_pages: int, page_bytes: int, ranks_on_host: int = 1
+) -> int:
     """The host pool's page count for a device pool of `device_pages` pages of `page_bytes`
-    (a host page: every pool tensor of the layout, the speculative draft's KV included)."""
+    (a host page: every pool tensor of the layout, the speculative draft's KV included).
+    With tensor parallelism each of the `ranks_on_host` ranks holds a pool of its own KV slice
+    (`--hicache-size` is per rank, as in SGLang), so each may take its share of the memory."""
     available = mem_available_bytes()
-    allowed = int(available * args.hicache_host_memory_fraction)
+    allowed = int(available * args.hicache_host_memory_fraction) // ranks_on_host
     share = f"{args.hicache_host_memory_fraction:.0%} of the {_gib(available)} of available"
+    if ranks_on_host > 1:
+        share = f"1/{ranks_on_host} (one rank's share) of {share}"
     if args.hicache_size > 0:
         pages = args.hicache_size * GB // page_bytes
         if pages * page_bytes > allowed:

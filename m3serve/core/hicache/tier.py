@@ -10,6 +10,13 @@ The prefix cache (scheduler side) makes tickets; this object runs them on the ex
 a backup as a job queued behind the steps submitted so far (`submit_backup`), a step's load-backs
 inside its forward (`start_loads`, whose `before_layer` the model calls at each layer). Once the
 actor died (`disable`), queued backups no longer copy: their tickets just settle.
+
+Tensor parallelism: every rank holds a host pool of its own KV slice, page for page like rank
+0's (the ranks agree on the page count). Rank 0's is the actor's; a follower makes its own
+segment (`OwnPool`). Load-backs travel in the step plans, which every rank runs; a backup is
+rank 0's own job, so `mirror` hands each one to the followers as a plan of its own, sent from
+that job on the executor thread — in order with the steps, as on rank 0 — and a follower runs
+it on its slices (`mirror_backups`) before the steps after it.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from m3serve.core.hicache.copier import Copier, LayerLoad, make_copier
@@ -34,14 +42,27 @@ from m3serve.model.config import TextConfig
 from m3serve.model.dspark_paged import DraftKV
 from m3serve.model.kv_cache import KVCache
 from m3serve.runtime.config import HiCacheArgs
-from m3serve.runtime.messages import StepPlan
+from m3serve.runtime.messages import PageCopy, StepPlan
 
 log = logging.getLogger(__name__)
 
 # Runs a job on the executor thread after everything submitted before it (Executor.call).
 CallOnExecutor = Callable[[Callable[[], Any], str], "concurrent.futures.Future[Any]"]
-# The host pool of this layout and page count, attached (ActorLink.open_pool).
+# The host pool of this layout and page count, attached (ActorLink.open_pool, OwnPool).
 OpenPool = Callable[[PageLayout, int], HostKVPool]
+# The page count every rank of a tensor-parallel engine can hold, from this rank's plan.
+Agree = Callable[[int], int]
+
+
+@dataclass(frozen=True)
+class OwnPool:
+    """A follower rank's host pool: a segment of its own (rank 0's is the host-cache actor's).
+    Named after the session, so the supervisor's cleanup removes it if the rank dies."""
+
+    session: str
+
+    def open_pool(self, layout: PageLayout, num_pages: int) -> HostKVPool:
+        return HostKVPool.create(self.session, layout, num_pages)
 
 
 class HostTier:
@@ -54,6 +75,10 @@ class HostTier:
         self._call = call
         self.copies = CopyTracker(submit=self.submit_backup)
         self.enabled = True  # False once the pool's owner died: no new copies to the segment
+        # Rank 0 of several: hands each backup it runs to the follower ranks.
+        self.mirror: Callable[[PageCopy], None] | None = None
+        # Ranks 1..N-1: no scheduler, so no tickets of their own; a plan's copies make them.
+        self.follower = False
 
     @classmethod
     def create(
@@ -65,11 +90,15 @@ class HostTier:
         open_pool: OpenPool,
         call: CallOnExecutor,
         draft: DraftKV | None = None,
+        ranks_on_host: int = 1,
+        agree: Agree = int,
     ) -> HostTier:
         """Size the host pool against free host memory, have it opened, pin it on CUDA.
-        `draft`: the speculative draft's KV pool, which every host page then holds too."""
+        `draft`: the speculative draft's KV pool, which every host page then holds too;
+        `ranks_on_host`: the tensor-parallel ranks sharing this host's memory, and `agree`
+        their common page count."""
         layout = host_layout(cfg, kv, draft)
-        host_pages = plan_host_pages(args, device_pages, layout.page_bytes)
+        host_pages = agree(plan_host_pages(args, device_pages, layout.page_bytes, ranks_on_host))
         pool = open_pool(layout, host_pages)
         try:
             copier = make_copier(pool, device_tensors(kv, layout, draft))
@@ -100,6 +129,8 @@ class HostTier:
                 ticket.settle()  # the host tier is gone: nothing reads this copy any more
                 return
             try:
+                if self.mirror is not None:
+                    self.mirror(PageCopy(ticket.op, ticket.device, ticket.host))
                 ticket.settle(self.copier.backup(ticket))
             except BaseException:
                 ticket.settle()  # nobody may wait forever on it; the error is logged
@@ -111,7 +142,19 @@ class HostTier:
         """The step's load-backs, ready to run layer by layer (executor thread)."""
         if not plan.loads:
             return None
-        return self.copier.start_load([self.copies.get(copy.op) for copy in plan.loads])
+        if self.follower:
+            tickets = [Ticket(copy.op, "load", copy.device, copy.host) for copy in plan.loads]
+        else:
+            tickets = [self.copies.get(copy.op) for copy in plan.loads]
+        return self.copier.start_load(tickets)
+
+    def mirror_backups(self, copies: list[PageCopy]) -> None:
+        """A follower rank: rank 0's backups, on this rank's KV slices. Rank 0 frees a backed-up
+        device page only once its own copy is done; here the steps after wait for the copy on
+        the device instead (`Copier.order_after`), so none of them overwrites a page first."""
+        for copy in copies:
+            ticket = Ticket(copy.op, "backup", copy.device, copy.host)
+            self.copier.order_after(self.copier.backup(ticket))
 
     def disable(self) -> None:
         """The host pool's owner died (scheduler thread): backups not run yet are skipped."""
@@ -131,7 +174,8 @@ def host_layout(cfg: TextConfig, kv: KVCache, draft: DraftKV | None = None) -> P
         k = draft.k[0]
         shape = (k.shape[1], k.shape[2])
         extra = draft_tensors(cfg.num_layers, len(draft.k), shape, k.dtype)
-    return model_layout(cfg, kv.layers[0].k.dtype, extra)
+    k = kv.layers[0].k
+    return model_layout(cfg, k.dtype, extra, kv_heads=k.shape[1])
 
 
 def device_tensors(kv: KVCache, layout: PageLayout, draft: DraftKV | None = None) -> list[Any]:

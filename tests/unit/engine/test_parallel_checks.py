@@ -1,6 +1,7 @@
 """--tp / --ep at start: sizes below 1 fail when the flags are parsed; what this model, these
 devices or --tp cannot run fails in the start-up checks with one message naming every problem;
---tp above 1 runs as engine processes (gloo on the CPU, NCCL on GPUs) and without HiCache."""
+--tp above 1 runs as engine processes (gloo on the CPU, NCCL on GPUs), with HiCache's host tier
+but not its L3 storage."""
 
 from __future__ import annotations
 
@@ -64,12 +65,22 @@ def test_tp_and_ep_are_built() -> None:
 
 def test_what_ranks_cannot_do_yet_is_refused_in_the_one_message() -> None:
     args = ServerArgs.from_kwargs(
-        tp_size=4, ep_size=3, single_process=True, enable_hierarchical_cache=True
+        tp_size=4,
+        ep_size=3,
+        single_process=True,
+        enable_hierarchical_cache=True,
+        hicache_storage_backend="file",
     )
     with pytest.raises(ConfigInvalid) as info:
         check_parallel(args, REAL, torch.device("cuda"))
     message = str(info.value)
     assert message.startswith("--tp 4 --ep 3 cannot run this model: ")
-    for part in ("--ep 3 must divide", "--single-process", "hierarchical"):
+    for part in ("--ep 3 must divide", "--single-process", "--hicache-storage-backend (L3)"):
         assert part in message
     assert "not on GPUs" not in message  # NCCL ranks are built
+
+
+def test_hicache_host_tier_runs_with_tp(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    args = ServerArgs.from_kwargs(tp_size=2, enable_hierarchical_cache=True)
+    check_parallel(args, REAL, torch.device("cuda"))

@@ -57,6 +57,17 @@ def test_a_size_overrides_the_ratio_and_is_refused_when_it_does_not_fit(
         plan_host_pages(HiCacheArgs(hicache_size=100), DEVICE, PAGE)
 
 
+def test_tensor_parallel_ranks_each_take_their_share_of_the_memory(
+    available: list[int],
+) -> None:
+    available[0] = 16 * GIB  # 12.8 GiB allowed, 3.2 GiB per rank of 4
+    args = HiCacheArgs(hicache_ratio=4)
+    assert plan_host_pages(args, DEVICE, PAGE, ranks_on_host=2) == 4 * DEVICE
+    assert plan_host_pages(args, DEVICE, PAGE, ranks_on_host=4) == int(0.8 * 4 * GIB) // PAGE
+    with pytest.raises(ConfigInvalid, match=r"1/4 \(one rank's share\) of 80%"):
+        plan_host_pages(HiCacheArgs(hicache_size=4), DEVICE, PAGE, ranks_on_host=4)
+
+
 def test_a_ratio_below_two_is_rejected_by_the_config() -> None:
     with pytest.raises(ConfigInvalid, match=r"--hicache-ratio 1\.5: must be >= 2"):
         HiCacheArgs(hicache_ratio=1.5)
