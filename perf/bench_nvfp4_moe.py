@@ -20,7 +20,7 @@ activations, top-4 of uniform random scores per token.
         [--ablations] [--out PATH]
 
 `--ablations` adds, at T in {1, 8, 32}: the plain-Triton decode (no inline PTX), the other route,
-no PDL, and a few tile/stage/warp variants (`ABLATIONS`); and tile variants of the prefill
+no PDL, a few tile/stage/warp variants and K splits (`ABLATIONS`); and tile variants of the prefill
 (`PREFILL_ABLATIONS`), to guide tuning of `_plan`.
 Prints a table; writes JSON to $OUT/bench_nvfp4_moe.json when $OUT is set, else to
 perf/results/bench_nvfp4_moe.json (or --out).
@@ -216,6 +216,11 @@ ABLATIONS = {
     "rows128_k2": NVFP4MoEConfig(block_n=128, k_tiles=2),
     "block_n128_w8": NVFP4MoEConfig(block_n=128, num_warps=8),
     "warps8": NVFP4MoEConfig(num_warps=8),
+    # Each projection's K over 2 or 4 programs (more programs per weight column at few tokens;
+    # gate_up's splits summed by the reduce kernel, down's by the combine).
+    "split2": NVFP4MoEConfig(split_k=2),
+    "split2_k1": NVFP4MoEConfig(split_k=2, k_tiles=1),
+    "split4_k1": NVFP4MoEConfig(split_k=4, k_tiles=1),
 }
 
 

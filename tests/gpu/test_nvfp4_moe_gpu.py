@@ -139,6 +139,14 @@ def test_matches_reference(experts: Experts, tokens: int) -> None:
     assert_close(got, reference(experts, x, weights, ids, torch.arange(tokens, device=DEV)))
 
 
+@pytest.mark.parametrize(("tokens", "split_k"), [(1, 2), (1, 4), (8, 2), (64, 2)])
+def test_k_split_over_programs(experts: Experts, tokens: int, split_k: int) -> None:
+    x = activations(tokens, seed=tokens)
+    weights, ids = routing(tokens, seed=1000 + tokens)
+    got = run(experts, x, weights, ids, split_k=split_k)
+    assert_close(got, reference(experts, x, weights, ids, torch.arange(tokens, device=DEV)))
+
+
 def test_prefill_2048_tokens(experts: Experts) -> None:
     tokens = 2048
     x = activations(tokens, seed=1)

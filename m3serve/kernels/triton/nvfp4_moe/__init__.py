@@ -96,6 +96,7 @@ from m3serve.kernels.triton.nvfp4_moe.kernels import (
     down_kernel,
     gate_up_kernel,
     permute_k_kernel,
+    swiglu_reduce_kernel,
 )
 from m3serve.kernels.triton.nvfp4_moe.plan import (
     DEFAULT_CONFIG,
@@ -221,29 +222,43 @@ def nvfp4_moe(
     permute_k_kernel[(triton.cdiv(tokens, block_t), hidden // tk_h)](
         x, x.stride(0), x_k, x_k.stride(0), tokens, BLOCK_T=block_t, TILE_K=tk_h, num_warps=4
     )
-    y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
+    # A step's tiles must divide both projections' K tiles, and a split their loop steps.
+    k_tiles = math.gcd(plan.k_tiles, hidden // tk_h, inter // tk_i)
+    split = math.gcd(plan.split_k, hidden // tk_h // k_tiles, inter // tk_i // k_tiles)
+    y = torch.empty(split * num_pairs, hidden, dtype=torch.float32, device=x.device)
+    # Split gate_up: each split's pre-activations (gate and up columns), summed by the reduce.
+    pre = act
+    if split > 1:
+        pre = torch.empty(split * num_pairs, 2 * inter, dtype=torch.float32, device=x.device)
     common = {
         "P_PAD": plan.p_pad,
         "E_PAD": triton.next_power_of_2(num_experts),
         "SKIPS": skips,
         "BLOCK_M": plan.block_m,
-        # A step's tiles must divide both projections' K tiles.
-        "K_TILES": math.gcd(plan.k_tiles, hidden // tk_h, inter // tk_i),
+        "K_TILES": k_tiles,
+        "SPLIT_K": split,
         "DEQUANT": dequant,
         "DOT": dot,
         "PDL": pdl,
         "num_warps": plan.num_warps,
         "num_stages": plan.num_stages,
     }
-    gate_up_kernel[(triton.cdiv(inter, plan.gate_up_n // 2), grid_r)](
+    gate_up_kernel[(triton.cdiv(inter, plan.gate_up_n // 2), grid_r, split)](
         x_k, x_k.stride(0), flat_ids, sorted_pairs, block_expert,
         w13, w13.stride(0), w13_scale, w13_scale.stride(0), w13_global, act, act.stride(0),
-        num_pairs, num_experts, hidden, inter, float(alpha), float(limit),
+        pre, pre.stride(0), num_pairs, num_experts, hidden, inter, float(alpha), float(limit),
         TOP_K=top_k, ROUTE=plan.route, BLOCK_N=plan.gate_up_n, BLOCK_K=tk_h, ACT_TILE_K=tk_i,
         **common,
     )  # fmt: skip
     launch_pdl = {"launch_pdl": True} if pdl else {}
-    down_kernel[(triton.cdiv(hidden, plan.down_n), grid_r)](
+    if split > 1:
+        block_p, block_n = 16, 256
+        swiglu_reduce_kernel[(triton.cdiv(inter, block_n), triton.cdiv(num_pairs, block_p))](
+            pre, pre.stride(0), act, act.stride(0), num_pairs, inter, float(alpha), float(limit),
+            SPLIT_K=split, BLOCK_P=block_p, BLOCK_N=block_n, ACT_TILE_K=tk_i, PDL=pdl,
+            num_warps=4, **launch_pdl,
+        )  # fmt: skip
+    down_kernel[(triton.cdiv(hidden, plan.down_n), grid_r, split)](
         act, act.stride(0), flat_ids, sorted_pairs, block_expert,
         w2, w2.stride(0), w2_scale, w2_scale.stride(0), w2_global, mix, y, y.stride(0),
         num_pairs, num_experts, hidden, inter,
@@ -252,7 +267,8 @@ def nvfp4_moe(
     )  # fmt: skip
     block = min(triton.next_power_of_2(hidden), 2048)
     combine_kernel[(tokens, triton.cdiv(hidden, block))](
-        y, y.stride(0), flat_ids, num_experts, out, out.stride(0), hidden, TOP_K=top_k,
-        BLOCK=block, SKIPS=skips, PDL=pdl, num_warps=4, **launch_pdl,
+        y, y.stride(0), flat_ids, num_experts, num_pairs, out, out.stride(0), hidden,
+        TOP_K=top_k, SPLIT_K=split, BLOCK=block, SKIPS=skips, PDL=pdl, num_warps=4,
+        **launch_pdl,
     )  # fmt: skip
     return out

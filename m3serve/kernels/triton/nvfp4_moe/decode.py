@@ -130,6 +130,8 @@ def nvfp4_mma(
     w_rows,
     w_ok,
     k_end,
+    k_lo,
+    k_hi,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -137,15 +139,16 @@ def nvfp4_mma(
     DEQUANT: tl.constexpr,
     DOT: tl.constexpr,
 ):
-    """acc [BLOCK_N, BLOCK_M] fp32 = W[w_rows, :k_end] @ A[a_rows, :k_end]^T, W NVFP4 (without its
-    global scale, times 2^-7) in the row-tiled layout (`m3serve.kernels.nvfp4_tiles`: rows in
-    groups of 32, each group's K in contiguous tiles), A bf16 at element offsets a_rows (int64)
-    from a_ptr, its columns in MMA K order (`mma_k_position`): each tile's two halves are the
-    right operands of the even- and odd-element dots as they are in memory, so they go from the
-    pipelined load to the tensor cores without a trip through registers. BLOCK_K is a weight
-    tile's width, the period of the activations' order; a loop step takes K_TILES tiles (the
-    loads of one step are what the pipeline keeps in flight, and the step's fixed costs, its
-    barriers and waits, are shared by them), K_TILES dividing k_end's tiles."""
+    """acc [BLOCK_N, BLOCK_M] fp32 = W[w_rows, k_lo:k_hi] @ A[a_rows, k_lo:k_hi]^T, W NVFP4
+    (without its global scale, times 2^-7) in the row-tiled layout (`m3serve.kernels.
+    nvfp4_tiles`: rows in groups of 32, each group's K in contiguous tiles; k_end is the whole
+    K, which sets the layout's strides), A bf16 at element offsets a_rows (int64) from a_ptr,
+    its columns in MMA K order (`mma_k_position`): each tile's two halves are the right operands
+    of the even- and odd-element dots as they are in memory, so they go from the pipelined load
+    to the tensor cores without a trip through registers. BLOCK_K is a weight tile's width, the
+    period of the activations' order; a loop step takes K_TILES tiles (the loads of one step are
+    what the pipeline keeps in flight, and the step's fixed costs, its barriers and waits, are
+    shared by them), K_TILES dividing the tiles of [k_lo, k_hi) (a K split's range)."""
     HALF: tl.constexpr = BLOCK_K // 2  # bytes of a tile row
     GROUPS: tl.constexpr = BLOCK_K // 16  # scales of a tile row
     kb = tl.arange(0, HALF)
@@ -158,7 +161,7 @@ def nvfp4_mma(
     s_tile = s_ptr + (group * (32 * (k_end // 16)) + lane * GROUPS)[:, None] + kg[None, :]
     a_half = a_ptr + a_rows[:, None] + kb[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, k_end, BLOCK_K * K_TILES):
+    for k0 in range(k_lo, k_hi, BLOCK_K * K_TILES):
         for u in tl.static_range(K_TILES):
             k = k0 + u * BLOCK_K
             b = tl.load(w_tile + k * 16, mask=w_ok[:, None], other=0)

@@ -1,6 +1,12 @@
 """The NVFP4 MoE kernels: the activations put in MMA K order, gate_up with the SwiGLU-OAI
 epilogue, down with the top-k weight, and the fixed-order combine; pairs found per expert
-in-kernel (slots) or from sorted blocks."""
+in-kernel (slots) or from sorted blocks.
+
+With SPLIT_K > 1 (more programs per weight tile column, for few tokens) each projection's K is
+split over grid axis 2: gate_up then writes its fp32 pre-activations per split and
+`swiglu_reduce_kernel` sums the splits in order and applies the epilogue; down writes one y row
+per (split, pair), which the combine adds in a fixed order with the top-k rows. No atomics.
+"""
 
 from __future__ import annotations
 
@@ -78,11 +84,15 @@ def _gate_up_tile(
     inter,
     alpha,
     limit,
+    pre_ptr,
+    stride_pp,
+    num_pairs,
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     K_TILES: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     ACT_TILE_K: tl.constexpr,
     DEQUANT: tl.constexpr,
     DOT: tl.constexpr,
@@ -94,6 +104,8 @@ def _gate_up_tile(
     is_up = r >= HALF_N
     w_rows = tl.where(is_up, inter + j, j)
     tok = (pair // TOP_K).to(tl.int64)
+    span = hidden // SPLIT_K
+    k_lo = tl.program_id(2) * span
     acc = nvfp4_mma(
         x_ptr,
         tok * stride_xt,
@@ -103,6 +115,8 @@ def _gate_up_tile(
         w_rows,
         j < inter,
         hidden,
+        k_lo,
+        k_lo + span,
         BLOCK_N,
         BLOCK_M,
         BLOCK_K,
@@ -113,17 +127,62 @@ def _gate_up_tile(
     g_gate = tl.load(g_ptr + expert * 2)
     g_up = tl.load(g_ptr + expert * 2 + 1)
     acc = acc * (tl.where(is_up, g_up, g_gate) * ACC_SCALE)[:, None]
-    gate, up = tl.split(tl.permute(tl.reshape(acc, [2, HALF_N, BLOCK_M]), (1, 2, 0)))
+    if SPLIT_K > 1:  # this split's share of the pre-activations; the reduce kernel ends it
+        row = (tl.program_id(2) * num_pairs + pair).to(tl.int64)
+        ptrs = pre_ptr + row[None, :] * stride_pp + w_rows[:, None]
+        tl.store(ptrs, acc, mask=(j < inter)[:, None] & pair_ok[None, :])
+    else:
+        gate, up = tl.split(tl.permute(tl.reshape(acc, [2, HALF_N, BLOCK_M]), (1, 2, 0)))
+        n = tl.program_id(0) * HALF_N + tl.arange(0, HALF_N)
+        _store_act(act_ptr, stride_ap, pair, pair_ok, n, inter, gate, up, alpha, limit, ACT_TILE_K)
+
+
+@triton.jit
+def _store_act(act_ptr, stride_ap, pair, pair_ok, n, inter, gate, up, alpha, limit, ACT_TILE_K):
+    """SwiGLU-OAI of gate and up [n, pairs] (global scales applied), stored as act[pair, n]."""
     # NaN passes through, as in torch.clamp: a corrupted weight must not look like a clamped one.
     gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
     up = tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL)
     up = tl.minimum(up, limit, propagate_nan=tl.PropagateNan.ALL)
     h = (up + 1.0) * (gate * tl.sigmoid(alpha * gate))
-    n = tl.program_id(0) * HALF_N + tl.arange(0, HALF_N)
     # act is the down kernel's right operand: its columns go in that kernel's MMA K order.
     cols = mma_k_position(n, ACT_TILE_K)
     ptrs = act_ptr + pair.to(tl.int64)[None, :] * stride_ap + cols[:, None]
     tl.store(ptrs, h.to(act_ptr.dtype.element_ty), mask=(n < inter)[:, None] & pair_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def swiglu_reduce_kernel(
+    pre_ptr,
+    stride_pp,
+    act_ptr,
+    stride_ap,
+    num_pairs,
+    inter,
+    alpha,
+    limit,
+    SPLIT_K: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ACT_TILE_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """act = SwiGLU-OAI(sum over the splits of gate_up's pre-activations), the splits added in
+    order (deterministic); [BLOCK_N columns, BLOCK_P pairs] a program."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pair = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    pair_ok = pair < num_pairs
+    ok = (n < inter)[:, None] & pair_ok[None, :]
+    gate = tl.zeros([BLOCK_N, BLOCK_P], dtype=tl.float32)
+    up = tl.zeros([BLOCK_N, BLOCK_P], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        rows = pre_ptr + (s * num_pairs + pair).to(tl.int64)[None, :] * stride_pp
+        gate += tl.load(rows + n[:, None], mask=ok, other=0.0)
+        up += tl.load(rows + (inter + n)[:, None], mask=ok, other=0.0)
+    _store_act(act_ptr, stride_ap, pair, pair_ok, n, inter, gate, up, alpha, limit, ACT_TILE_K)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_experts"])
@@ -140,6 +199,8 @@ def gate_up_kernel(
     g_ptr,
     act_ptr,
     stride_ap,
+    pre_ptr,
+    stride_pp,
     num_pairs,
     num_experts,
     hidden,
@@ -155,6 +216,7 @@ def gate_up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     K_TILES: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     ACT_TILE_K: tl.constexpr,
     DEQUANT: tl.constexpr,
     DOT: tl.constexpr,
@@ -173,8 +235,8 @@ def gate_up_kernel(
             pair_ok = first + tl.arange(0, BLOCK_M) < count
             _gate_up_tile(
                 x_ptr, stride_xt, w_base, s_base, g_ptr, act_ptr, stride_ap, expert, pair,
-                pair_ok, hidden, inter, alpha, limit, TOP_K, BLOCK_N, BLOCK_M, BLOCK_K,
-                K_TILES, ACT_TILE_K, DEQUANT, DOT,
+                pair_ok, hidden, inter, alpha, limit, pre_ptr, stride_pp, num_pairs, TOP_K,
+                BLOCK_N, BLOCK_M, BLOCK_K, K_TILES, SPLIT_K, ACT_TILE_K, DEQUANT, DOT,
             )  # fmt: skip
     else:
         expert = tl.load(block_expert_ptr + tl.program_id(1))
@@ -184,8 +246,9 @@ def gate_up_kernel(
             s_base = s_ptr + expert.to(tl.int64) * stride_se
             _gate_up_tile(
                 x_ptr, stride_xt, w_base, s_base, g_ptr, act_ptr, stride_ap, expert,
-                tl.maximum(pair, 0), pair >= 0, hidden, inter, alpha, limit, TOP_K, BLOCK_N,
-                BLOCK_M, BLOCK_K, K_TILES, ACT_TILE_K, DEQUANT, DOT,
+                tl.maximum(pair, 0), pair >= 0, hidden, inter, alpha, limit, pre_ptr, stride_pp,
+                num_pairs, TOP_K, BLOCK_N, BLOCK_M, BLOCK_K, K_TILES, SPLIT_K, ACT_TILE_K,
+                DEQUANT, DOT,
             )  # fmt: skip
 
 
@@ -202,17 +265,21 @@ def _down_tile(
     expert,
     pair,
     pair_ok,
+    num_pairs,
     hidden,
     inter,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     K_TILES: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     DEQUANT: tl.constexpr,
     DOT: tl.constexpr,
 ):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     pair64 = pair.to(tl.int64)
+    span = inter // SPLIT_K
+    k_lo = tl.program_id(2) * span
     acc = nvfp4_mma(
         act_ptr,
         pair64 * stride_ap,
@@ -222,6 +289,8 @@ def _down_tile(
         n,
         n < hidden,
         inter,
+        k_lo,
+        k_lo + span,
         BLOCK_N,
         BLOCK_M,
         BLOCK_K,
@@ -231,7 +300,8 @@ def _down_tile(
     )
     mix = tl.load(tw_ptr + pair64, mask=pair_ok, other=0.0)
     acc = acc * (tl.load(g_ptr + expert) * ACC_SCALE) * mix[None, :]
-    ptrs = y_ptr + pair64[None, :] * stride_yp + n[:, None]
+    row = tl.program_id(2) * num_pairs + pair64  # one y row per (split, pair)
+    ptrs = y_ptr + row[None, :] * stride_yp + n[:, None]
     tl.store(ptrs, acc, mask=(n < hidden)[:, None] & pair_ok[None, :])
 
 
@@ -262,6 +332,7 @@ def down_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     K_TILES: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     DEQUANT: tl.constexpr,
     DOT: tl.constexpr,
     PDL: tl.constexpr,
@@ -281,7 +352,8 @@ def down_kernel(
             pair_ok = first + tl.arange(0, BLOCK_M) < count
             _down_tile(
                 act_ptr, stride_ap, w_base, s_base, g_ptr, tw_ptr, y_ptr, stride_yp, expert, pair,
-                pair_ok, hidden, inter, BLOCK_N, BLOCK_M, BLOCK_K, K_TILES, DEQUANT, DOT,
+                pair_ok, num_pairs, hidden, inter, BLOCK_N, BLOCK_M, BLOCK_K, K_TILES, SPLIT_K,
+                DEQUANT, DOT,
             )  # fmt: skip
     else:
         expert = tl.load(block_expert_ptr + tl.program_id(1))
@@ -293,21 +365,23 @@ def down_kernel(
             s_base = s_ptr + expert.to(tl.int64) * stride_se
             _down_tile(
                 act_ptr, stride_ap, w_base, s_base, g_ptr, tw_ptr, y_ptr, stride_yp, expert,
-                tl.maximum(pair, 0), pair >= 0, hidden, inter, BLOCK_N, BLOCK_M, BLOCK_K,
-                K_TILES, DEQUANT, DOT,
+                tl.maximum(pair, 0), pair >= 0, num_pairs, hidden, inter, BLOCK_N, BLOCK_M,
+                BLOCK_K, K_TILES, SPLIT_K, DEQUANT, DOT,
             )  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["num_experts"])
+@triton.jit(do_not_specialize=["num_experts", "num_pairs"])
 def combine_kernel(
     y_ptr,
     stride_yp,
     ids_ptr,
     num_experts,
+    num_pairs,
     out_ptr,
     stride_ot,
     hidden,
     TOP_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     BLOCK: tl.constexpr,
     SKIPS: tl.constexpr,
     PDL: tl.constexpr,
@@ -318,13 +392,14 @@ def combine_kernel(
     if PDL:
         tl.extra.cuda.gdc_wait()
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):  # slot order: the sum is the same on every run
-        row = y_ptr + (t * TOP_K + j) * stride_yp + n
+    for j in tl.static_range(TOP_K):  # slot order, then split order: the same sum every run
+        mask = ok
         if SKIPS:  # a skipped pair (its expert is held elsewhere) has no y row: it adds nothing
             held = tl.load(ids_ptr + t * TOP_K + j) < num_experts
-            acc += tl.load(row, mask=n < tl.where(held, hidden, 0), other=0.0)
-        else:
-            acc += tl.load(row, mask=ok, other=0.0)
+            mask = n < tl.where(held, hidden, 0)
+        for s in tl.static_range(SPLIT_K):
+            row = y_ptr + (s * num_pairs + t * TOP_K + j) * stride_yp + n
+            acc += tl.load(row, mask=mask, other=0.0)
     tl.store(out_ptr + t * stride_ot + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 

@@ -42,6 +42,9 @@ class NVFP4MoEConfig:
     num_stages: int = 0
     # Weight tiles per K loop step (0: the plan's; reduced to a count dividing both projections').
     k_tiles: int = 0
+    # Programs each projection's K is split over (0: the plan's; reduced to a count dividing both
+    # projections' loop steps): more programs per weight column for few tokens.
+    split_k: int = 0
 
 
 DEFAULT_CONFIG = NVFP4MoEConfig()
@@ -57,6 +60,7 @@ class Plan:
     num_stages: int
     p_pad: int  # slots route: padded pair vector
     k_tiles: int = 1  # weight tiles per K loop step
+    split_k: int = 1  # programs over each projection's K (their partial sums added in order)
 
 
 def plan_moe(num_pairs: int, num_experts: int, route: str) -> Plan:
@@ -99,4 +103,6 @@ def overridden(plan: Plan, config: NVFP4MoEConfig) -> Plan:
         changes["num_stages"] = config.num_stages
     if config.k_tiles:
         changes["k_tiles"] = config.k_tiles
+    if config.split_k:
+        changes["split_k"] = config.split_k
     return dataclasses.replace(plan, **changes)

@@ -170,6 +170,22 @@ def test_several_k_tiles_per_row(route: str, k_tiles: int) -> None:
     assert_exact(got, reference(ex, x, weights, ids))
 
 
+@pytest.mark.parametrize(("split_k", "k_tiles"), [(2, 1), (2, 2), (4, 1)])
+@pytest.mark.parametrize("route", ROUTES)
+def test_k_split_over_programs(route: str, split_k: int, k_tiles: int) -> None:
+    """Each projection's K over 2 or 4 programs (4 becomes 2 for down, whose K has 2 tiles):
+    gate_up's partial pre-activations summed by the reduce kernel before SwiGLU, down's partial
+    rows summed by the combine; with EP's skipped pairs too."""
+    ex = Experts(num_experts=4, inter=256, seed=27, hidden=512)
+    x = activations(5, seed=28, hidden=512)
+    weights, ids = routing(5, 4, seed=29)
+    got = run(ex, x, weights, ids, route, k_tiles=k_tiles, split_k=split_k)
+    assert_exact(got, reference(ex, x, weights, ids))
+    local = local_expert_ids(ids.long(), 2, 2)  # this rank holds experts 2 and 3
+    got = run(ex, x, weights, local.to(ids.dtype), route, skips=True, split_k=split_k)
+    assert_exact(got, reference(ex, x, weights, local))
+
+
 @pytest.mark.parametrize("route", ROUTES)
 def test_wide_weight_tiles(route: str) -> None:
     """128 weight rows a program (the plan's tiles from two tokens on), 64 gate and 64 up."""
@@ -280,6 +296,8 @@ def test_swiglu_clamp_engaged() -> None:
     assert (gate > limit).any() and (up > limit).any() and (up < -limit).any()
     got = run(ex, x, weights, ids, limit=limit)
     assert_exact(got, reference(ex, x, weights, ids, limit=limit))
+    # The same clamps in the reduce kernel's epilogue (K split over two programs).
+    assert_exact(run(ex, x, weights, ids, limit=limit, split_k=2), got)
     unclamped = reference(ex, x, weights, ids, limit=1e4)
     assert not torch.allclose(got, unclamped, rtol=1e-2)
 
