@@ -105,7 +105,9 @@ def _gate_up_tile(
     w_rows = tl.where(is_up, inter + j, j)
     tok = (pair // TOP_K).to(tl.int64)
     span = hidden // SPLIT_K
-    k_lo = tl.program_id(2) * span
+    k_lo = 0  # unsplit: the loop's bounds as the measured kernels had them
+    if SPLIT_K > 1:
+        k_lo = tl.program_id(2) * span
     acc = nvfp4_mma(
         x_ptr,
         tok * stride_xt,
@@ -279,7 +281,9 @@ def _down_tile(
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     pair64 = pair.to(tl.int64)
     span = inter // SPLIT_K
-    k_lo = tl.program_id(2) * span
+    k_lo = 0  # unsplit: the loop's bounds as the measured kernels had them
+    if SPLIT_K > 1:
+        k_lo = tl.program_id(2) * span
     acc = nvfp4_mma(
         act_ptr,
         pair64 * stride_ap,

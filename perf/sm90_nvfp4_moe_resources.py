@@ -1,0 +1,130 @@
+"""The NVFP4 MoE kernels compiled for sm_90 from source on a machine without a GPU: whether each
+plan variant compiles, and its registers, spills and shared memory (ptxas -v), before a device
+run spends minutes on them.
+
+Needs the Triton the GPU machine runs (3.6) and a CUDA toolkit's ptxas; the dev box keeps them
+apart from the project's venv, whose packages come after Triton's on the path:
+
+    PYTHONPATH=$PWD /tmp/t36/bin/python perf/sm90_nvfp4_moe_resources.py \
+        [--site /work/venv/lib/python3.11/site-packages] [--ptxas /usr/local/cuda/bin/ptxas]
+
+The signatures specialize as a real launch does (16-byte aligned pointers, strides and widths
+multiples of 16; pair and expert counts not specialized). Prints one line per kernel variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+# The variants `plan_moe` picks at M3.1's widths (K tiles of 128): (label, route, P_PAD,
+# BLOCK_N, BLOCK_M, K_TILES, warps).
+VARIANTS = [
+    ("T1 slots", 0, 32, 64, 16, 2, 4),
+    ("T8 slots", 0, 32, 128, 16, 1, 4),
+    ("prefill sorted", 1, 0, 128, 128, 1, 8),
+]
+GATE_UP_TYPES = {
+    "alpha": "fp32", "limit": "fp32", "x_ptr": "*bf16", "ids_ptr": "*i32", "sorted_ptr": "*i32",
+    "block_expert_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32",
+    "act_ptr": "*bf16", "pre_ptr": "*fp32",
+}  # fmt: skip
+DOWN_TYPES = {
+    "act_ptr": "*bf16", "ids_ptr": "*i32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32",
+    "w_ptr": "*u8", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32", "tw_ptr": "*fp32", "y_ptr": "*fp32",
+}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--site", default="/work/venv/lib/python3.11/site-packages")
+    parser.add_argument("--ptxas", default="/usr/local/cuda/bin/ptxas")
+    parser.add_argument("--splits", type=int, nargs="+", default=[1, 2])
+    args = parser.parse_args()
+    sys.path.append(args.site)  # after this interpreter's own Triton
+    import triton.language as tl
+
+    from m3serve.kernels.triton.nvfp4_moe import kernels
+
+    print(f"triton {__import__('triton').__version__}, sm_90")
+    for split in args.splits:
+        for label, route, p_pad, block_n, block_m, k_tiles, warps in VARIANTS:
+            common = {
+                "P_PAD": p_pad, "E_PAD": 128, "SKIPS": False, "BLOCK_M": block_m,
+                "K_TILES": k_tiles, "SPLIT_K": split, "DEQUANT": 0, "DOT": tl.bfloat16,
+                "PDL": True, "ROUTE": route, "BLOCK_N": block_n, "BLOCK_K": 128,
+            }  # fmt: skip
+            gate_up = {**common, "TOP_K": 4, "ACT_TILE_K": 128}
+            name = f"{label} split {split}"
+            report(f"gate_up {name}", kernels.gate_up_kernel, GATE_UP_TYPES, gate_up, warps, args)
+            report(f"down {name}", kernels.down_kernel, DOWN_TYPES, common, warps, args)
+        combine = {"TOP_K": 4, "SPLIT_K": split, "BLOCK": 2048, "SKIPS": False, "PDL": True}
+        types = {"y_ptr": "*fp32", "ids_ptr": "*i32", "out_ptr": "*bf16"}
+        report(f"combine split {split}", kernels.combine_kernel, types, combine, 4, args)
+        if split > 1:
+            reduce = {"SPLIT_K": split, "BLOCK_P": 16, "BLOCK_N": 256, "ACT_TILE_K": 128}
+            types = {"alpha": "fp32", "limit": "fp32", "pre_ptr": "*fp32", "act_ptr": "*bf16"}
+            report(
+                f"swiglu_reduce split {split}",
+                kernels.swiglu_reduce_kernel,
+                types,
+                {**reduce, "PDL": True},
+                4,
+                args,
+            )
+
+
+def report(
+    label: str,
+    fn: Any,
+    types: dict[str, str],
+    consts: dict[str, Any],
+    warps: int,
+    args: argparse.Namespace,
+) -> None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    consts = {k: v for k, v in consts.items() if k in fn.arg_names}
+    signature = {
+        name: "constexpr"
+        if name in consts
+        else types.get(name, "*fp32" if name.endswith("_ptr") else "i32")
+        for name in fn.arg_names
+    }
+    aligned = [
+        i
+        for i, name in enumerate(fn.arg_names)
+        if signature[name].startswith("*")
+        or name.startswith("stride")
+        or name in ("hidden", "inter")
+    ]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    source = ASTSource(fn, signature, constexprs=consts, attrs=attrs)
+    try:
+        options = {"num_warps": warps, "num_stages": 3}
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    except Exception as exc:  # the point of the tool: say which variant fails, go on
+        print(f"{label}: does not compile: {type(exc).__name__}: {str(exc)[:2000]}")
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "k.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        command = [args.ptxas, "-arch=sm_90a", "-v", str(ptx), "-o", str(Path(tmp) / "k.o")]
+        out = subprocess.run(command, capture_output=True, text=True, check=False).stderr
+    regs = re.findall(r"Used (\d+) registers", out)
+    spills = re.findall(r"(\d+) bytes spill stores", out)
+    print(
+        f"{label}: {regs[0] if regs else '?'} registers, {spills[0] if spills else '?'} bytes "
+        f"spilled, {compiled.metadata.shared} bytes shared"
+    )
+
+
+if __name__ == "__main__":
+    main()
