@@ -6,11 +6,16 @@
 # (seven files; the device tool returns eight).
 #
 #   carry [".whl"] (plus ".scratch" holding tcache.tgz, a Triton cache, if any):
-#   bash perf/h200_layer_table.sh
+#   bash perf/h200_layer_table.sh [--ablations]
+#
+# `--ablations` runs the W4A16 MoE's tile, K-split and route variants too (bench_nvfp4_moe.py
+# --ablations: a minute or two more).
 #
 # About 3.5 minutes with a warm Triton cache; each step has its own time limit, so a slow one
 # costs its own output, not the others'.
 set -u
+ablations=()
+[ "${1:-}" = --ablations ] && ablations=(--ablations)
 . perf/device_env.sh
 
 step() {  # step NAME SECONDS COMMAND...: run with a limit, say how it went and how long it took
@@ -29,5 +34,6 @@ step parts 180 python3 perf/bench_moe_layer_parts.py --batches 1 8 64 --kernels 
 grep -A10 "read bandwidth" "$OUT/parts.txt"
 step moe_layer 150 python3 perf/bench_moe_layer.py --out "$OUT/moe_layer.json"
 tail -7 "$OUT/moe_layer.txt"
-step nvfp4_moe 120 python3 perf/bench_nvfp4_moe.py --no-grouped --out "$OUT/nvfp4_moe.json"
+step nvfp4_moe 240 python3 perf/bench_nvfp4_moe.py --no-grouped "${ablations[@]}" \
+  --out "$OUT/nvfp4_moe.json"
 tail -15 "$OUT/nvfp4_moe.txt"
