@@ -7,7 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers.hicache_workload import GREEDY, PREFIX, PROMPTS, SMALL_POOL
+from helpers.hicache_workload import (
+    GREEDY,
+    PREFIX,
+    PROMPTS,
+    SMALL_POOL,
+    large_pool_outputs,
+)
 from helpers.metrics_text import samples
 from prometheus_client import generate_latest
 
@@ -36,11 +42,7 @@ def serve(path: Path, **server_args: object) -> tuple[list[list[int]], list[int]
 
 @pytest.fixture(scope="module")
 def expected(model_path: Path) -> list[list[int]]:
-    with Engine(str(model_path), single_process=True, skip_warmup=True) as engine:
-        return [
-            engine.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
-            for prompt in PROMPTS
-        ]
+    return large_pool_outputs(model_path)
 
 
 @pytest.mark.parametrize("policy", ["write_through", "write_back", "write_through_selective"])

@@ -10,26 +10,18 @@ from typing import Any
 
 import pytest
 from helpers.hf_oracle import random_prompt
+from helpers.hicache_workload import GREEDY, PREFIX, PROMPTS, SMALL_POOL, VOCAB
 from helpers.metrics_text import samples
 from prometheus_client import generate_latest
 
 from m3serve import Engine
 from m3serve.actors.scheduler import SchedulerActor
-from m3serve.model.tiny.checkpoint import TinySpec
 
-VOCAB = TinySpec().vocab_size - 64
-GREEDY = {"temperature": 0.0, "max_new_tokens": 8}
-PREFIX = random_prompt(700, 40, VOCAB)  # 10 pages of the tiny model's 4-token pages
-# The first server: three turns on the prefix, an unrelated prompt that evicts it from the small
-# device pool (so that every policy has backed it up), the prefix again.
-FIRST = [
-    *[[*PREFIX, *random_prompt(710 + i, 4, VOCAB)] for i in range(3)],
-    random_prompt(720, 48, VOCAB),
-    [*PREFIX, *random_prompt(730, 6, VOCAB)],
-]
+# The first server: the HiCache workload (the prefix evicted from the small device pool, so that
+# every policy has backed it up, then asked for again).
+FIRST = PROMPTS
 # The replica: the prefix with a tail that the first server never saw.
 REPLICA = [*PREFIX, *random_prompt(740, 6, VOCAB)]
-SMALL_POOL = 64  # tokens
 
 
 def hicache(store: Path, policy: str) -> dict[str, Any]:

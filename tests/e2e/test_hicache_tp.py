@@ -13,7 +13,13 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.hicache_workload import GREEDY, PREFIX, PROMPTS, SMALL_POOL
+from helpers.hicache_workload import (
+    GREEDY,
+    PREFIX,
+    PROMPTS,
+    SMALL_POOL,
+    large_pool_outputs,
+)
 from helpers.serve_process import alive, wait_until
 
 from m3serve import Engine, EngineDeadError
@@ -22,11 +28,7 @@ from m3serve.runtime.shm import list_session_segments
 
 @pytest.fixture(scope="module")
 def expected(model_path: Path) -> list[list[int]]:
-    with Engine(str(model_path), single_process=True, skip_warmup=True) as engine:
-        return [
-            engine.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
-            for prompt in PROMPTS
-        ]
+    return large_pool_outputs(model_path)
 
 
 @pytest.mark.slow

@@ -14,21 +14,11 @@ from pathlib import Path
 
 import pytest
 from helpers.ranks import run_on_ranks
-from helpers.tp_runs import Setup, outputs, rank_outputs
+from helpers.tp_runs import MIXED, Setup, outputs, rank_outputs
 
 from m3serve.model.tiny.checkpoint import TinySpec
 
 BF16 = TinySpec(dtype="bfloat16", seed=11)
-# MXFP8 projections and NVFP4 experts; widths chosen so that at tp 4 every split along a
-# weight's inputs still keeps whole scale blocks of 32 (o_proj, down_proj, w2).
-MIXED = TinySpec(
-    dtype="bfloat16",
-    seed=12,
-    quant="modelopt-mixed",
-    num_heads=8,
-    dense_intermediate_size=128,
-    intermediate_size=128,
-)
 TOLERANCE = 1e-4  # fp32: the ranks' partial sums only reorder the additions
 
 

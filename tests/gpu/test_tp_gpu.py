@@ -14,6 +14,7 @@ import pytest
 import torch
 from helpers.greedy import GREEDY, first_divergence
 from helpers.hf_oracle import random_prompt
+from helpers.tp_runs import MIXED
 
 from m3serve import Engine
 from m3serve.model.tiny.checkpoint import TinySpec
@@ -22,15 +23,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two
 
 SPECS = {
     "bf16": TinySpec(dtype="bfloat16", seed=1),
-    # Widths that keep whole scale blocks of 32 on each of 2 ranks (o_proj, down_proj, w2).
-    "mixed": TinySpec(
-        dtype="bfloat16",
-        seed=12,
-        quant="modelopt-mixed",
-        num_heads=8,
-        dense_intermediate_size=128,
-        intermediate_size=128,
-    ),
+    "mixed": MIXED,  # whole scale blocks of 32 on each rank
 }
 PROMPTS = [random_prompt(s, 20 + 9 * s, SPECS["bf16"].vocab_size - 64) for s in range(1, 5)]
 # Small limits keep the warm-up (which runs here: it is what must run in step) short.

@@ -1,9 +1,12 @@
 """The HiCache end-to-end workload: a shared prefix, evicted from a small device pool by an
-unrelated prompt, then asked for again (tests/e2e/test_hicache.py, test_hicache_tp.py)."""
+unrelated prompt, then asked for again (tests/e2e/test_hicache*.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from helpers.hf_oracle import random_prompt
+from m3serve import Engine
 from m3serve.model.tiny.checkpoint import TinySpec
 
 VOCAB = TinySpec().vocab_size - 64
@@ -17,3 +20,13 @@ PROMPTS = [
     [*PREFIX, *random_prompt(730, 6, VOCAB)],
 ]
 SMALL_POOL = 64  # tokens: the unrelated prompt evicts the prefix from the device
+
+
+def large_pool_outputs(model_path: Path) -> list[list[int]]:
+    """Each prompt's greedy ids from one rank with the default (large) device pool: what HiCache
+    must reproduce."""
+    with Engine(str(model_path), single_process=True, skip_warmup=True) as engine:
+        return [
+            engine.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
+            for prompt in PROMPTS
+        ]

@@ -14,6 +14,18 @@ from m3serve.backends.reference import ReferenceBackend
 from m3serve.model.build import load_model
 from m3serve.model.generate import generate
 from m3serve.model.parallel import SINGLE, Parallel, RankGroup
+from m3serve.model.tiny.checkpoint import TinySpec
+
+# MXFP8 projections and NVFP4 experts; widths chosen so that at tp 4 every split along a
+# weight's inputs still keeps whole scale blocks of 32 (o_proj, down_proj, w2).
+MIXED = TinySpec(
+    dtype="bfloat16",
+    seed=12,
+    quant="modelopt-mixed",
+    num_heads=8,
+    dense_intermediate_size=128,
+    intermediate_size=128,
+)
 
 # Blocks of 4 and top-3: queries from position 12 on drop blocks; 43 ends mid-block.
 PROMPT_LEN = 43
