@@ -7,7 +7,8 @@ sampling and the token copy back, which waits for the device), with the run time
 percentile, the garbage collector's pauses (`gc=`) summed, and the range of the mixed steps'
 prompt budgets (`budget=`). `--slowest N` lists the N steps that took longest from the step
 before them (what an inter-token latency tail is made of), with the part of the gap beyond the
-step's own run (large: the engine sat idle, or waited on something outside the step);
+step's own run (large: the engine sat idle, or waited on something outside the step), split into
+the executor's wait for the plan (`idle=`) and the result's wait for the event loop (`lag=`);
 `--since` / `--until` keep the steps logged inside a window (one benchmark level of a longer
 run), as HH:MM:SS of the log's clock.
 
@@ -28,8 +29,8 @@ from typing import NamedTuple
 
 LINE = re.compile(
     r"^(\S+ \S+) .*step (\d+) (\w+) batch=(\d+) tokens=(\d+).*host=([\d.]+)ms "
-    r"\(plan ([\d.]+) \+ process ([\d.]+)\) run=([\d.]+)ms(?: gc=([\d.]+)ms)?"
-    r"(?: budget=(\d+))?"
+    r"\(plan ([\d.]+) \+ process ([\d.]+)\) run=([\d.]+)ms"
+    r"(?: idle=([\d.]+)ms lag=([\d.]+)ms)?(?: gc=([\d.]+)ms)?(?: budget=(\d+))?"
 )
 
 
@@ -45,6 +46,8 @@ class Step(NamedTuple):
     run_ms: float
     gc_ms: float = 0.0  # the garbage collector's pauses in the step (`gc=`, traced servers)
     budget: int = 0  # a mixed step's prompt budget (`budget=`; 0: not logged)
+    idle_ms: float = 0.0  # the executor's wait for this plan (`idle=`; older logs: 0)
+    lag_ms: float = 0.0  # the result's wait for the event loop (`lag=`)
 
 
 def steps(path: Path) -> list[Step]:
@@ -54,9 +57,11 @@ def steps(path: Path) -> list[Step]:
         if m:
             stamp = datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
             numbers = (float(m[i]) for i in (6, 7, 8, 9))
-            gc_ms = float(m[10]) if m[10] else 0.0
-            budget = int(m[11]) if m[11] else 0
-            rows.append(Step(stamp, int(m[2]), m[3], int(m[4]), int(m[5]), *numbers, gc_ms, budget))
+            idle, lag = (float(m[i]) if m[i] else 0.0 for i in (10, 11))
+            gc_ms = float(m[12]) if m[12] else 0.0
+            budget = int(m[13]) if m[13] else 0
+            head = (stamp, int(m[2]), m[3], int(m[4]), int(m[5]), *numbers)
+            rows.append(Step(*head, gc_ms, budget, idle, lag))
     return rows
 
 
@@ -115,7 +120,8 @@ def main() -> None:
         print(
             f"{kind:7s} batch={batch:4d} n={len(items):5d} tokens~{med['tokens']:7.0f} "
             f"wall gap {gap:6.2f} ms  host {med['host_ms']:5.2f} (plan {med['plan_ms']:4.2f} "
-            f"process {med['process_ms']:4.2f})  run {med['run_ms']:6.2f} ms (p99 {p99:6.2f})"
+            f"process {med['process_ms']:4.2f})  run {med['run_ms']:6.2f} ms (p99 {p99:6.2f})  "
+            f"idle {med['idle_ms']:4.2f} lag {med['lag_ms']:4.2f}"
             + (f"  gc {paused:.1f} ms in all" if paused else "")
             + (f"  budget {budgets[0]}-{budgets[-1]}" if budgets else "")
         )
@@ -126,7 +132,8 @@ def main() -> None:
             print(
                 f"{clock} step {step.step} {step.kind:7s} batch={step.batch:4d} "
                 f"tokens={step.tokens:6d} gap {gap:7.2f} ms  run {step.run_ms:7.2f} ms  "
-                f"host {step.host_ms:5.2f} ms  beyond run {gap - step.run_ms:7.2f} ms"
+                f"host {step.host_ms:5.2f} ms  beyond run {gap - step.run_ms:7.2f} ms "
+                f"(idle {step.idle_ms:.2f}, lag {step.lag_ms:.2f})"
                 + (f"  gc {step.gc_ms:.2f} ms" if step.gc_ms else "")
                 + (f"  budget {step.budget}" if step.budget else "")
             )

@@ -2,7 +2,11 @@
 
 `StepTrace` (with `--enable-step-trace`) logs one line per step: its kind (prefill, decode, mixed),
 batch, new tokens, the host time around it (planning and processing, on the event loop), the run
-time (forward and sampling, on the executor thread) and the Triton kernels compiled while it ran.
+time (forward and sampling, on the executor thread) and the Triton kernels compiled while it ran;
+and where a step's time outside its run went: `idle=`, how long the executor thread had waited
+for this plan since its previous run ended (the event loop was late to launch it), and `lag=`,
+how long the finished result waited for the event loop to process it (its tokens reach the
+clients only then).
 `CompileCounter` sees those compilations through Triton's post-compile hook; a step that compiled
 anything is logged as a warning whether or not the trace is on, since that stall is what a
 server must never do after it reported ready. With the trace on, `GcPauses` adds the garbage
@@ -106,6 +110,9 @@ class StepRecord:
     # The mixed-step prompt budget the plan was held to (0: none): the served budget moves with
     # the steps run, and a log line of it goes out at most every 30 s.
     budget: int = 0
+    idle_ms: float = 0.0  # the executor's wait for this plan after its previous run
+    lag_ms: float = 0.0  # the finished result's wait for the event loop
+    finished_at: float = 0.0  # perf_counter() when the run ended
 
     @property
     def tokens(self) -> int:
@@ -124,7 +131,8 @@ class StepRecord:
         return (
             f"step {self.plan.step} {kind} batch={len(self.plan.seqs)} "
             f"tokens={self.tokens}{loads} host={host:.2f}ms (plan {self.schedule_ms:.2f} + "
-            f"process {self.process_ms:.2f}) run={self.run_ms:.2f}ms{paused}{budget}{compiled}"
+            f"process {self.process_ms:.2f}) run={self.run_ms:.2f}ms idle={self.idle_ms:.2f}ms "
+            f"lag={self.lag_ms:.2f}ms{paused}{budget}{compiled}"
         )
 
 
@@ -137,6 +145,7 @@ class StepTrace:
         self.compiles = CompileCounter()
         self.gc = GcPauses() if log_every_step else None
         self._records: dict[int, StepRecord] = {}
+        self._last_run_end: float | None = None  # executor thread only
 
     def planned(self, plan: StepPlan, seconds: float, budget: int = 0) -> None:
         """`budget`: the mixed-step prompt budget the plan was held to (0: none)."""
@@ -144,16 +153,26 @@ class StepTrace:
         self._records[plan.step] = StepRecord(plan, seconds * 1e3, gc_ms=paused, budget=budget)
 
     def ran(self, step: int, seconds: float, compiles_before: int) -> None:
+        """Called by the executor thread as a run of `seconds` ends."""
+        now = time.perf_counter()
+        idle = now - seconds - self._last_run_end if self._last_run_end is not None else 0.0
+        self._last_run_end = now
         record = self._records.get(step)
         if record is not None:
             record.run_ms = seconds * 1e3
+            record.idle_ms = max(idle, 0.0) * 1e3
+            record.finished_at = now
             record.compiled = self.compiles.since(compiles_before)
 
     def processed(self, step: int, seconds: float) -> StepRecord | None:
+        """Called as processing of `seconds` (begun once the result was in) ends."""
         record = self._records.pop(step, None)
         if record is None:
             return None
         record.process_ms = seconds * 1e3
+        if record.finished_at:
+            began = time.perf_counter() - seconds
+            record.lag_ms = max(began - record.finished_at, 0.0) * 1e3
         if self.gc is not None:
             record.gc_ms += self.gc.total_ms
         if record.compiled:

@@ -18,7 +18,14 @@ def test_the_summary_parses_the_trace_lines_the_engine_writes(tmp_path: Path) ->
     lines = []
     for stamp, plan, run_ms, gc_ms in (("00,100", decode, 3.5, 0.0), ("00,104", mixed, 4.25, 1.5)):
         record = StepRecord(
-            plan, schedule_ms=0.1, run_ms=run_ms, process_ms=0.05, gc_ms=gc_ms, budget=384
+            plan,
+            schedule_ms=0.1,
+            run_ms=run_ms,
+            process_ms=0.05,
+            gc_ms=gc_ms,
+            budget=384,
+            idle_ms=0.5,
+            lag_ms=0.25,
         )
         lines.append(f"2026-12-03 13:50:{stamp} INFO [engine] m3serve.core.trace: {record.line()}")
     log = tmp_path / "serve.log"
@@ -31,6 +38,17 @@ def test_the_summary_parses_the_trace_lines_the_engine_writes(tmp_path: Path) ->
     assert first.budget == 0  # a decode step logs no budget
     assert second[5:10] == pytest.approx((0.15, 0.1, 0.05, 4.25, 1.5))
     assert second.budget == 384
+    assert (second.idle_ms, second.lag_ms) == (0.5, 0.25)
+
+
+def test_lines_of_older_servers_without_idle_and_lag_still_parse(tmp_path: Path) -> None:
+    line = (
+        "2026-12-03 13:50:00,100 INFO [engine] m3serve.core.trace: step 7 decode batch=2 "
+        "tokens=2 host=0.15ms (plan 0.10 + process 0.05) run=3.50ms gc=1.50ms"
+    )
+    (tmp_path / "old.log").write_text(line + "\n")
+    (row,) = steps(tmp_path / "old.log")
+    assert (row.run_ms, row.gc_ms, row.idle_ms, row.lag_ms) == (3.5, 1.5, 0.0, 0.0)
 
 
 def _log(tmp_path: Path, entries: list[tuple[str, int, float]]) -> Path:
@@ -89,3 +107,4 @@ def test_the_slowest_steps_are_listed_longest_gap_first(
     assert "gap    7.00 ms" in slowest[0]
     beyond = float(slowest[0].split("beyond run")[1].split()[0])
     assert beyond == pytest.approx(0.0, abs=0.01)  # step 3 ran its whole 7 ms gap
+    assert "(idle 0.00, lag 0.00)" in slowest[0]

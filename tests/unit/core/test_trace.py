@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 
 import pytest
 
@@ -36,6 +37,27 @@ def test_each_step_logs_its_kind_batch_tokens_and_times(caplog: pytest.LogCaptur
     (line,) = [r.getMessage() for r in caplog.records]
     assert line.startswith("step 7 mixed batch=2 tokens=5 host=3.00ms")
     assert "run=4.00ms" in line and "compiled" not in line
+    trace.close()
+
+
+def test_idle_is_the_executors_wait_for_a_plan_and_lag_the_results_wait(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Sleeps stand for an event loop late to launch step 2 and late to process step 1; only
+    lower bounds are checked (a sleep lasts at least as long as asked)."""
+    trace = StepTrace(log_every_step=True)
+    trace.planned(plan(DECODE, step=1), 0.0)
+    trace.ran(1, 0.001, trace.compiles.count)  # the first run: nothing before it to wait on
+    time.sleep(0.02)
+    with caplog.at_level(logging.INFO, logger="m3serve.core.trace"):
+        first = trace.processed(1, 0.0)
+    trace.planned(plan(DECODE, step=2), 0.0)
+    trace.ran(2, 0.001, trace.compiles.count)
+    second = trace.processed(2, 0.0)
+    assert first is not None and second is not None
+    assert first.idle_ms == 0.0 and first.lag_ms >= 19.0
+    assert second.idle_ms >= 19.0
+    assert " idle=0.00ms lag=" in caplog.records[0].getMessage()
     trace.close()
 
 
