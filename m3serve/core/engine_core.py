@@ -13,8 +13,9 @@ pool that the host-cache actor owns and opens for us (`hicache`, an `ActorLink`)
 scheduler's prefix cache is the tiered one over both; backups run on the executor thread behind
 the steps, a step's load-backs inside its forward, layer by layer (`core/hicache/`). `storage`
 runs the L3 tier (with `--hicache-storage-backend`) and notices the actor's death. With several
-ranks each holds a host pool of its own KV slice (a follower's is its own segment, `OwnPool`),
-and rank 0 hands each backup it runs to the followers (`HostTier.mirror`); L3 is refused there.
+ranks each holds a host pool of its own KV slice (the actor makes them all; rank 0 hands their
+segment's name to the followers), and rank 0 hands each backup it runs to the followers
+(`HostTier.mirror`); with L3 a backup ends when every rank's copy has (`HostTier.barrier`).
 
 Tensor parallelism (`rank`, one engine process per rank): each rank builds its model shard, its
 KV pool of its own KV heads and a StepRunner; the ranks agree on the smallest page count any
@@ -56,11 +57,18 @@ from m3serve.core.engine_start import (
 )
 from m3serve.core.executor import Executor
 from m3serve.core.hicache.storage_tier import ActorLink
-from m3serve.core.hicache.tier import HostTier, OwnPool
+from m3serve.core.hicache.tier import HostTier, rank_pool_opener
 from m3serve.core.matchers import GrammarMatchers
 from m3serve.core.memory import kv_cache_dtype, leave_a_core_for_the_scheduler
 from m3serve.core.rank_join import agree_on_pages, join_ranks, leave_ranks, rank_device
-from m3serve.core.ranks import LEADER, MediaShare, PlanChannel, TokenShare, follow
+from m3serve.core.ranks import (
+    LEADER,
+    MediaShare,
+    PlanChannel,
+    TokenShare,
+    follow,
+    host_barrier,
+)
 from m3serve.core.sampler import Sampler
 from m3serve.core.scheduler import Scheduler
 from m3serve.core.spec.engine import SpecPlugin
@@ -90,11 +98,11 @@ class EngineCore(StepLoop):
         self,
         args: ServerArgs,
         model_path: Path | None,
-        hicache: ActorLink | OwnPool | None = None,
+        hicache: ActorLink | None = None,
         rank: RankAddress | None = None,
     ) -> None:
-        """`hicache`: where HiCache's host pool comes from: the host-cache actor, which owns it
-        (rank 0), or a follower rank's own segment; `rank`: this process's place in a
+        """`hicache`: the host-cache actor, which HiCache needs on rank 0 (it owns the host
+        pool; a follower rank attaches its part); `rank`: this process's place in a
         tensor-parallel group (None: one rank)."""
         # First, so that every compile from here on is counted and cached on disk.
         self.trace = StepTrace(args.runtime.enable_step_trace)
@@ -149,18 +157,14 @@ class EngineCore(StepLoop):
         log.info("KV pool: %d pages x %d tokens", self.budget.num_pages, self.budget.page_size)
         self.host: HostTier | None = None
         if args.hicache.enable_hierarchical_cache:
-            if hicache is None:
-                raise ValueError(
-                    "--enable-hierarchical-cache needs the host-cache actor, which owns the "
-                    "host pool: start the engine through the actor graph (engine/launch.py)"
-                )
+            open_pools = hicache.open_pool if hicache is not None else None
             with self.startup.phase("host KV pool"):
                 self.host = HostTier.create(
                     args.hicache,
                     cfg,
                     self.kv,
                     self.budget.num_pages,
-                    hicache.open_pool,
+                    rank_pool_opener(self.ranks, open_pools),
                     lambda job, what: self.executor.call(job, what),
                     draft=draft_kv,
                     ranks_on_host=self.ranks.size,
@@ -198,6 +202,9 @@ class EngineCore(StepLoop):
                 self.host.mirror = self._mirror_backup
             elif self.host is not None:
                 self.host.follower = True
+            if self.host is not None and args.hicache.hicache_storage_backend is not None:
+                # The actor stores every rank's piece of a page once rank 0's copy is done.
+                self.host.barrier = lambda: host_barrier(self.ranks)
         # ------------------------------------------------------------------ warm-up
         if self.device.type == "cuda" and not args.kernel.skip_warmup:
             with self.startup.phase("warm-up"):
@@ -227,8 +234,7 @@ class EngineCore(StepLoop):
         )
         pages = self.budget.num_pages
         cache = self.host.prefix_cache(pages, cfg.page_size) if self.host is not None else None
-        link = hicache if isinstance(hicache, ActorLink) else None  # L3: rank 0's actor only
-        self.storage = storage_tier(args, link, cache, self.host, self.loaded.path, self.spec)
+        self.storage = storage_tier(args, hicache, cache, self.host, self.loaded.path, self.spec)
         self.scheduler = Scheduler(
             args.sched,
             pages,

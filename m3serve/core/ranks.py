@@ -153,6 +153,30 @@ class MediaShare:
         return rows, features
 
 
+def share_text(ranks: RankGroup, text: str | None) -> str:
+    """Rank 0's `text` on every rank (a follower passes None), over the host group: the name of
+    the HiCache host pool's segment, which rank 0 learns from the host-cache actor."""
+    leader = ranks.rank == LEADER
+    if leader and text is None:
+        raise ValueError("rank 0 shares a text")
+    body = text.encode() if leader and text is not None else b""
+    length = torch.tensor([len(body)], dtype=torch.int64)
+    _broadcast(length, ranks, "text", ranks.host)
+    payload = torch.frombuffer(bytearray(body), dtype=torch.uint8) if leader else None
+    if payload is None:
+        payload = torch.empty(int(length.item()), dtype=torch.uint8)
+    _broadcast(payload, ranks, "text", ranks.host)
+    return payload.numpy().tobytes().decode()
+
+
+def host_barrier(ranks: RankGroup) -> None:
+    """Every rank has reached this point (host group)."""
+    try:
+        dist.barrier(group=ranks.host)
+    except RuntimeError as exc:
+        raise RankLost(f"rank {ranks.rank}: a barrier failed: {exc}") from exc
+
+
 def _broadcast(tensor: torch.Tensor, ranks: RankGroup, what: str, group: Any = None) -> None:
     """Rank 0's `tensor` into every rank's, over `group` (None: the device group)."""
     try:

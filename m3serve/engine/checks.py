@@ -83,6 +83,4 @@ def _rank_problems(args: ServerArgs, device: torch.device) -> list[str]:
     problems = []
     if args.runtime.single_process:
         problems.append("--tp > 1 needs one engine process per rank, not --single-process")
-    if args.hicache.hicache_storage_backend is not None:
-        problems.append("--tp > 1 with --hicache-storage-backend (L3) is not built yet")
     return problems

@@ -216,7 +216,7 @@ def _spawn_engine(
     supervisor.spawn("engine", engine_process, *engine)
     for rank in ranks[1:]:
         assert rank is not None
-        follower = (addresses.control, model_path, args, level, rank, supervisor.session)
+        follower = (addresses.control, model_path, args, level, rank)
         supervisor.spawn(follower_name(rank.rank), follower_process, *follower)
 
 
@@ -337,16 +337,10 @@ def engine_process(
 
 
 def follower_process(
-    control: str,
-    model_path: Path,
-    args: ServerArgs,
-    log_level: int,
-    rank: RankAddress,
-    session: str,
+    control: str, model_path: Path, args: ServerArgs, log_level: int, rank: RankAddress
 ) -> None:
-    """Rank 1..N-1 of a --tp N engine (engine/ranks.py); `session` names its shared memory."""
-    follow = serve_follower(control, model_path, args, rank, session)
-    _run(follower_name(rank.rank), follow, log_level)
+    """Rank 1..N-1 of a --tp N engine (engine/ranks.py)."""
+    _run(follower_name(rank.rank), serve_follower(control, model_path, args, rank), log_level)
 
 
 def hicache_process(addresses: Addresses, args: ServerArgs, session: str, log_level: int) -> None:

@@ -40,19 +40,16 @@ def rank_addresses(size: int) -> list[RankAddress]:
 
 
 async def serve_follower(
-    control_address: str, model_path: Path, args: ServerArgs, rank: RankAddress, session: str
+    control_address: str, model_path: Path, args: ServerArgs, rank: RankAddress
 ) -> None:
-    """A follower's life: start, report ready, follow rank 0, stop. With HiCache it holds a
-    host pool of its own KV slice, a segment named after the `session`."""
+    """A follower's life: start, report ready, follow rank 0, stop."""
     from m3serve.core.engine_core import EngineCore
-    from m3serve.core.hicache.tier import OwnPool
     from m3serve.core.ranks import RankLost
 
     name = follower_name(rank.rank)
     control = ZmqOutbox(control_address, Codec(ToSupervisor))
-    pool = OwnPool(session) if args.hicache.enable_hierarchical_cache else None
     try:
-        core = await asyncio.to_thread(EngineCore, args, model_path, pool, rank)
+        core = await asyncio.to_thread(EngineCore, args, model_path, None, rank)
     except Exception as exc:
         log.exception("%s failed to start", name)
         await control.send(Error(None, f"{name} failed to start: {exc!r}", actor=name))

@@ -374,10 +374,13 @@ class StepResult(msgspec.Struct, tag=True, kw_only=True, array_like=True):
 
 class HostPoolSpec(msgspec.Struct, tag=True, array_like=True, frozen=True):
     """engine → host cache, once at start: make the host KV pool, `num_pages` pages of
-    `page_bytes` bytes each, page-major (page h is bytes [h * page_bytes, (h + 1) * page_bytes))."""
+    `page_bytes` bytes each, page-major (page h is bytes [h * page_bytes, (h + 1) * page_bytes)).
+    `ranks` > 1 (tensor parallelism): one such pool per rank, one after another in the segment
+    (rank r's starts at byte r * num_pages * page_bytes), each holding that rank's KV slice."""
 
     page_bytes: int
     num_pages: int
+    ranks: int = 1
 
 
 class HostPoolReady(msgspec.Struct, tag=True, array_like=True, frozen=True):
@@ -387,10 +390,12 @@ class HostPoolReady(msgspec.Struct, tag=True, array_like=True, frozen=True):
     page_bytes: int
     num_pages: int
     pid: int
+    ranks: int = 1
 
 
 class Backup(msgspec.Struct, tag=True, array_like=True):
-    """engine → host cache: write host page `host_pages[i]` to L3 storage under `keys[i]`."""
+    """engine → host cache: write host page `host_pages[i]` to L3 storage under `keys[i]` (with
+    several ranks, every rank's slice of it, each under a key of its own derived from keys[i])."""
 
     ticket: int
     keys: list[str]

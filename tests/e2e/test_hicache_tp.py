@@ -1,9 +1,11 @@
 """HiCache under --tp 2 (gloo ranks, one engine process per rank, through `Engine`): each rank
-holds a host pool of its own KV slice, rank 0's from the host-cache actor and the follower's a
-segment of its own; a prefix evicted from the small device pool goes to both host pools (the
-follower copies its slice of every backup rank 0 runs) and comes back for a later request with
-the greedy tokens of one rank with a large pool, reported as cached; shutdown leaves no
-segment. A killed follower still fails the engine within seconds and leaves nothing."""
+holds a host pool of its own KV slice, all in the host-cache actor's one segment; a prefix
+evicted from the small device pool goes to both host pools (the follower copies its slice of
+every backup rank 0 runs) and comes back for a later request with the greedy tokens of one rank
+with a large pool, reported as cached; with L3 storage a second --tp 2 server fetches the
+prefix from the files the first one wrote (one per rank per page), and a --tp 1 server does not
+take them for its own pages; shutdown leaves no segment. A killed follower still fails the
+engine within seconds and leaves nothing."""
 
 from __future__ import annotations
 
@@ -46,8 +48,8 @@ def test_tp_2_brings_an_evicted_prefix_back_from_both_host_pools(
     session = engine.async_engine.supervisor.session
     pids = dict(engine.async_engine.processes)
     try:
-        # Rank 0's pool (the actor's) and the follower's own.
-        assert len(list_session_segments(session)) >= 2
+        # One segment, the actor's, holds both ranks' pools.
+        assert len(list_session_segments(session)) == 1
         outputs, cached = [], []
         for prompt in PROMPTS:
             out = engine.generate(input_ids=prompt, sampling_params=GREEDY)
@@ -79,3 +81,33 @@ def test_a_dead_follower_with_hicache_fails_requests_and_leaves_no_segment(
         engine.shutdown()
     assert not any(alive(pid) for pid in pids.values())
     assert list_session_segments(session) == []
+
+
+def l3(store: Path) -> dict[str, object]:
+    return {
+        "max_total_tokens": SMALL_POOL,
+        "enable_hierarchical_cache": True,
+        "hicache_write_policy": "write_through",
+        "hicache_storage_backend": "file",
+        "hicache_storage_dir": str(store),
+    }
+
+
+@pytest.mark.slow
+def test_a_tp_2_replica_fetches_every_ranks_piece_from_l3(
+    model_path: Path, tmp_path: Path, expected: list[list[int]]
+) -> None:
+    store = tmp_path / "l3"
+    with Engine(str(model_path), tp_size=2, **l3(store)) as first:
+        for prompt in PROMPTS[:-1]:
+            first.generate(input_ids=prompt, sampling_params=GREEDY)
+    files = [p for p in store.glob("*/*") if not p.name.startswith(".")]
+    assert len(files) >= 2 * len(PREFIX) // 4  # both ranks' pieces of the prefix's 10 pages
+    with Engine(str(model_path), tp_size=2, **l3(store)) as replica:
+        out = replica.generate(input_ids=PROMPTS[-1], sampling_params=GREEDY)
+    assert out["output_ids"] == expected[-1]
+    assert out["meta_info"]["cached_tokens"] == len(PREFIX)  # fetched from L3
+    with Engine(str(model_path), single_process=True, skip_warmup=True, **l3(store)) as one:
+        out = one.generate(input_ids=PROMPTS[-1], sampling_params=GREEDY)
+    assert out["output_ids"] == expected[-1]
+    assert out["meta_info"]["cached_tokens"] == 0  # tp 2 pieces are no tp 1 pages

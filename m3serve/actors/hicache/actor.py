@@ -79,14 +79,16 @@ class HiCacheActor(Actor):
     @handles(HostPoolSpec)
     async def on_pool_spec(self, msg: HostPoolSpec) -> None:
         if self.pool is None:
-            self.pool = HostPool(self.session, msg.page_bytes, msg.num_pages)
-            size_gib = msg.page_bytes * msg.num_pages / 2**30
-            log.info("host pool %s: %d pages, %.2f GiB", self.pool.name, msg.num_pages, size_gib)
+            self.pool = HostPool(self.session, msg.page_bytes, msg.num_pages, msg.ranks)
+            size_gib = msg.page_bytes * msg.num_pages * msg.ranks / 2**30
+            per = f" per rank x {msg.ranks} ranks" if msg.ranks > 1 else ""
+            log.info(
+                "host pool %s: %d pages%s, %.2f GiB", self.pool.name, msg.num_pages, per, size_gib
+            )
         # A repeated spec gets the pool that exists; the client refuses one that differs.
         pool = self.pool
-        await self.engine.send(
-            HostPoolReady(pool.name, pool.page_bytes, pool.num_pages, os.getpid())
-        )
+        ready = HostPoolReady(pool.name, pool.page_bytes, pool.num_pages, os.getpid(), pool.ranks)
+        await self.engine.send(ready)
 
     @handles(Backup)
     async def on_backup(self, msg: Backup) -> None:
@@ -148,10 +150,13 @@ class HiCacheActor(Actor):
         return ok
 
     def _put(self, key: str, h: int) -> bool:
-        assert self.pool is not None and self.storage is not None
+        """Every rank's piece of host page `h`, each under its own key."""
+        pool, storage = self.pool, self.storage
+        assert pool is not None and storage is not None
         try:
-            with self.pool.page(h) as page:
-                self.storage.put(key, page)
+            for rank, piece_key in enumerate(pool.rank_keys(key)):
+                with pool.page(h, rank) as page:
+                    storage.put(piece_key, page)
         except OSError as exc:
             log.warning("L3 write of page %s failed: %s", key[:12], exc)
             return False
@@ -173,10 +178,12 @@ class HiCacheActor(Actor):
         return read.index(False) if False in read else found
 
     def _leading_stored(self, keys: Sequence[str]) -> int:
-        assert self.storage is not None
+        """How many leading pages L3 holds whole: every rank's piece of each."""
+        pool, storage = self.pool, self.storage
+        assert pool is not None and storage is not None
         for i, key in enumerate(keys):
             try:
-                if not self.storage.exists(key):
+                if not all(storage.exists(k) for k in pool.rank_keys(key)):
                     return i
             except OSError as exc:
                 log.warning("L3 lookup of page %s failed: %s", key[:12], exc)
@@ -184,10 +191,15 @@ class HiCacheActor(Actor):
         return len(keys)
 
     def _get(self, key: str, h: int) -> bool:
-        assert self.pool is not None and self.storage is not None
+        """Every rank's piece of the page into host page `h`; False if any is missing."""
+        pool, storage = self.pool, self.storage
+        assert pool is not None and storage is not None
         try:
-            with self.pool.page(h) as page:
-                return self.storage.get(key, page)
+            for rank, piece_key in enumerate(pool.rank_keys(key)):
+                with pool.page(h, rank) as page:
+                    if not storage.get(piece_key, page):
+                        return False
+            return True
         except OSError as exc:
             log.warning("L3 read of page %s failed: %s", key[:12], exc)
             return False

@@ -105,19 +105,26 @@ def draft_tensors(
 
 
 class HostKVPool:
-    """`num_pages` host pages in one shared-memory segment, and a torch view per pool tensor."""
+    """`num_pages` host pages in one shared-memory segment, and a torch view per pool tensor.
+    `rank`: which of the segment's per-rank pools this is (tensor parallelism: rank r's pages
+    start at byte r * num_pages * page_bytes)."""
 
-    def __init__(self, layout: PageLayout, num_pages: int, shm: SharedMemory, owner: bool) -> None:
-        if shm.size < num_pages * layout.page_bytes:
+    def __init__(
+        self, layout: PageLayout, num_pages: int, shm: SharedMemory, owner: bool, rank: int = 0
+    ) -> None:
+        start = rank * num_pages * layout.page_bytes
+        if shm.size < start + num_pages * layout.page_bytes:
+            of = f" of rank {rank}" if rank else ""
             raise ValueError(
-                f"segment {shm.name} holds {shm.size} bytes, {num_pages} pages need "
-                f"{num_pages * layout.page_bytes}"
+                f"segment {shm.name} holds {shm.size} bytes, {num_pages} pages{of} need "
+                f"{start + num_pages * layout.page_bytes}"
             )
         self.layout = layout
         self.num_pages = num_pages
         self._shm: SharedMemory | None = shm
         self._owner = owner
-        flat = torch.frombuffer(shm.buf, dtype=torch.uint8, count=num_pages * layout.page_bytes)
+        count = num_pages * layout.page_bytes
+        flat = torch.frombuffer(shm.buf, dtype=torch.uint8, count=count, offset=start)
         self.raw = flat.view(num_pages, layout.page_bytes)  # page h = raw[h], an opaque blob
         self.views = [
             self._view(tensor, offset)
@@ -135,11 +142,12 @@ class HostKVPool:
             raise
 
     @classmethod
-    def attach(cls, name: str, layout: PageLayout, num_pages: int) -> HostKVPool:
-        """Another process's segment (`segment_name` there); `close` leaves it in place."""
+    def attach(cls, name: str, layout: PageLayout, num_pages: int, rank: int = 0) -> HostKVPool:
+        """Another process's segment (`segment_name` there), the pool of `rank` in it; `close`
+        leaves it in place."""
         shm = attach_segment(name)
         try:
-            return cls(layout, num_pages, shm, owner=False)
+            return cls(layout, num_pages, shm, owner=False, rank=rank)
         except BaseException:
             shm.close()
             raise

@@ -104,20 +104,24 @@ class StorageClient:
 
     # ------------------------------------------------------------------ calls
 
-    async def open(self, page_bytes: int, num_pages: int, timeout: float) -> HostPoolReady:
-        """Have the actor make the host pool; its answer names the segment to attach."""
+    async def open(
+        self, page_bytes: int, num_pages: int, timeout: float, ranks: int = 1
+    ) -> HostPoolReady:
+        """Have the actor make the host pool (one per rank of a tensor-parallel engine, in one
+        segment); its answer names the segment to attach."""
         self._check_usable()
         self._pool = asyncio.get_running_loop().create_future()
         self._pool.add_done_callback(_mark_retrieved)  # it may fail after a timeout here
-        self._send(HostPoolSpec(page_bytes, num_pages))
+        self._send(HostPoolSpec(page_bytes, num_pages, ranks))
         try:
             ready = await asyncio.wait_for(asyncio.shield(self._pool), timeout)
         except asyncio.TimeoutError:
             self._die(f"no answer to the host-pool request in {timeout:g}s")
             raise HiCacheUnavailable(DIED) from None
-        if (ready.page_bytes, ready.num_pages) != (page_bytes, num_pages):
+        if (ready.page_bytes, ready.num_pages, ready.ranks) != (page_bytes, num_pages, ranks):
             raise HiCacheUnavailable(
                 f"the host pool exists with {ready.num_pages} pages of {ready.page_bytes} bytes"
+                f" for {ready.ranks} ranks"
             )
         self.watch_process(ready.pid)
         return ready

@@ -61,10 +61,11 @@ class ActorLink:
     loop: asyncio.AbstractEventLoop
     timeout_s: float  # for the actor's answer to the host-pool request
 
-    def open_pool(self, layout: PageLayout, num_pages: int) -> HostKVPool:
-        """Have the actor make the host pool and attach it. Called off the event loop (the
-        engine core is built on a worker thread), which it blocks on for the answer."""
-        opening = self.client.open(layout.page_bytes, num_pages, self.timeout_s)
+    def open_pool(self, layout: PageLayout, num_pages: int, ranks: int = 1) -> HostKVPool:
+        """Have the actor make the host pool (one per rank of a tensor-parallel engine) and
+        attach it (rank 0's). Called off the event loop (the engine core is built on a worker
+        thread), which it blocks on for the answer."""
+        opening = self.client.open(layout.page_bytes, num_pages, self.timeout_s, ranks)
         future = asyncio.run_coroutine_threadsafe(opening, self.loop)
         try:
             ready = future.result(self.timeout_s + 5.0)

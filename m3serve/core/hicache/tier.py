@@ -12,11 +12,13 @@ inside its forward (`start_loads`, whose `before_layer` the model calls at each 
 actor died (`disable`), queued backups no longer copy: their tickets just settle.
 
 Tensor parallelism: every rank holds a host pool of its own KV slice, page for page like rank
-0's (the ranks agree on the page count). Rank 0's is the actor's; a follower makes its own
-segment (`OwnPool`). Load-backs travel in the step plans, which every rank runs; a backup is
-rank 0's own job, so `mirror` hands each one to the followers as a plan of its own, sent from
-that job on the executor thread — in order with the steps, as on rank 0 — and a follower runs
-it on its slices (`mirror_backups`) before the steps after it.
+0's (the ranks agree on the page count); the actor makes them all in one segment, whose name
+rank 0 hands to the followers (`rank_pool_opener`). Load-backs travel in the step plans, which
+every rank runs; a backup is rank 0's own job, so `mirror` hands each one to the followers as a
+plan of its own, sent from that job on the executor thread — in order with the steps, as on
+rank 0 — and a follower runs it on its slices (`mirror_backups`) before the steps after it.
+With L3 storage the actor reads every rank's piece of a page once its backup is done, so there
+a backup ends in a `barrier`: each rank waits for its own copy, then for the others.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from m3serve.core.hicache.copier import Copier, LayerLoad, make_copier
@@ -37,10 +38,12 @@ from m3serve.core.hicache.host_pool import (
 )
 from m3serve.core.hicache.prefix_cache import HiPrefixCache
 from m3serve.core.hicache.sizing import plan_host_pages
-from m3serve.core.hicache.tickets import CopyTracker, Ticket
+from m3serve.core.hicache.tickets import FINISHED, Completion, CopyTracker, Ticket
+from m3serve.core.ranks import LEADER, share_text
 from m3serve.model.config import TextConfig
 from m3serve.model.dspark_paged import DraftKV
 from m3serve.model.kv_cache import KVCache
+from m3serve.model.parallel import RankGroup
 from m3serve.runtime.config import HiCacheArgs
 from m3serve.runtime.messages import PageCopy, StepPlan
 
@@ -52,17 +55,34 @@ CallOnExecutor = Callable[[Callable[[], Any], str], "concurrent.futures.Future[A
 OpenPool = Callable[[PageLayout, int], HostKVPool]
 # The page count every rank of a tensor-parallel engine can hold, from this rank's plan.
 Agree = Callable[[int], int]
+# Opens the pool of every rank of a tensor-parallel engine (ActorLink.open_pool).
+OpenRankPools = Callable[[PageLayout, int, int], HostKVPool]
 
 
-@dataclass(frozen=True)
-class OwnPool:
-    """A follower rank's host pool: a segment of its own (rank 0's is the host-cache actor's).
-    Named after the session, so the supervisor's cleanup removes it if the rank dies."""
+def rank_pool_opener(ranks: RankGroup, open_pools: OpenRankPools | None) -> OpenPool:
+    """How this rank gets its host pool: rank 0 has the host-cache actor make every rank's (in
+    one segment) and shares the segment's name; a follower attaches its own part of it."""
+    if ranks.rank == LEADER:
+        if open_pools is None:
+            raise ValueError(
+                "--enable-hierarchical-cache needs the host-cache actor, which owns the "
+                "host pool: start the engine through the actor graph (engine/launch.py)"
+            )
+        opener = open_pools
 
-    session: str
+        def open_leader(layout: PageLayout, num_pages: int) -> HostKVPool:
+            pool = opener(layout, num_pages, ranks.size)
+            if ranks.size > 1:
+                share_text(ranks, pool.segment_name)
+            return pool
 
-    def open_pool(self, layout: PageLayout, num_pages: int) -> HostKVPool:
-        return HostKVPool.create(self.session, layout, num_pages)
+        return open_leader
+
+    def attach(layout: PageLayout, num_pages: int) -> HostKVPool:
+        name = share_text(ranks, None)
+        return HostKVPool.attach(name, layout, num_pages, rank=ranks.rank)
+
+    return attach
 
 
 class HostTier:
@@ -79,6 +99,8 @@ class HostTier:
         self.mirror: Callable[[PageCopy], None] | None = None
         # Ranks 1..N-1: no scheduler, so no tickets of their own; a plan's copies make them.
         self.follower = False
+        # With several ranks and L3: every rank has its copy of a backup done past this.
+        self.barrier: Callable[[], None] | None = None
 
     @classmethod
     def create(
@@ -131,7 +153,7 @@ class HostTier:
             try:
                 if self.mirror is not None:
                     self.mirror(PageCopy(ticket.op, ticket.device, ticket.host))
-                ticket.settle(self.copier.backup(ticket))
+                ticket.settle(self._copied_everywhere(self.copier.backup(ticket)))
             except BaseException:
                 ticket.settle()  # nobody may wait forever on it; the error is logged
                 raise
@@ -154,7 +176,16 @@ class HostTier:
         the device instead (`Copier.order_after`), so none of them overwrites a page first."""
         for copy in copies:
             ticket = Ticket(copy.op, "backup", copy.device, copy.host)
-            self.copier.order_after(self.copier.backup(ticket))
+            self.copier.order_after(self._copied_everywhere(self.copier.backup(ticket)))
+
+    def _copied_everywhere(self, copy: Completion) -> Completion:
+        """With a `barrier` (several ranks and L3): once this rank's copy is done and every
+        rank's is, the copy, done; else the copy as issued."""
+        if self.barrier is None:
+            return copy
+        copy.wait()
+        self.barrier()
+        return FINISHED
 
     def disable(self) -> None:
         """The host pool's owner died (scheduler thread): backups not run yet are skipped."""

@@ -142,8 +142,10 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
     m.Ready: st.builds(m.Ready, texts, small_ints, json_dicts),
     m.Error: st.builds(m.Error, st.none() | texts, texts, small_ints),
     m.Shutdown: st.just(m.Shutdown()),
-    m.HostPoolSpec: st.builds(m.HostPoolSpec, small_ints, small_ints),
-    m.HostPoolReady: st.builds(m.HostPoolReady, texts, small_ints, small_ints, small_ints),
+    m.HostPoolSpec: st.builds(m.HostPoolSpec, small_ints, small_ints, small_ints),
+    m.HostPoolReady: st.builds(
+        m.HostPoolReady, texts, small_ints, small_ints, small_ints, small_ints
+    ),
     m.Backup: st.builds(m.Backup, small_ints, st.lists(texts, max_size=4), token_lists),
     m.Prefetch: st.builds(m.Prefetch, small_ints, st.lists(texts, max_size=4), token_lists),
     m.Done: st.builds(m.Done, small_ints, small_ints, st.none() | texts),

@@ -104,5 +104,7 @@ def test_a_segment_too_small_for_the_pages_is_refused() -> None:
     try:
         with pytest.raises(ValueError, match="2 pages need"):
             HostKVPool.attach(pool.segment_name, layout(), num_pages=2)
+        with pytest.raises(ValueError, match="1 pages of rank 1 need"):  # rank 1's lies beyond
+            HostKVPool.attach(pool.segment_name, layout(), num_pages=1, rank=1)
     finally:
         pool.close()
