@@ -18,6 +18,9 @@ set -u
 part=${1:?decode or serve}
 shift
 . perf/device_env.sh
+# The lent machines keep NVLink multicast off (it can take the host's shared GPUs out of service):
+# set here too, for every process this script starts.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 python3 -c "import m3serve.api.server, m3serve.core.engine_core, xgrammar" || exit 1
 nvidia-smi -L
 t0=$(date +%s)
