@@ -282,7 +282,22 @@ class EngineCore(StepLoop):
         """A follower rank's whole life after start: run rank 0's plans, in order, until it
         says stop; the number of plans run. Raises `RankLost` when another rank dies."""
         assert self.plans is not None and self.ranks.rank != LEADER
-        return follow(self.plans, self.runner.run)
+        return follow(self.plans, self._run_followed)
+
+    def _run_followed(self, plan: StepPlan) -> None:
+        """A follower's step; a kernel compiled in it is logged as on rank 0 (a compile after
+        ready stalls every rank, since the others wait for this one at the next collective)."""
+        before = self.trace.compiles.count
+        self.runner.run(plan)
+        compiled = self.trace.compiles.since(before)
+        if compiled:
+            log.warning(
+                "rank %d: step %d compiled %d: %s (a compile stalls every request in the step)",
+                self.ranks.rank,
+                plan.step,
+                len(compiled),
+                ", ".join(compiled),
+            )
 
     def _mirror_backup(self, copy: PageCopy) -> None:
         """Rank 0, on the executor thread: a HiCache backup it is about to run, to the
