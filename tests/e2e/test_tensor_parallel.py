@@ -5,6 +5,9 @@ of a short paged decode.
 
 The tiny shapes cover both attention layouts: 2 KV (and index) heads are split at tp 2 and
 replicated at tp 4. One spawn per TP size runs every setup, since starting ranks costs most.
+The hopper backend's Triton kernels (in the interpreter) get the same check at tp 2 on the
+mixed checkpoint: each rank's MXFP8 projections, NVFP4 experts, attention and indexer at its
+sliced widths (one KV and one index head, half the expert width).
 """
 
 from __future__ import annotations
@@ -49,3 +52,13 @@ def test_tensor_parallel_equals_one_rank(paths: dict[str, Path], tp: int) -> Non
             delta = (logits - want_logits).abs().max().item()
             assert delta <= TOLERANCE, f"{where}: logits differ by {delta}"
             assert tokens == want_tokens, where
+
+
+@pytest.mark.slow
+def test_the_hopper_kernels_at_tp_2_equal_one_rank(paths: dict[str, Path]) -> None:
+    setup = Setup(paths["mixed"], hopper=True)
+    want_logits, want_tokens = outputs(setup)
+    for rank, [(logits, tokens)] in enumerate(run_on_ranks(2, rank_outputs, [setup])):
+        delta = (logits - want_logits).abs().max().item()
+        assert delta <= TOLERANCE, f"rank {rank}: logits differ by {delta}"
+        assert tokens == want_tokens, f"rank {rank}"

@@ -10,7 +10,9 @@ from pathlib import Path
 import torch
 
 from helpers.hf_oracle import full_logits, random_prompt
+from m3serve.backends.hopper import HopperBackend
 from m3serve.backends.reference import ReferenceBackend
+from m3serve.model.backend import Backend
 from m3serve.model.build import load_model
 from m3serve.model.generate import generate
 from m3serve.model.parallel import SINGLE, Parallel, RankGroup
@@ -40,11 +42,15 @@ class Setup:
     path: Path
     ep: int = 1
     keep_quantized: bool = False
+    hopper: bool = False  # the hopper backend's Triton kernels, in the interpreter
 
 
 def outputs(setup: Setup, parallel: Parallel = SINGLE) -> tuple[torch.Tensor, list[int]]:
     """(logits [PROMPT_LEN, vocab], greedy tokens) of the fixed prompt, fp32 compute."""
-    backend = ReferenceBackend(torch.device("cpu"), keep_quantized=setup.keep_quantized)
+    cpu = torch.device("cpu")
+    backend: Backend = ReferenceBackend(cpu, keep_quantized=setup.keep_quantized)
+    if setup.hopper:
+        backend = HopperBackend(cpu, interpreter=True)
     model = load_model(setup.path, backend, "float32", progress=False, parallel=parallel).model
     prompt = random_prompt(5, PROMPT_LEN, model.cfg.vocab_size)
     logits = full_logits(model, prompt)

@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 # Runs a job on the executor thread after everything submitted before it (Executor.call).
 CallOnExecutor = Callable[[Callable[[], Any], str], "concurrent.futures.Future[Any]"]
-# The host pool of this layout and page count, attached (ActorLink.open_pool, OwnPool).
+# This rank's host pool of this layout and page count, attached (`rank_pool_opener`).
 OpenPool = Callable[[PageLayout, int], HostKVPool]
 # The page count every rank of a tensor-parallel engine can hold, from this rank's plan.
 Agree = Callable[[int], int]
@@ -113,14 +113,16 @@ class HostTier:
         call: CallOnExecutor,
         draft: DraftKV | None = None,
         ranks_on_host: int = 1,
-        agree: Agree = int,
+        agree: Agree | None = None,
     ) -> HostTier:
         """Size the host pool against free host memory, have it opened, pin it on CUDA.
         `draft`: the speculative draft's KV pool, which every host page then holds too;
         `ranks_on_host`: the tensor-parallel ranks sharing this host's memory, and `agree`
         their common page count."""
         layout = host_layout(cfg, kv, draft)
-        host_pages = agree(plan_host_pages(args, device_pages, layout.page_bytes, ranks_on_host))
+        host_pages = plan_host_pages(args, device_pages, layout.page_bytes, ranks_on_host)
+        if agree is not None:
+            host_pages = agree(host_pages)
         pool = open_pool(layout, host_pages)
         try:
             copier = make_copier(pool, device_tensors(kv, layout, draft))
