@@ -61,14 +61,7 @@ from m3serve.core.hicache.tier import HostTier, rank_pool_opener
 from m3serve.core.matchers import GrammarMatchers
 from m3serve.core.memory import kv_cache_dtype, leave_a_core_for_the_scheduler
 from m3serve.core.rank_join import agree_on_pages, join_ranks, leave_ranks, rank_device
-from m3serve.core.ranks import (
-    LEADER,
-    MediaShare,
-    PlanChannel,
-    TokenShare,
-    follow,
-    host_barrier,
-)
+from m3serve.core.ranks import LEADER, MediaShare, PlanChannel, TokenShare, follow
 from m3serve.core.sampler import Sampler
 from m3serve.core.scheduler import Scheduler
 from m3serve.core.spec.engine import SpecPlugin
@@ -198,13 +191,9 @@ class EngineCore(StepLoop):
             self.runner.share = TokenShare(self.ranks, self.device)
             hidden = cfg.hidden_size
             self.runner.media_share = MediaShare(self.ranks, self.device, hidden, self.model.dtype)
-            if self.host is not None and leader:
-                self.host.mirror = self._mirror_backup
-            elif self.host is not None:
-                self.host.follower = True
-            if self.host is not None and args.hicache.hicache_storage_backend is not None:
-                # The actor stores every rank's piece of a page once rank 0's copy is done.
-                self.host.barrier = lambda: host_barrier(self.ranks)
+            if self.host is not None:
+                l3 = args.hicache.hicache_storage_backend is not None
+                self.host.spread_over(self.ranks, self._mirror_backup, l3)
         # ------------------------------------------------------------------ warm-up
         if self.device.type == "cuda" and not args.kernel.skip_warmup:
             with self.startup.phase("warm-up"):

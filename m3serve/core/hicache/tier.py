@@ -39,7 +39,7 @@ from m3serve.core.hicache.host_pool import (
 from m3serve.core.hicache.prefix_cache import HiPrefixCache
 from m3serve.core.hicache.sizing import plan_host_pages
 from m3serve.core.hicache.tickets import FINISHED, Completion, CopyTracker, Ticket
-from m3serve.core.ranks import LEADER, share_text
+from m3serve.core.ranks import LEADER, host_barrier, share_text
 from m3serve.model.config import TextConfig
 from m3serve.model.dspark_paged import DraftKV
 from m3serve.model.kv_cache import KVCache
@@ -171,6 +171,17 @@ class HostTier:
         else:
             tickets = [self.copies.get(copy.op) for copy in plan.loads]
         return self.copier.start_load(tickets)
+
+    def spread_over(self, ranks: RankGroup, mirror: Callable[[PageCopy], None], l3: bool) -> None:
+        """A tier of one rank of several: rank 0 hands each backup to the followers (`mirror`),
+        a follower takes its copies from the plans; with L3 (`l3`), the actor stores every
+        rank's piece of a page once its backup is done, so a backup ends in a barrier."""
+        if ranks.rank == LEADER:
+            self.mirror = mirror
+        else:
+            self.follower = True
+        if l3:
+            self.barrier = lambda: host_barrier(ranks)
 
     def mirror_backups(self, copies: list[PageCopy]) -> None:
         """A follower rank: rank 0's backups, on this rank's KV slices. Rank 0 frees a backed-up
