@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.hf_oracle import random_prompt
+from helpers.hicache_workload import GREEDY, PREFIX, PROMPTS, SMALL_POOL
 
 from m3serve import Engine
 from m3serve.backends.reference import ReferenceBackend
@@ -87,21 +88,15 @@ def test_load_back_on_the_side_stream_layer_by_layer(
 
 @pytest.mark.parametrize("policy", ["write_through", "write_back", "write_through_selective"])
 def test_the_engine_reloads_an_evicted_prefix_on_cuda(path: Path, policy: str) -> None:
-    vocab = SPEC.vocab_size - 64
-    prefix = random_prompt(700, 40, vocab)
-    prompts = [
-        *[[*prefix, *random_prompt(710 + i, 4, vocab)] for i in range(3)],
-        random_prompt(720, 48, vocab),
-        [*prefix, *random_prompt(730, 6, vocab)],
-    ]
-    greedy = {"temperature": 0.0, "max_new_tokens": 8}
     common = {"single_process": True, "device": "cuda", "dtype": "float32", "skip_warmup": True}
 
     def run(**args: object) -> list[dict]:
         with Engine(str(path), **common, **args) as engine:
-            return [engine.generate(input_ids=p, sampling_params=greedy) for p in prompts]
+            return [engine.generate(input_ids=p, sampling_params=GREEDY) for p in PROMPTS]
 
     big = run()
-    small = run(max_total_tokens=64, enable_hierarchical_cache=True, hicache_write_policy=policy)
+    small = run(
+        max_total_tokens=SMALL_POOL, enable_hierarchical_cache=True, hicache_write_policy=policy
+    )
     assert [o["output_ids"] for o in small] == [o["output_ids"] for o in big]
-    assert small[-1]["meta_info"]["cached_tokens"] == len(prefix)
+    assert small[-1]["meta_info"]["cached_tokens"] == len(PREFIX)

@@ -2,7 +2,9 @@
 a follower engine process; NCCL between the GPUs, a gloo group for the step plans): the
 warm-up, the decode CUDA graphs (their all-reduces captured) and the step-cost timing run in
 step on both ranks, and the greedy tokens equal --tp 1's; with --ep 2 too, and on the ModelOpt
-mixed checkpoint (weights held quantized, each rank its slices). Skipped below two GPUs."""
+mixed checkpoint (weights held quantized, each rank its slices). HiCache under --tp 2: each
+rank's pinned part of the host pool, the follower's copies of rank 0's backups on its side
+stream, and L3 (a second --tp 2 server fetches the prefix). Skipped below two GPUs."""
 
 from __future__ import annotations
 
@@ -14,6 +16,9 @@ import pytest
 import torch
 from helpers.greedy import GREEDY, first_divergence
 from helpers.hf_oracle import random_prompt
+from helpers.hicache_workload import GREEDY as HICACHE_GREEDY
+from helpers.hicache_workload import PREFIX, SMALL_POOL
+from helpers.hicache_workload import PROMPTS as HICACHE_PROMPTS
 from helpers.tp_runs import MIXED
 
 from m3serve import Engine
@@ -63,3 +68,33 @@ def test_tp_2_gives_tp_1_greedy_tokens(
     length = None if dtype == "float32" else MATCHING_PREFIX
     got, want = [g[:length] for g in got], [w[:length] for w in want]
     assert got == want, [first_divergence(g, w) for g, w in zip(got, want, strict=True)]
+
+
+def hicache_run(path: Path, **kwargs: Any) -> list[dict[str, Any]]:
+    args = {"device": "cuda", "dtype": "float32", "skip_warmup": True, **kwargs}
+    with Engine(str(path), **args) as engine:
+        return [
+            engine.generate(input_ids=p, sampling_params=HICACHE_GREEDY) for p in HICACHE_PROMPTS
+        ]
+
+
+def test_tp_2_hicache_brings_a_prefix_back_from_host_and_l3(
+    paths: dict[str, Path], tmp_path: Path
+) -> None:
+    path = paths["bf16"]
+    want = [o["output_ids"] for o in hicache_run(path)]
+    small = {
+        "tp_size": 2,
+        "max_total_tokens": SMALL_POOL,
+        "enable_hierarchical_cache": True,
+        "hicache_write_policy": "write_through",
+        "hicache_storage_backend": "file",
+        "hicache_storage_dir": str(tmp_path / "l3"),
+    }
+    first = hicache_run(path, **small)
+    assert [o["output_ids"] for o in first] == want
+    assert first[-1]["meta_info"]["cached_tokens"] == len(PREFIX)  # from the host pools
+    replica = hicache_run(path, **small)  # a new server: empty host pools, the same L3 files
+    assert [o["output_ids"] for o in replica] == want
+    # Every prompt finds at least the prefix's pages in L3 (on the CPU: 40, 40, 40, 44, 44).
+    assert min(o["meta_info"]["cached_tokens"] for o in replica) >= len(PREFIX)
