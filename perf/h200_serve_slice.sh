@@ -7,12 +7,17 @@
 # (tcache.tgz) when none was carried in, for the next call's start-up (~50 s instead of ~240).
 #
 #   carry [".whl"] (plus ".scratch" holding tcache.tgz, if any):
-#   bash perf/h200_serve_slice.sh [LEVEL...]
+#   bash perf/h200_serve_slice.sh [--experts N] [LEVEL...]
 #
+# `--experts N`: routed experts per layer of the slice (default 8; issue 11 allows 8-32). With
+# more experts a decode step reads more expert weights, as the real model's 128 do, and a mixed
+# step's experts are less compute-bound.
 # A LEVEL is NAME:CONCURRENCY:REQUESTS[:probe]; the default is the table of the closing notes:
 # c1:1:12 c16:16:192 c64:64:256:probe c128:128:256 c256:256:512. `.whl` holds the wheels the
 # README's Notes list (the server dies at import without xgrammar's).
 set -u
+experts=8
+if [ "${1:-}" = --experts ]; then experts=$2; shift 2; fi
 levels=("$@")
 [ ${#levels[@]} -gt 0 ] || levels=(c1:1:12 c16:16:192 c64:64:256:probe c128:128:256 c256:256:512)
 . perf/device_env.sh
@@ -21,7 +26,7 @@ python3 -c "import m3serve.api.server, m3serve.core.engine_core, xgrammar" || ex
 t0=$(date +%s)
 python3 -m m3serve make-tiny /tmp/slice --vocab-size 32768 --hidden-size 6144 --num-layers 4 \
   --num-heads 64 --num-kv-heads 4 --head-dim 128 --rotary-dim 64 --dense-layers 0 \
-  --intermediate-size 3072 --num-experts 8 --num-experts-per-tok 4 --index-head-dim 128 \
+  --intermediate-size 3072 --num-experts "$experts" --num-experts-per-tok 4 --index-head-dim 128 \
   --index-block-size 128 --index-topk-blocks 16 --shards 4 --quant modelopt-mixed \
   --device cuda > /tmp/make.log 2>&1 || { tail -20 /tmp/make.log; exit 1; }
 python3 -m m3serve serve --model-path /tmp/slice --max-running-requests 256 \
