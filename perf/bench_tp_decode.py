@@ -38,7 +38,7 @@ from m3serve.model.batch import ForwardBatch
 from m3serve.model.build import load_model
 from m3serve.model.kv_cache import KVCache
 from m3serve.model.m3 import M3ForCausalLM
-from m3serve.model.parallel import Parallel
+from m3serve.model.parallel import Parallel, RankGroup
 from m3serve.runtime.messages import SeqStep
 
 REPLAYS = 30  # timed steps per batch size
@@ -109,7 +109,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
         torch.set_num_threads(1)  # the ranks share the cores
     address = RankAddress(rank, world, port)
     device = rank_device(device, address)
-    ranks = join_ranks(address, device) if world > 1 else Parallel().ranks
+    ranks = join_ranks(address, device) if world > 1 else RankGroup()
     backend_name = "hopper" if device.type == "cuda" else "reference"
     backend = create_backend(backend_name, device)
     parallel = Parallel(ranks, min(args.ep, world))
