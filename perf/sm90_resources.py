@@ -1,15 +1,20 @@
-"""The NVFP4 MoE kernels compiled for sm_90 from source on a machine without a GPU: whether each
-plan variant compiles, and its registers, spills and shared memory (ptxas -v), before a device
-run spends minutes on them.
+"""The quantized kernels compiled for sm_90 from source on a machine without a GPU: whether each
+plan variant of the NVFP4 MoE and of the MXFP8 decode MMA compiles, its registers, spills and
+shared memory (ptxas -v), and with `--sass` its main loop's length in instructions and the most
+frequent opcodes there (cuobjdump): what a device run would spend minutes finding out.
 
-Needs the Triton the GPU machine runs (3.6) and a CUDA toolkit's ptxas; the dev box keeps them
-apart from the project's venv, whose packages come after Triton's on the path:
+Needs the Triton the GPU machine runs (3.6, which brings cuobjdump) and a CUDA toolkit's ptxas;
+the dev box keeps them apart from the project's venv, whose packages come after Triton's on the
+path:
 
-    PYTHONPATH=$PWD /tmp/t36/bin/python perf/sm90_nvfp4_moe_resources.py \
+    PYTHONPATH=$PWD /tmp/t36/bin/python perf/sm90_resources.py [--sass] [--splits 1 2] \
         [--site /work/venv/lib/python3.11/site-packages] [--ptxas /usr/local/cuda/bin/ptxas]
 
 The signatures specialize as a real launch does (16-byte aligned pointers, strides and widths
-multiples of 16; pair and expert counts not specialized). Prints one line per kernel variant.
+multiples of 16; pair, expert and token counts not specialized). Prints one line per variant.
+For example (Triton 3.6, 2026-12-04): the MXFP8 decode MMA at M tile 16 runs a 746-instruction
+loop per 128-wide K step, 5.8 per weight element per thread, of which 3 convert and scale it
+(F2FP, HADD2, FMUL, F2FP) and the rest address, load and wait.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -40,18 +46,47 @@ DOWN_TYPES = {
 }  # fmt: skip
 
 
+MXFP8_TYPES = {
+    "x_ptr": "*bf16", "codes_ptr": "*fp8e4nv", "scales_ptr": "*u8", "out_ptr": "*bf16",
+    "part_ptr": "*fp32",
+}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--site", default="/work/venv/lib/python3.11/site-packages")
     parser.add_argument("--ptxas", default="/usr/local/cuda/bin/ptxas")
     parser.add_argument("--splits", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--sass", action="store_true", help="the main loop's instructions too")
     args = parser.parse_args()
     sys.path.append(args.site)  # after this interpreter's own Triton
+    print(f"triton {__import__('triton').__version__}, sm_90")
+    nvfp4_moe(args)
+    mxfp8_decode(args)
+
+
+def mxfp8_decode(args: argparse.Namespace) -> None:
+    """The MXFP8 MMA kernel at each decode M tile's tiles (`_DECODE_TILES`), direct stores."""
+    import triton.language as tl
+
+    from m3serve.kernels.triton.mxfp8_kernels import mxfp8_mma_kernel
+    from m3serve.kernels.triton.mxfp8_linear import _DECODE_TILES
+
+    for block_m, (block_n, block_k, warps, stages, _) in sorted(_DECODE_TILES.items()):
+        consts = {
+            "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8,
+            "X_TERMS": 1, "DOT_DTYPE": tl.bfloat16, "EVEN_K": True, "DIRECT": True, "PDL": False,
+        }  # fmt: skip
+        label = f"mxfp8 decode M tile {block_m}"
+        report(label, mxfp8_mma_kernel, MXFP8_TYPES, consts, warps, args, stages)
+
+
+def nvfp4_moe(args: argparse.Namespace) -> None:
+    """The NVFP4 MoE's kernels at the plan's variants, unsplit and K-split."""
     import triton.language as tl
 
     from m3serve.kernels.triton.nvfp4_moe import kernels
 
-    print(f"triton {__import__('triton').__version__}, sm_90")
     for split in args.splits:
         for label, route, p_pad, block_n, block_m, k_tiles, warps in VARIANTS:
             common = {
@@ -86,6 +121,7 @@ def report(
     consts: dict[str, Any],
     warps: int,
     args: argparse.Namespace,
+    stages: int = 3,
 ) -> None:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -102,13 +138,13 @@ def report(
         i
         for i, name in enumerate(fn.arg_names)
         if signature[name].startswith("*")
-        or name.startswith("stride")
-        or name in ("hidden", "inter")
+        or (name.startswith("stride") and name != "stride_xk")  # x's K stride is 1
+        or name in ("hidden", "inter", "N", "K", "k_per_split")
     ]
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     source = ASTSource(fn, signature, constexprs=consts, attrs=attrs)
     try:
-        options = {"num_warps": warps, "num_stages": 3}
+        options = {"num_warps": warps, "num_stages": stages}
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     except Exception as exc:  # the point of the tool: say which variant fails, go on
         print(f"{label}: does not compile: {type(exc).__name__}: {str(exc)[:2000]}")
@@ -124,6 +160,35 @@ def report(
         f"{label}: {regs[0] if regs else '?'} registers, {spills[0] if spills else '?'} bytes "
         f"spilled, {compiled.metadata.shared} bytes shared"
     )
+    if args.sass:
+        print("   ", main_loop(compiled.asm["cubin"]))
+
+
+def main_loop(cubin: bytes) -> str:
+    """The longest backward branch's span in the SASS (the K loop): its instruction count and
+    the most frequent opcodes in it."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(cubin)
+        sass = subprocess.run(
+            [str(tool), "-sass", str(path)], capture_output=True, text=True, check=False
+        ).stdout
+    code = re.findall(r"/\*([0-9a-f]{4,})\*/\s+((?:@!?U?P\w+ )?[A-Z][A-Z0-9_.]*)([^;]*);", sass)
+    at = {int(addr, 16): (op.split()[-1], rest) for addr, op, rest in code}
+    loops = []
+    for addr, (op, rest) in at.items():
+        target = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
+        if target and int(target[1], 16) < addr:
+            loops.append((int(target[1], 16), addr))
+    if not loops:
+        return "no loop found"
+    start, end = max(loops, key=lambda span: span[1] - span[0])
+    ops = [at[a][0].split(".")[0] for a in sorted(at) if start <= a <= end]
+    top = Counter(ops).most_common(8)
+    return f"main loop {len(ops)} instructions: " + ", ".join(f"{op} {n}" for op, n in top)
 
 
 if __name__ == "__main__":
