@@ -41,30 +41,39 @@ class PlanChannel:
         self.ranks = ranks
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(StepPlan)
-        self._length = torch.zeros(1, dtype=torch.int64)
 
     def send(self, plan: StepPlan | None) -> None:
         """Rank 0: `plan` to every follower (None: stop them)."""
         if self.ranks.rank != LEADER:
             raise RuntimeError("only rank 0 sends step plans")
-        body = b"" if plan is None else self._encoder.encode(plan)
-        self._length.fill_(STOP if plan is None else len(body))
-        self._broadcast(self._length)
-        if plan is not None:
-            self._broadcast(torch.frombuffer(bytearray(body), dtype=torch.uint8))
+        send_bytes(self.ranks, None if plan is None else self._encoder.encode(plan), "step-plan")
 
     def receive(self) -> StepPlan | None:
         """A follower: the next plan rank 0 sent, or None when it said stop."""
-        self._broadcast(self._length)
-        length = int(self._length.item())
-        if length == STOP:
-            return None
-        payload = torch.empty(length, dtype=torch.uint8)
-        self._broadcast(payload)
-        return self._decoder.decode(payload.numpy().tobytes())
+        body = receive_bytes(self.ranks, "step-plan")
+        return None if body is None else self._decoder.decode(body)
 
-    def _broadcast(self, tensor: torch.Tensor) -> None:
-        _broadcast(tensor, self.ranks, "step-plan", self.ranks.host)
+
+def send_bytes(ranks: RankGroup, body: bytes | None, what: str) -> None:
+    """Rank 0: `body` to every other rank over the host group, as an int64 length and then that
+    many uint8 (None: the length STOP alone)."""
+    length = torch.tensor([STOP if body is None else len(body)], dtype=torch.int64)
+    _broadcast(length, ranks, what, ranks.host)
+    if body:
+        _broadcast(torch.frombuffer(bytearray(body), dtype=torch.uint8), ranks, what, ranks.host)
+
+
+def receive_bytes(ranks: RankGroup, what: str) -> bytes | None:
+    """A follower: what rank 0's `send_bytes` sent (None: STOP)."""
+    length = torch.zeros(1, dtype=torch.int64)
+    _broadcast(length, ranks, what, ranks.host)
+    count = int(length.item())
+    if count == STOP:
+        return None
+    payload = torch.empty(count, dtype=torch.uint8)
+    if count:
+        _broadcast(payload, ranks, what, ranks.host)
+    return payload.numpy().tobytes()
 
 
 def follow(channel: PlanChannel, run: Callable[[StepPlan], object]) -> int:
@@ -156,17 +165,14 @@ class MediaShare:
 def share_text(ranks: RankGroup, text: str | None) -> str:
     """Rank 0's `text` on every rank (a follower passes None), over the host group: the name of
     the HiCache host pool's segment, which rank 0 learns from the host-cache actor."""
-    leader = ranks.rank == LEADER
-    if leader and text is None:
-        raise ValueError("rank 0 shares a text")
-    body = text.encode() if leader and text is not None else b""
-    length = torch.tensor([len(body)], dtype=torch.int64)
-    _broadcast(length, ranks, "text", ranks.host)
-    payload = torch.frombuffer(bytearray(body), dtype=torch.uint8) if leader else None
-    if payload is None:
-        payload = torch.empty(int(length.item()), dtype=torch.uint8)
-    _broadcast(payload, ranks, "text", ranks.host)
-    return payload.numpy().tobytes().decode()
+    if ranks.rank == LEADER:
+        if text is None:
+            raise ValueError("rank 0 shares a text")
+        send_bytes(ranks, text.encode(), "text")
+        return text
+    body = receive_bytes(ranks, "text")
+    assert body is not None, "rank 0 sends a text, never STOP"
+    return body.decode()
 
 
 def host_barrier(ranks: RankGroup) -> None:
