@@ -12,9 +12,15 @@ path:
 
 The signatures specialize as a real launch does (16-byte aligned pointers, strides and widths
 multiples of 16; pair, expert and token counts not specialized). Prints one line per variant.
-For example (Triton 3.6, 2026-12-04): the MXFP8 decode MMA at M tile 16 runs a 746-instruction
+For example (Triton 3.6, 2026-12-05): the MXFP8 decode MMA at M tile 16 runs a 737-instruction
 loop per 128-wide K step, 5.8 per weight element per thread, of which 3 convert and scale it
-(F2FP, HADD2, FMUL, F2FP) and the rest address, load and wait.
+(F2FP, HADD2, FMUL, F2FP) and the rest address, load and wait. Before its scales were read as
+words (`WORD_SCALES`) the loop also held 4 synchronous byte loads of the scales and their trip
+through shared memory (775 instructions).
+
+A compile here specializes as a launch does only where told: an integer argument equal to 1
+(x's K stride) is a constant in a real launch, and left out it changes the code (2026-12-04's
+report of 816 spilled bytes at M tile 64 came from that; with it: 224 registers, no spill).
 """
 
 from __future__ import annotations
@@ -76,6 +82,10 @@ def mxfp8_decode(args: argparse.Namespace) -> None:
         consts = {
             "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8,
             "X_TERMS": 1, "DOT_DTYPE": tl.bfloat16, "EVEN_K": True, "DIRECT": True, "PDL": False,
+            # A launch specializes an integer argument equal to 1 as a constant: x's K
+            # stride. Left unknown, x's loads neither vectorize nor pipeline.
+            "stride_xk": 1,
+            "WORD_SCALES": True,  # every model shape (mxfp8_linear.word_scales)
         }  # fmt: skip
         label = f"mxfp8 decode M tile {block_m}"
         report(label, mxfp8_mma_kernel, MXFP8_TYPES, consts, warps, args, stages)
@@ -188,7 +198,12 @@ def main_loop(cubin: bytes) -> str:
     start, end = max(loops, key=lambda span: span[1] - span[0])
     ops = [at[a][0].split(".")[0] for a in sorted(at) if start <= a <= end]
     top = Counter(ops).most_common(8)
-    return f"main loop {len(ops)} instructions: " + ", ".join(f"{op} {n}" for op, n in top)
+    # A synchronous global load in a pipelined loop waits out its latency every step (in the
+    # NVFP4 kernels the longest loop is the pair loop around the K loop: its loads are the
+    # routing ids, once per pair block).
+    loads = f"{ops.count('LDG')} synchronous global loads, {ops.count('LDGSTS')} async copies"
+    summary = ", ".join(f"{op} {n}" for op, n in top)
+    return f"main loop {len(ops)} instructions ({loads}): {summary}"
 
 
 if __name__ == "__main__":

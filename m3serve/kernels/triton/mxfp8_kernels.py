@@ -35,6 +35,7 @@ def mxfp8_mma_kernel(
     EVEN_K: tl.constexpr,
     DIRECT: tl.constexpr,
     PDL: tl.constexpr,
+    WORD_SCALES: tl.constexpr = False,
 ):
     if PDL:  # let the reduction kernel start launching; it waits for this grid on the device
         tl.extra.cuda.gdc_launch_dependents()
@@ -60,7 +61,14 @@ def mxfp8_mma_kernel(
     rk = tl.arange(0, BLOCK_K)
     rg = tl.arange(0, BLOCK_K // 32)
     c_ptrs = codes_ptr + rn_load[:, None] * stride_cn + (k_lo + rk)[None, :]
-    s_ptrs = scales_ptr + rn_load[:, None] * stride_sn + (k_lo // 32 + rg)[None, :]
+    s_first = k_lo // 32
+    if WORD_SCALES:
+        # Each row's K step of scales starts on a 4-byte word: said so, the byte loads become
+        # one 4-byte load a row, wide enough for an asynchronous copy, which the pipeline then
+        # issues ahead with the codes. Byte-wide they stayed synchronous loads in the K loop,
+        # every step waiting out their latency (sm_90 SASS: LDG.E.U8 in the loop -> LDGSTS).
+        s_first = tl.multiple_of(s_first, 4)
+    s_ptrs = scales_ptr + rn_load[:, None] * stride_sn + (s_first + rg)[None, :]
     # x is loaded transposed ([BLOCK_K, BLOCK_M]): the dot's right operand.
     x_ptrs = x_ptr + rm_load[None, :] * stride_xm + (k_lo + rk)[:, None] * stride_xk
 
