@@ -8,8 +8,9 @@ rank (gloo: the peer's socket closes; NCCL: the communicator's timeout), so `fol
 instead of waiting forever; the supervisor then fails the requests and ends the rest.
 
 After each sampled step, `TokenShare` hands rank 0's tokens to the followers (its docstring says
-why), over the host group too; with speculative decoding also each verify step's drafts and
-verdicts, which live on the device and cross the device group. `MediaShare` hands them the
+why): over the device group, queued behind the forward, as the followers' next decode inputs;
+with speculative decoding over the host group instead, and each verify step's drafts and
+verdicts, which live on the device, over the device group. `MediaShare` hands them the
 image/video features of a step's prefill rows, which only rank 0 encodes (device group).
 `EngineCore` sends (rank 0) and `engine/ranks.py` follows (ranks 1..N-1).
 """
@@ -87,14 +88,19 @@ def follow(channel: PlanChannel, run: Callable[[StepPlan], object]) -> int:
 
 
 class TokenShare:
-    """Rank 0's sampled tokens, and whether each ended its grammar, on every rank after each
-    step (one broadcast of a 2 x rows int64 CPU tensor over the host group: both are host lists
-    on either side).
+    """Rank 0's sampled tokens on every rank after each step.
 
     Every rank computes the same full logits, but only rank 0 holds the requests' grammars, and
     a sampled (non-greedy) draw need not agree across processes; so the followers take rank 0's
-    tokens instead of their own. Their next decode inputs and the rows they drop as ended are
-    then exactly rank 0's, which keeps every rank's batches (and so the collectives) in step.
+    tokens instead of drawing their own, and their next decode inputs are exactly rank 0's.
+    * Plain steps (`share_ids`, device group): the tokens go device to device, queued behind
+      the forward, so no rank's host waits for them but rank 0's. A follower never learns
+      them on the host; rank 0 leaves the rows that ended out of the plans it sends
+      (core/step_runner.py `plan_for_followers`), which keeps every rank's batches (and so
+      the collectives) in step.
+    * Speculative steps (`share`, host group): the tokens and whether each ended its grammar,
+      as host lists on either side (one 2 x rows int64 CPU tensor), since a follower's verify
+      rows need the committed tokens on its host.
     """
 
     def __init__(self, ranks: RankGroup, device: torch.device | str = "cpu") -> None:

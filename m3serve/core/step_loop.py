@@ -115,8 +115,8 @@ class StepLoop:
     def run(self, plan: StepPlan) -> StepResult:
         """One forward over the plan's tokens, and a sampled token for each seq that asks."""
         started, compiles = time.perf_counter(), self.trace.compiles.count
-        if self.plans is not None:
-            self.plans.send(plan)  # the followers run it with us
+        if self.plans is not None:  # the followers run it with us
+            self.plans.send(self.runner.plan_for_followers(plan))
         result = self.runner.run(plan)
         seconds = time.perf_counter() - started
         self.trace.ran(plan.step, seconds, compiles)

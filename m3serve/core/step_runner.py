@@ -8,8 +8,10 @@ input, before the CPU has seen it) and which slots just sampled the token that e
 request. Everything here runs on the executor thread; the engine core plans on its event loop.
 
 With tensor parallelism every rank runs the same plans through its own StepRunner, and `share`
-makes each sampled step's tokens rank 0's on every rank (core/ranks.py `TokenShare`); only rank
-0 encodes images, and `media_share` hands their features to the other ranks (`MediaShare`).
+makes each sampled step's tokens rank 0's on every rank (core/ranks.py `TokenShare`): a follower
+takes them on the device as its next decode inputs and draws none itself, so it never waits for
+its device and its steps queue behind rank 0's plans alone; only rank 0 encodes images, and
+`media_share` hands their features to the other ranks (`MediaShare`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import msgspec
 import torch
 
 from m3serve.core.graphs import DecodeGraphs
@@ -170,15 +173,37 @@ class StepRunner:
             logits = self.logits(batch, len(slots) == len(seqs), load)
         if not slots:
             return _result(plan.step, sampled, [], [], [], [])
+        if self.share is not None and not self.share.leader:
+            self._take_leader_tokens(slots)
+            return StepResult(step=plan.step, slots=[], tokens=[])
         ids, logprobs, ended = self.sample_rows(logits, slots)
         return _result(plan.step, sampled, slots, ids, logprobs, ended)
+
+    def plan_for_followers(self, plan: StepPlan) -> StepPlan:
+        """Rank 0: `plan` as the followers run it, less the decode rows this rank drops (their
+        requests ended on the step before). A follower never reads its sampled tokens back to
+        the host (`_take_leader_tokens`), so it cannot tell which rows ended: rank 0 says."""
+        if not self._ended:
+            return plan
+        return msgspec.structs.replace(plan, seqs=self._live_seqs(plan.seqs))
+
+    def _take_leader_tokens(self, slots: list[int]) -> None:
+        """A follower (no speculation): rank 0's sampled tokens become these slots' next decode
+        inputs on the device, from a broadcast of the device group queued behind the forward.
+        It draws none itself and never waits for its device: only rank 0 needs the tokens on
+        the host (for the requests, the grammars and the rows that end), and rank 0's plans
+        already leave those rows out (`plan_for_followers`)."""
+        assert self.share is not None
+        index = upload(slots, torch.int64, self.device)
+        mine = torch.empty(len(slots), dtype=torch.int64, device=self.device)
+        self.last_tokens[index] = self.share.share_ids(mine)
 
     def prepare(self, plan: StepPlan) -> None:
         """Build `plan`'s batch ahead, while the step before it still runs on the device; its
         run takes it if its rows are still the same once that step's tokens are known (a
-        request that ended on one is dropped, and the batch is built again). Speculative and
-        tensor-parallel steps are not built ahead."""
-        if self.spec is not None or self.share is not None:
+        request that ended on one is dropped, and the batch is built again). Speculative steps
+        are not built ahead; with tensor parallelism only rank 0 has an executor that does."""
+        if self.spec is not None:
             return
         seqs = self._live_seqs(plan.seqs)
         if seqs:
@@ -206,11 +231,15 @@ class StepRunner:
         allowed = self.matchers.fill(slots)
         index = upload(slots, torch.int64, self.device)
         tokens, logprobs = self.sampler.sample(logits, slots, allowed, slots_t=index)
+        host_share = self.share is not None and self.spec is not None
+        if self.share is not None and not host_share:  # rank 0: the followers' next inputs
+            self.share.share_ids(tokens)
         self.last_tokens[index] = tokens
         self.launched()
         ids = tokens.tolist()
         ended = self.matchers.accept(slots, ids)
-        if self.share is not None:  # every rank goes on with rank 0's tokens
+        if host_share:  # speculation: every rank goes on with rank 0's tokens, on the host
+            assert self.share is not None
             ids, ended = self.share.share(ids, ended)
             self.last_tokens[index] = upload(ids, torch.int64, self.device)
         self._note_ended(slots, ids, ended)

@@ -1,8 +1,9 @@
 """Engine cores on real ranks: N spawned processes, each an `EngineCore(rank=)` of one --tp N
 group (gloo over TCP on 127.0.0.1, as the launcher starts them). Rank 0 runs a job that drives
 its core; the followers `follow()` its plans. Every rank records what each step it ran gave
-(step, tokens, committed blocks) and rank 0 also each plan's feature-row count, so a test can
-check that the followers went through exactly rank 0's steps.
+(step, tokens, committed blocks: a follower without speculation keeps rank 0's tokens on the
+device, so its record reads them back there) and rank 0 also each plan's feature-row count, so
+a test can check that the followers went through exactly rank 0's steps.
 
 The requests are built inside rank 0 (a `Req` holds pixels and is no spawn argument), from
 `ReqSpec`s; `drive` runs them to the end as the scheduler actor would.
@@ -25,7 +26,7 @@ from helpers.vision import Grid, image_prompt
 from m3serve.core.engine_core import EngineCore
 from m3serve.core.req import Req
 from m3serve.runtime.config import ServerArgs
-from m3serve.runtime.messages import RankAddress, SamplingParams, StepPlan
+from m3serve.runtime.messages import SKIPPED_TOKEN, RankAddress, SamplingParams, StepPlan
 
 # (step, sampled tokens, committed blocks of verify rows) of one step on one rank.
 Ran = tuple[int, list[int], list[list[int]]]
@@ -52,6 +53,7 @@ class ReqSpec:
     vocab: int = 0
     text: tuple[int, ...] = (1, 9, 7)
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
+    stop_ids: tuple[int, ...] = ()
 
     def build(self) -> Req:
         prompt, media = list(self.prompt), []
@@ -62,7 +64,7 @@ class ReqSpec:
             rid=self.rid,
             prompt=prompt,
             sampling=self.sampling,
-            stop_ids=frozenset(),
+            stop_ids=frozenset(self.stop_ids),
             worker=0,
             media=media,
         )
@@ -166,10 +168,16 @@ def _follow(core: EngineCore) -> Followed:
 
 def _record(core: EngineCore, ran: list[Ran], media_rows: list[int]) -> None:
     run = core.runner.run
+    follower = core.ranks.rank != 0 and core.runner.spec is None
 
     def recorded(plan: StepPlan, layers: Any = None) -> Any:
         result = run(plan, layers)
-        ran.append((result.step, list(result.tokens), [list(b) for b in result.spec_tokens]))
+        if follower:  # its tokens stay on the device: the inputs it took for its next step
+            slots = [seq.slot for seq in plan.seqs if seq.sample]
+            tokens = core.runner.last_tokens[slots].tolist() if slots else []
+        else:  # rows rank 0 dropped as ended are left out of the plan a follower gets
+            tokens = [token for token in result.tokens if token != SKIPPED_TOKEN]
+        ran.append((result.step, tokens, [list(b) for b in result.spec_tokens]))
         media_rows.append(plan.media_rows)
         return result
 
