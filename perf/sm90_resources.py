@@ -14,9 +14,9 @@ The signatures specialize as a real launch does (16-byte aligned pointers, strid
 multiples of 16; pair, expert and token counts not specialized). Prints one line per variant.
 For example (Triton 3.6, 2026-12-05): the MXFP8 decode MMA at M tile 16 runs a 737-instruction
 loop per 128-wide K step, 5.8 per weight element per thread, of which 3 convert and scale it
-(F2FP, HADD2, FMUL, F2FP) and the rest address, load and wait. Before its scales were read as
-words (`WORD_SCALES`) the loop also held 4 synchronous byte loads of the scales and their trip
-through shared memory (775 instructions).
+(F2FP, HADD2, FMUL, F2FP) and the rest address, load and wait. Before the kernel knew that a K
+step's scales start on a 4-byte word, the loop also held 4 synchronous byte loads of them and
+their trip through shared memory (775 instructions).
 
 A compile here specializes as a launch does only where told: an integer argument equal to 1
 (x's K stride) is a constant in a real launch, and left out it changes the code (2026-12-04's
@@ -85,7 +85,6 @@ def mxfp8_decode(args: argparse.Namespace) -> None:
             # A launch specializes an integer argument equal to 1 as a constant: x's K
             # stride. Left unknown, x's loads neither vectorize nor pipeline.
             "stride_xk": 1,
-            "WORD_SCALES": True,  # every model shape (mxfp8_linear.word_scales)
         }  # fmt: skip
         label = f"mxfp8 decode M tile {block_m}"
         report(label, mxfp8_mma_kernel, MXFP8_TYPES, consts, warps, args, stages)

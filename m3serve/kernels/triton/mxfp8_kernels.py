@@ -35,7 +35,6 @@ def mxfp8_mma_kernel(
     EVEN_K: tl.constexpr,
     DIRECT: tl.constexpr,
     PDL: tl.constexpr,
-    WORD_SCALES: tl.constexpr = False,
 ):
     if PDL:  # let the reduction kernel start launching; it waits for this grid on the device
         tl.extra.cuda.gdc_launch_dependents()
@@ -62,11 +61,12 @@ def mxfp8_mma_kernel(
     rg = tl.arange(0, BLOCK_K // 32)
     c_ptrs = codes_ptr + rn_load[:, None] * stride_cn + (k_lo + rk)[None, :]
     s_first = k_lo // 32
-    if WORD_SCALES:
-        # Each row's K step of scales starts on a 4-byte word: said so, the byte loads become
-        # one 4-byte load a row, wide enough for an asynchronous copy, which the pipeline then
-        # issues ahead with the codes. Byte-wide they stayed synchronous loads in the K loop,
-        # every step waiting out their latency (sm_90 SASS: LDG.E.U8 in the loop -> LDGSTS).
+    if BLOCK_K % 128 == 0:
+        # k_lo is a multiple of BLOCK_K, so a K step's scales of a row start on a 4-byte word:
+        # said so, the 4 byte loads of a row become one 4-byte load, wide enough for an
+        # asynchronous copy, which the pipeline issues ahead with the codes. Byte-wide they
+        # stayed synchronous loads in the K loop, every step waiting out their latency (sm_90
+        # SASS of the decode tiles: LDG.E.U8 and a trip through shared memory -> LDGSTS).
         s_first = tl.multiple_of(s_first, 4)
     s_ptrs = scales_ptr + rn_load[:, None] * stride_sn + (s_first + rg)[None, :]
     # x is loaded transposed ([BLOCK_K, BLOCK_M]): the dot's right operand.

@@ -45,10 +45,10 @@ Paths, chosen from shapes only by `plan_mxfp8` (no autotuning, no runtime search
   programmatic dependent launch on sm_90, so its launch overlaps the first kernel. On the H200
   at M 4-16 the 128-row tiles took 20-25 % off the 64-row ones on qkv, o_proj and the shared
   gate_up (qkv 30.0 µs vs 40.2 at M 8), at M 64 10-20 %; at M 32 they lost (register-bound).
-  A K step's four scale bytes of a row are one 4-byte word (`word_scales`: K steps of 128 on
-  rows of whole words), so the 128-row tiles load them 4 bytes a thread, wide enough for the
-  pipeline's asynchronous copies; as single bytes they were a synchronous load in every K step
-  and a trip through shared memory (sm_90 SASS, perf/sm90_resources.py; not yet timed).
+  A K step of 128 holds a row's scales in one aligned 4-byte word, which the kernel is told,
+  so the 128-row tiles load them 4 bytes a thread, wide enough for the pipeline's
+  asynchronous copies; as single bytes they were a synchronous load in every K step and a
+  trip through shared memory (sm_90 SASS, perf/sm90_resources.py; not yet timed).
 * prefill, M > 64: BLOCK_M 128, BLOCK_N 128, BLOCK_K 64, 8 warps, 3 stages; tiles in groups of 16
   M tiles (2048 tokens) so the programs running together share their weight tiles through L2.
   Split-K applies too while the tiles leave SMs idle (e.g. M = 128 on a narrow N).
@@ -374,19 +374,5 @@ def _mxfp8_mma(
         BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k, GROUP_M=_GROUP_M,
         X_TERMS=_X_TERMS[x2.dtype], DOT_DTYPE=tl.float32 if interpreted else tl.bfloat16,
         EVEN_K=k % p.block_k == 0, DIRECT=direct, PDL=pdl,
-        WORD_SCALES=word_scales(scales, p.block_k),
         num_warps=p.num_warps, num_stages=p.num_stages,
     )  # fmt: skip
-
-
-def word_scales(scales: Tensor, block_k: int) -> bool:
-    """Whether the MMA kernel may load each K step's four scale bytes of a row as one 4-byte
-    word (`WORD_SCALES`), which the pipeline copies ahead with the codes: K steps of 128 (the
-    decode tiles), K a multiple of 128 and rows that start on a word, as the model's shapes
-    give. The kernel is told so and trusts it: a misaligned vector load would be wrong."""
-    return (
-        block_k == 4 * MXFP8_BLOCK
-        and scales.shape[1] % 4 == 0  # EVEN_K
-        and scales.stride(0) % 4 == 0
-        and scales.data_ptr() % 4 == 0
-    )

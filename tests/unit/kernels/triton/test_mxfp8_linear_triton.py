@@ -28,7 +28,6 @@ from m3serve.kernels.triton.mxfp8_linear import (
     mxfp8_linear,
     plan_mxfp8,
     prepare_mxfp8,
-    word_scales,
 )
 
 H200_SMS = 132
@@ -156,25 +155,14 @@ def test_split_k_is_deterministic_and_equals_the_direct_path_up_to_sum_order() -
 
 @pytest.mark.parametrize("split", [1, 3], ids=["direct", "split3"])
 def test_scale_word_loads_match_reference(split: int) -> None:
-    """K steps of 128 on rows of whole 4-byte words of scales take the variant that loads each
-    step's four scale bytes of a row as one 4-byte load; its results are the byte loads'."""
+    """K steps of 128 (the decode tiles) load a row's four scale bytes as one aligned word,
+    also in each split; every 32-block of these rows has its own scale byte."""
     codes, scales = weight(40, 384, seed=21)
-    assert word_scales(scales, 128) and len(set(scales[0].tolist())) > 4
+    assert len(set(scales[0].tolist())) > 4
     for dtype in (torch.float32, torch.bfloat16):
         x = activations(3, 384, dtype, seed=22)
         got = run(x, codes, scales, Mxfp8Plan(16, 16, 128, split, 4, 2))
         assert_matches_reference(got, x, codes, scales)
-
-
-def test_scale_words_only_where_rows_start_on_a_word() -> None:
-    _, scales = weight(8, 512, seed=23)
-    assert word_scales(scales, 128)
-    assert not word_scales(scales, 64)  # a K step of two scales is half a word
-    assert not word_scales(scales, 256)  # the kernel reads one word a K step
-    assert not word_scales(weight(8, 160, seed=24)[1], 128)  # 5 scales a row
-    shifted = torch.empty(8 * 16 + 1, dtype=torch.uint8)[1:].view(8, 16)  # a byte off a word
-    assert word_scales(torch.empty(8, 16, dtype=torch.uint8), 128)
-    assert not word_scales(shifted, 128)
 
 
 # ------------------------------------------------------------------------------ edge scales
@@ -404,13 +392,6 @@ def test_decode_plans_read_the_weight_once_and_fill_the_gpu() -> None:
             assert p.split_k <= steps
             assert tiles * p.split_k >= H200_SMS, (m, n, k, p)
             assert k % p.block_k == 0  # the unmasked (EVEN_K) variant on every model shape
-
-
-def test_decode_tiles_take_word_scales_on_every_model_shape() -> None:
-    for n, k in MODEL_SHAPES:
-        scales = torch.empty(n, k // 32, dtype=torch.uint8)
-        for m in range(GEMV_MAX_M + 1, DECODE_MAX_M + 1):
-            assert word_scales(scales, plan_mxfp8(m, n, k, H200_SMS).block_k), (n, k, m)
 
 
 def test_compiled_variants_stay_few() -> None:
