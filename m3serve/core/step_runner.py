@@ -231,16 +231,16 @@ class StepRunner:
         allowed = self.matchers.fill(slots)
         index = upload(slots, torch.int64, self.device)
         tokens, logprobs = self.sampler.sample(logits, slots, allowed, slots_t=index)
-        host_share = self.share is not None and self.spec is not None
-        if self.share is not None and not host_share:  # rank 0: the followers' next inputs
-            self.share.share_ids(tokens)
+        share = self.share
+        if share is not None and self.spec is None:  # rank 0: the followers' next inputs
+            share.share_ids(tokens)
         self.last_tokens[index] = tokens
         self.launched()
         ids = tokens.tolist()
         ended = self.matchers.accept(slots, ids)
-        if host_share:  # speculation: every rank goes on with rank 0's tokens, on the host
-            assert self.share is not None
-            ids, ended = self.share.share(ids, ended)
+        if share is not None and self.spec is not None:
+            # Speculation: every rank goes on with rank 0's tokens, on the host.
+            ids, ended = share.share(ids, ended)
             self.last_tokens[index] = upload(ids, torch.int64, self.device)
         self._note_ended(slots, ids, ended)
         return ids, logprobs, ended
