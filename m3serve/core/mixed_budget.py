@@ -13,9 +13,9 @@ measure gave a decode step of 16 rows 2.21 ms where served ones ran 1.99 ms, and
 * a mixed step that ran over stretch x that decode step scales its bucket's budget down, and
   one that carried its whole budget with room for another page (at the start-up per-token
   cost, and 5 % to spare) scales it up, each by the square root of (prompt work wanted /
-  prompt work seen), damped to at most 1.25x up or 0.8x down. So the budget settles on the
-  most whole pages whose mixed steps stay within `stretch` decode steps, instead of hovering
-  a page above.
+  prompt work seen) and by one page of the budget at least, damped to at most 1.25x up or 0.8x
+  down. So the budget settles on the most whole pages whose mixed steps stay within `stretch`
+  decode steps, instead of hovering a page above.
 
 The budget never leaves [1/8, 4] x the start-up one nor drops below one page, so a prompt always
 advances and one odd step (a garbage collection, a cold cache) moves it by one damped step only.
@@ -61,9 +61,13 @@ class MixedBudget:
         self._reported_at = 0.0
 
     def __call__(self, decodes: int) -> int:
-        start = self.cost.mixed_budget(decodes, self.stretch, self.page)
-        tokens = int(start * self.scale[bucket(self.sizes, decodes)]) // self.page * self.page
+        tokens = int(self._unrounded(decodes)) // self.page * self.page
         return max(tokens, self.page)
+
+    def _unrounded(self, decodes: int) -> float:
+        """The budget before it is cut to whole pages: the start-up one times the scale."""
+        start = self.cost.mixed_budget(decodes, self.stretch, self.page)
+        return start * self.scale[bucket(self.sizes, decodes)]
 
     def observe(self, decodes: int, prompt_tokens: int, ms: float) -> None:
         """One step run: `decodes` decode rows and `prompt_tokens` prompt tokens in `ms`."""
@@ -80,10 +84,18 @@ class MixedBudget:
         limit = self.stretch * decode
         if prompt_tokens < FULL_SHARE * self(decodes) and ms <= limit:
             return  # a short chunk says nothing about what the budget would cost
-        if limit < ms or ms + self.page * self.cost.prefill_ms_per_token <= GROW_BELOW * limit:
+        over = limit < ms
+        if over or ms + self.page * self.cost.prefill_ms_per_token <= GROW_BELOW * limit:
             # Over the stretch: down; a page more would still fit: up. Each by the damped
-            # ratio of the prompt work wanted to the work seen.
+            # ratio of the prompt work wanted to the work seen, and by a page at least: next
+            # to the stretch that ratio is near 1, and the budget is whole pages, so steps of
+            # it alone could leave the budget where it is for hundreds of steps.
             step = math.sqrt((limit - decode) / max(ms - decode, 1e-3))
+            tokens, unrounded = self(decodes), self._unrounded(decodes)
+            if over:  # half a token past a page boundary, against rounding
+                step = min(step, (tokens - 0.5) / unrounded)
+            else:
+                step = max(step, (tokens + self.page + 0.5) / unrounded)
             step = min(max(step, STEP_DOWN), STEP_UP)
             self.scale[at] = min(max(self.scale[at] * step, SCALE_MIN), SCALE_MAX)
             self._report()

@@ -50,6 +50,19 @@ def test_served_steps_bring_the_budget_to_where_mixed_steps_take_stretch_decode_
     assert budget.decode_ms[16] < 2.0  # the served decode step replaced the start-up one
 
 
+def test_a_step_just_over_the_stretch_takes_a_page_off_at_once() -> None:
+    """The served steps run 0.2 % over the stretch at the budget's 3 pages: the work ratio
+    alone would shave 0.1 % a step off a budget 20 % above its page boundary, leaving the
+    mixed steps over the stretch for ~180 steps; the page floor moves it at once."""
+    start = StepCost({16: 1.25}, 0.002, 1.0)  # 384 tokens at the start-up measure
+    budget = MixedBudget(start, 2.5, PAGE)
+    budget.decode_ms[16] = 1.176  # as after many served decode steps
+    budget.scale[16] = 1.2  # 461 tokens before the cut to whole pages
+    assert budget(16) == 384
+    budget.observe(16, 384, 1.176 + 1.0 + 0.002 * 384)  # 2.944 ms against 2.5 x 1.176 = 2.94
+    assert budget(16) == 256
+
+
 def test_a_budget_too_small_grows_back() -> None:
     budget = MixedBudget(START, 2.5, PAGE)
     budget.scale[64] = SCALE_MIN  # as after a burst of slow steps
