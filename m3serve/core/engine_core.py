@@ -19,7 +19,8 @@ segment's name to the followers), and rank 0 hands each backup it runs to the fo
 
 Tensor parallelism (`rank`, one engine process per rank): each rank builds its model shard, its
 KV pool of its own KV heads and a StepRunner; the ranks agree on the smallest page count any
-rank planned. Rank 0 schedules, and `run()` broadcasts each plan before running it; followers
+rank planned. Rank 0 schedules and sends each plan before it runs it (as its batch is built
+ahead, when it is: core/step_loop.py); followers
 (engine/ranks.py) build the same core, run no scheduler and `follow()` rank 0's plans through
 the same StepRunner, which hands rank 0's sampled tokens to every rank (core/ranks.py), and
 so rank 0's speculative drafts and verdicts and the image features only rank 0 encodes (the
@@ -237,7 +238,7 @@ class EngineCore(StepLoop):
         if self.spec is not None:
             self.scheduler.spec_draft = self.spec.settings.block_size
         # ------------------------------------------------------------------ executor
-        self.executor = Executor(self.run, self.runner.prepare)
+        self.executor = Executor(self.run, self.prepare)
         self.runner.while_device_runs = self.executor.while_device_runs
         self._in_flight = None
         self._ready_compiles = self.trace.compiles.count

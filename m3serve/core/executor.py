@@ -12,7 +12,9 @@ While a step's kernels run, this thread does what the next step needs before its
   once, the loop's work ran while this thread built and launched the next step: both need the
   GIL, and the device sat idle meanwhile);
 - once the event loop has queued the next step, its batch is built (`prepare`), so that after
-  this step's tokens arrive only the launch is left.
+  this step's tokens arrive only the launch is left; under --tp its plan also goes to the
+  follower ranks there, so a step handed to `prepare` runs even if its caller gives up on it
+  (the other ranks will run it, and wait for this one at its collectives).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class Executor:
         self._queue: queue.Queue[Job | None] = queue.Queue()
         # A finished step's result, held until the step after it has launched.
         self._pending: tuple[concurrent.futures.Future[Any], Any] | None = None
+        self._prepared: StepPlan | None = None  # the last plan handed to `prepare`
         self._thread = threading.Thread(target=self._work, name="m3serve-executor", daemon=True)
         self._thread.start()
 
@@ -65,6 +68,7 @@ class Executor:
         while not done():
             plan = self._next_step()
             if plan is not None:
+                self._prepared = plan
                 try:
                     self._prepare(plan)
                 except Exception:  # the step builds its batch itself, and fails there if it must
@@ -92,7 +96,10 @@ class Executor:
             fn, future, what, plan = item
             if not future.set_running_or_notify_cancel():
                 self._publish_pending()
-                continue  # the scheduler gave up on this step (shutting down)
+                if plan is None or plan is not self._prepared:
+                    continue  # the scheduler gave up on this step (shutting down)
+                future = concurrent.futures.Future()  # it runs; nobody takes its result
+                future.set_running_or_notify_cancel()
             try:
                 result = fn()
             except BaseException as exc:  # the scheduler decides what a failed step means

@@ -18,6 +18,7 @@ import torch
 import xgrammar
 
 from m3serve.core.grammar import Grammar
+from m3serve.runtime.messages import SKIPPED_TOKEN
 
 log = logging.getLogger(__name__)
 
@@ -62,15 +63,16 @@ class GrammarMatchers:
         return bitmask
 
     def accept(self, slots: Sequence[int], tokens: Sequence[int]) -> list[bool]:
-        """Advance each constrained row by its sampled token; per row, whether its grammar
-        ended with it (empty when no row is constrained)."""
+        """Advance each constrained row by its sampled token (none for SKIPPED_TOKEN); per row,
+        whether its grammar ended with it (empty when no row is constrained)."""
         if not any(slot in self._matchers for slot in slots):
             return []
         return [self._accept(slot, token) for slot, token in zip(slots, tokens, strict=True)]
 
     def _accept(self, slot: int, token: int) -> bool:
         matcher = self._matchers.get(slot)
-        if matcher is None or matcher.is_terminated():
+        # SKIPPED_TOKEN: a dead row's draw (its request ended on the step before), discarded.
+        if matcher is None or token == SKIPPED_TOKEN or matcher.is_terminated():
             return False
         if not matcher.accept_token(token):
             # The mask allowed only tokens the matcher takes; ending the request is safer than

@@ -95,9 +95,9 @@ class TokenShare:
     tokens instead of drawing their own, and their next decode inputs are exactly rank 0's.
     * Plain steps (`share_ids`, device group): the tokens go device to device, queued behind
       the forward, so no rank's host waits for them but rank 0's. A follower never learns
-      them on the host; rank 0 leaves the rows that ended out of the plans it sends
-      (core/step_runner.py `plan_for_followers`), which keeps every rank's batches (and so
-      the collectives) in step.
+      them on the host, so it cannot tell which rows' requests ended; rank 0 runs those rows
+      too, dead (core/step_runner.py), which keeps every rank's batches (and so the
+      collectives) in step, and lets rank 0 send a plan before the step before it has ended.
     * Speculative steps (`share`, host group): the tokens and whether each ended its grammar,
       as host lists on either side (one 2 x rows int64 CPU tensor), since a follower's verify
       rows need the committed tokens on its host.

@@ -6,8 +6,10 @@ work of the other. `run()` is the only place the model is called; it executes on
 thread, everything else on the event loop that owns the core.
 
 `EngineCore` (core/engine_core.py) builds the parts this loop steps; a model-less core (the
-scheduler benchmark) sets them itself. With tensor parallelism (`plans`), `run()` broadcasts
-each plan before running it, and since the ranks run in lockstep a failed step is fatal to the
+scheduler benchmark) sets them itself. With tensor parallelism (`plans`), each plan goes to the
+followers once: when the executor builds its batch ahead (`prepare`, while the step before it
+runs), so that they build and queue it behind that step on their devices too, else when it runs;
+either way before rank 0 runs it. Since the ranks run in lockstep a failed step is fatal to the
 engine (raised, not failed request by request)."""
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class StepLoop:
     trace: StepTrace
     served_budget: MixedBudget | None = None  # the mixed-step budget, fed each run time
     plans: PlanChannel | None  # rank 0 of a tensor-parallel group: the followers' plans
+    _sent: int | None = None  # the step whose plan went to the followers last
     _in_flight: Launched | None  # the step launched and not yet processed (overlap)
 
     # ------------------------------------------------------------------ requests
@@ -112,17 +115,30 @@ class StepLoop:
 
     # ------------------------------------------------------------------ run (executor thread)
 
+    def prepare(self, plan: StepPlan) -> None:
+        """Executor thread, while the step before `plan` still runs: hand `plan` to the followers
+        now (it is final: rows of requests that end meanwhile run dead on every rank), then
+        build its batch. Not with speculation: its host token share comes after this point."""
+        if self.plans is not None and self.runner.spec is None:
+            self._send(plan)
+        self.runner.prepare(plan)
+
     def run(self, plan: StepPlan) -> StepResult:
         """One forward over the plan's tokens, and a sampled token for each seq that asks."""
         started, compiles = time.perf_counter(), self.trace.compiles.count
-        if self.plans is not None:  # the followers run it with us
-            self.plans.send(self.runner.plan_for_followers(plan))
+        if self.plans is not None and self._sent != plan.step:  # the followers run it with us
+            self._send(plan)
         result = self.runner.run(plan)
         seconds = time.perf_counter() - started
         self.trace.ran(plan.step, seconds, compiles)
         if self.served_budget is not None:
             _feed(self.served_budget, plan, seconds)
         return result
+
+    def _send(self, plan: StepPlan) -> None:
+        assert self.plans is not None
+        self.plans.send(plan)
+        self._sent = plan.step
 
 
 def _feed(budget: MixedBudget, plan: StepPlan, seconds: float) -> None:

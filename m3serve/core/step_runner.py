@@ -7,6 +7,13 @@ sampler's, the grammar matchers', the device table of each slot's last token (th
 input, before the CPU has seen it) and which slots just sampled the token that ends their
 request. Everything here runs on the executor thread; the engine core plans on its event loop.
 
+Under overlap a step is planned before the CPU has seen the tokens of the step before it, so it
+may hold decode rows of requests that have just ended (their stop token, or their grammar's end).
+Without speculation such a *dead* row runs with the rest and its draw is discarded: the batch
+built ahead stays valid, and under --tp the followers, which may already be running the plan,
+run the same rows. A step whose rows are all dead runs no forward on a lone rank. Speculative
+steps drop dead rows instead (their verify rows' lengths move with the drafts accepted).
+
 With tensor parallelism every rank runs the same plans through its own StepRunner, and `share`
 makes each sampled step's tokens rank 0's on every rank (core/ranks.py `TokenShare`): a follower
 takes them on the device as its next decode inputs and draws none itself, so it never waits for
@@ -19,7 +26,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-import msgspec
 import torch
 
 from m3serve.core.graphs import DecodeGraphs
@@ -152,7 +158,7 @@ class StepRunner:
         self, plan: StepPlan, layers: Sequence[int] | None, load: LayerLoad | None
     ) -> StepResult:
         sampled = [seq.slot for seq in plan.seqs if seq.sample]
-        seqs = self._live_seqs(plan.seqs)
+        seqs, dead = self._rows(plan.seqs)
         if not seqs:  # load-backs only, or every row's request ended on the step before
             return _result(plan.step, sampled, [], [], [], [])
         # With speculation every step, the warm-up's too, takes the spec path real steps take.
@@ -176,23 +182,15 @@ class StepRunner:
         if self.share is not None and not self.share.leader:
             self._take_leader_tokens(slots)
             return StepResult(step=plan.step, slots=[], tokens=[])
-        ids, logprobs, ended = self.sample_rows(logits, slots)
+        ids, logprobs, ended = self.sample_rows(logits, slots, dead)
         return _result(plan.step, sampled, slots, ids, logprobs, ended)
-
-    def plan_for_followers(self, plan: StepPlan) -> StepPlan:
-        """Rank 0: `plan` as the followers run it, less the decode rows this rank drops (their
-        requests ended on the step before). A follower never reads its sampled tokens back to
-        the host (`_take_leader_tokens`), so it cannot tell which rows ended: rank 0 says."""
-        if not self._ended:
-            return plan
-        return msgspec.structs.replace(plan, seqs=self._live_seqs(plan.seqs))
 
     def _take_leader_tokens(self, slots: list[int]) -> None:
         """A follower (no speculation): rank 0's sampled tokens become these slots' next decode
         inputs on the device, from a broadcast of the device group queued behind the forward.
         It draws none itself and never waits for its device: only rank 0 needs the tokens on
-        the host (for the requests, the grammars and the rows that end), and rank 0's plans
-        already leave those rows out (`plan_for_followers`)."""
+        the host (for the requests, the grammars and the rows that end), and rank 0 runs the
+        rows of requests that ended as dead rows, as this rank does, so no plan changes."""
         assert self.share is not None
         index = upload(slots, torch.int64, self.device)
         mine = torch.empty(len(slots), dtype=torch.int64, device=self.device)
@@ -200,12 +198,12 @@ class StepRunner:
 
     def prepare(self, plan: StepPlan) -> None:
         """Build `plan`'s batch ahead, while the step before it still runs on the device; its
-        run takes it if its rows are still the same once that step's tokens are known (a
-        request that ended on one is dropped, and the batch is built again). Speculative steps
-        are not built ahead; with tensor parallelism only rank 0 has an executor that does."""
+        run takes it whatever that step's tokens are (a request that ended on one keeps its row,
+        dead). Speculative steps are not built ahead; with tensor parallelism only rank 0 has
+        an executor that does."""
         if self.spec is not None:
             return
-        seqs = self._live_seqs(plan.seqs)
+        seqs, _ = self._rows(plan.seqs)
         if seqs:
             self._prepared = (plan.step, [s.slot for s in seqs], self._build(seqs))
 
@@ -223,10 +221,12 @@ class StepRunner:
         return prepared[2]
 
     def sample_rows(
-        self, logits: torch.Tensor, slots: list[int]
+        self, logits: torch.Tensor, slots: list[int], dead: frozenset[int] = frozenset()
     ) -> tuple[list[int], list[TokenLogprob | None], list[bool]]:
         """Each row's token (logits [len(slots), V]), its logprob and whether its grammar
-        ended; the slots' device-side last tokens are set to them."""
+        ended; the slots' device-side last tokens are set to them. The `dead` slots' requests
+        have ended: their rows are drawn (under --tp rank 0 shares every row's token) and come
+        back as SKIPPED_TOKEN."""
         # After the launch, before the draw: on a GPU this host work overlaps the forward.
         allowed = self.matchers.fill(slots)
         index = upload(slots, torch.int64, self.device)
@@ -237,6 +237,8 @@ class StepRunner:
         self.last_tokens[index] = tokens
         self.launched()
         ids = tokens.tolist()
+        if dead:
+            ids = [SKIPPED_TOKEN if s in dead else t for s, t in zip(slots, ids, strict=True)]
         ended = self.matchers.accept(slots, ids)
         if share is not None and self.spec is not None:
             # Speculation: every rank goes on with rank 0's tokens, on the host.
@@ -286,17 +288,25 @@ class StepRunner:
                 self._ended.discard(slot)
                 self.matchers.start(slot, grammars.get(slot), output)
 
-    def _live_seqs(self, seqs: Sequence[SeqStep]) -> list[SeqStep]:
-        """The plan's seqs less the decode rows of requests that ended on the step before: with
-        overlap, the plan was made before the CPU saw their stop token, but this thread has."""
+    def _rows(self, seqs: Sequence[SeqStep]) -> tuple[list[SeqStep], frozenset[int]]:
+        """The rows this step runs, and the dead ones among them: decode rows of requests that
+        ended on the step before (the plan was made before the CPU saw their stop token; this
+        thread has). Speculation drops them; a lone rank drops a step of dead rows only."""
         if not self._ended:
-            return list(seqs)
-        return [s for s in seqs if s.input_ids is not None or s.slot not in self._ended]
+            return list(seqs), frozenset()
+        dead = frozenset(s.slot for s in seqs if s.input_ids is None and s.slot in self._ended)
+        if self.spec is not None:
+            return [s for s in seqs if s.input_ids is not None or s.slot not in dead], frozenset()
+        if self.share is None and len(dead) == len(seqs):
+            return [], frozenset()  # under --tp the followers may be running it already
+        return list(seqs), dead
 
     def _note_ended(self, slots: list[int], ids: list[int], grammar_ended: list[bool]) -> None:
         """Which slots sampled the token that ends their request (what the scheduler will
         conclude when it processes this step)."""
         for row, (slot, token) in enumerate(zip(slots, ids, strict=True)):
+            if token == SKIPPED_TOKEN:  # a dead row: its request stays ended
+                continue
             if token in self._stops.get(slot, ()) or (grammar_ended and grammar_ended[row]):
                 self._ended.add(slot)
             else:

@@ -1,9 +1,9 @@
 """Engine cores on real ranks: N spawned processes, each an `EngineCore(rank=)` of one --tp N
 group (gloo over TCP on 127.0.0.1, as the launcher starts them). Rank 0 runs a job that drives
 its core; the followers `follow()` its plans. Every rank records what each step it ran gave
-(step, tokens, committed blocks: a follower without speculation keeps rank 0's tokens on the
-device, so its record reads them back there) and rank 0 also each plan's feature-row count, so
-a test can check that the followers went through exactly rank 0's steps.
+(step, tokens, committed blocks: without speculation a follower keeps rank 0's tokens on the
+device, so every rank's record reads them back there) and rank 0 also each plan's feature-row
+count, so a test can check that the followers went through exactly rank 0's steps.
 
 The requests are built inside rank 0 (a `Req` holds pixels and is no spawn argument), from
 `ReqSpec`s; `drive` runs them to the end as the scheduler actor would.
@@ -168,14 +168,14 @@ def _follow(core: EngineCore) -> Followed:
 
 def _record(core: EngineCore, ran: list[Ran], media_rows: list[int]) -> None:
     run = core.runner.run
-    follower = core.ranks.rank != 0 and core.runner.spec is None
+    on_device = core.runner.spec is None
 
     def recorded(plan: StepPlan, layers: Any = None) -> Any:
         result = run(plan, layers)
-        if follower:  # its tokens stay on the device: the inputs it took for its next step
+        if on_device:  # each row's next input, as rank 0 drew it (a dead row's draw too)
             slots = [seq.slot for seq in plan.seqs if seq.sample]
             tokens = core.runner.last_tokens[slots].tolist() if slots else []
-        else:  # rows rank 0 dropped as ended are left out of the plan a follower gets
+        else:  # speculation: every rank drops the rows of requests that ended
             tokens = [token for token in result.tokens if token != SKIPPED_TOKEN]
         ran.append((result.step, tokens, [list(b) for b in result.spec_tokens]))
         media_rows.append(plan.media_rows)

@@ -1,6 +1,7 @@
-"""Overlap in the engine core: a step planned before the CPU saw a request's stop token does not
-decode that request again, and its output is the one without overlap; also when the executor
-built that step's batch ahead, before the stop token was sampled."""
+"""Overlap in the engine core: a step planned before the CPU saw a request's stop token runs that
+request's row dead (its draw discarded), so its output is the one without overlap, and a batch
+built ahead, before the stop token was sampled, is still the one that runs; a step of dead rows
+alone runs no forward."""
 
 from __future__ import annotations
 
@@ -59,14 +60,15 @@ def _stopping_beside_running(core: EngineCore, greedy: list[int], stop: int, end
     assert out["running"] == greedy
 
 
-def test_a_request_ending_on_a_stop_token_is_not_decoded_again(
+def test_a_request_ending_on_a_stop_token_gets_no_token_after_it(
     core: EngineCore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     greedy, stop, ends_at = _stop_token(core, 3)
     rows = _decode_rows(core, monkeypatch)
     _stopping_beside_running(core, greedy, stop, ends_at)
-    # One prefill step samples the first token; then one decode row per later token, no more.
-    assert sum(row.count(0) for row in rows) == ends_at - 1
+    # One prefill step samples the first token, one decode row each later token; then the row
+    # planned before the stop token was seen runs dead, and its draw reaches nobody.
+    assert sum(row.count(0) for row in rows) == ends_at
     core.scheduler.idle_check()
 
 
@@ -82,12 +84,12 @@ def test_a_step_whose_every_row_ended_runs_no_forward(
     core.scheduler.idle_check()
 
 
-def test_a_batch_built_ahead_drops_a_request_that_ended_meanwhile(
+def test_a_batch_built_ahead_runs_although_a_request_in_it_ended_meanwhile(
     core: EngineCore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each step's "device" stays busy for a while, so the executor builds the next step's
-    batch before this step's tokens are known; when one of them is a stop token, the batch is
-    built again without that request's row."""
+    batch before this step's tokens are known; when one of them is a stop token, that batch
+    still runs, the ended request's row in it dead."""
     greedy, stop, ends_at = _stop_token(core, 3)
 
     def busy_for_a_while(device: object) -> object:
@@ -113,7 +115,7 @@ def test_a_batch_built_ahead_drops_a_request_that_ended_meanwhile(
     built = _decode_rows(core, monkeypatch)
     _stopping_beside_running(core, greedy, stop, ends_at)
 
-    assert sum(row.count(0) for row in ran) == ends_at - 1
+    assert sum(row.count(0) for row in ran) == ends_at  # the last one dead
     assert any(used_ahead)  # steps ran on batches built ahead
-    assert len(built) > len(ran)  # and one built ahead was dropped: "stopping" had ended
+    assert len(built) == len(ran)  # and none was built again: not the one "stopping" ended in
     core.scheduler.idle_check()

@@ -120,3 +120,29 @@ def test_nothing_is_built_ahead_once_the_device_is_done(steps: Steps) -> None:
     release.set()
     assert [f.result(TIMEOUT).step for f in futures] == [0, 1, 2]
     assert steps.prepared == []
+
+
+def test_a_step_built_ahead_runs_although_its_caller_gave_up_on_it(steps: Steps) -> None:
+    """Under --tp a step built ahead is in the other ranks' hands already: it runs even when
+    its future was cancelled (shutting down); a step not built ahead is skipped."""
+    ran: list[int] = []
+    deadline = time.monotonic() + TIMEOUT
+    release = threading.Event()
+
+    def step_0() -> None:
+        steps.executor.while_device_runs(
+            lambda: bool(steps.prepared) or time.monotonic() > deadline
+        )
+        release.wait(TIMEOUT)
+
+    steps.hooks[0] = step_0
+    steps.hooks[1] = lambda: ran.append(1)
+    steps.hooks[2] = lambda: ran.append(2)
+    futures = [steps.executor.submit(plan(i)) for i in range(3)]
+    while not steps.prepared:  # step 1 is built ahead; then the caller gives up on 1 and 2
+        time.sleep(0.001)
+    assert futures[1].cancel() and futures[2].cancel()
+    release.set()
+    futures[0].result(TIMEOUT)
+    steps.executor.close()
+    assert steps.prepared == [1] and ran == [1]
