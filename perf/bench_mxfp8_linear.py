@@ -16,8 +16,9 @@ Shapes (N, K) are the model's MXFP8 projections: fused q/k/v/index-q/index-k (98
 * the two decode kernels side by side at M <= 8 (`gemv_us`, `mma_us`: each forced, whatever
   `plan_mxfp8` picks), the measurement behind `GEMV_MAX_M`; `--gemv-sweep` times the GEMV
   kernel's tile choices at M 1 and 2 on each shape, `--decode-sweep` the MMA path's
-  (`DECODE_SWEEP`: rows, stages, warps, programs per SM before K is split) at M 4-64, the
-  measurement behind `_DECODE_TILES`.
+  (`DECODE_SWEEP`: rows, stages, warps, programs per SM before K is split; at K steps of 128
+  each with its scales loaded as bytes and as a word a row) at M 4-64, the measurement behind
+  `_DECODE_TILES` and `_scale_words`.
 * the MMA tiles against the dequantized path (W to bf16, then cuBLAS), each forced, at the
   `--crossover-ms` sizes: the measurement behind `DEQUANT_MIN_M`.
 
@@ -37,6 +38,7 @@ perf/results/bench_mxfp8_linear.json (or --out).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import platform
 from collections.abc import Callable
@@ -178,23 +180,35 @@ def decode_sweep(name: str, bandwidth: float) -> list[dict[str, float | int | st
     for m in DECODE_SWEEP_MS:
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         outs = [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for _ in weight.codes]
-        for tiles in DECODE_SWEEP:
-            plan = plan_mxfp8(m, n, k, sms, decode_tiles=tiles)
+        for plan in _sweep_plans(m, n, k, sms):
             us = graph_us(_calls(x, weight, outs, plan))
             frac = weight.bytes / (us * 1e-6) / bandwidth
             served = plan_mxfp8(m, n, k, sms) == plan
             rows.append(
                 {"shape": name, "m": m, "block_n": plan.block_n, "block_k": plan.block_k,
                  "warps": plan.num_warps, "stages": plan.num_stages, "split_k": plan.split_k,
-                 "us": us, "read_fraction": frac, "served": served}
+                 "scale_words": plan.scale_words, "us": us, "read_fraction": frac,
+                 "served": served}
             )  # fmt: skip
             tiles_text = (
                 f"n{plan.block_n} k{plan.block_k} w{plan.num_warps} s{plan.num_stages} "
-                f"split {plan.split_k}"
+                f"split {plan.split_k}{' words' if plan.scale_words else ''}"
             )
             mark = "  (served)" if served else ""
-            print(f"  M {m:2d} {tiles_text:>26}: {us:7.2f} ({100 * frac:4.1f}%){mark}")
+            print(f"  M {m:2d} {tiles_text:>32}: {us:7.2f} ({100 * frac:4.1f}%){mark}")
     return rows
+
+
+def _sweep_plans(m: int, n: int, k: int, sms: int) -> list[Mxfp8Plan]:
+    """Each `DECODE_SWEEP` tile as the plan makes it, and at K steps of 128 with the other
+    scale load too (words or bytes: perf/sm90_resources.py counts their loops)."""
+    plans = []
+    for tiles in DECODE_SWEEP:
+        plan = plan_mxfp8(m, n, k, sms, decode_tiles=tiles)
+        plans.append(plan)
+        if plan.block_k == 128:
+            plans.append(dataclasses.replace(plan, scale_words=not plan.scale_words))
+    return plans
 
 
 def crossover(name: str, weight: Weight, ms: list[int]) -> list[dict[str, float | int | str]]:

@@ -76,18 +76,22 @@ def mxfp8_decode(args: argparse.Namespace) -> None:
     import triton.language as tl
 
     from m3serve.kernels.triton.mxfp8_kernels import mxfp8_mma_kernel
-    from m3serve.kernels.triton.mxfp8_linear import _DECODE_TILES
+    from m3serve.kernels.triton.mxfp8_linear import _DECODE_TILES, _scale_words
 
     for block_m, (block_n, block_k, warps, stages, _) in sorted(_DECODE_TILES.items()):
-        consts = {
-            "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8,
-            "X_TERMS": 1, "DOT_DTYPE": tl.bfloat16, "EVEN_K": True, "DIRECT": True, "PDL": False,
-            # A launch specializes an integer argument equal to 1 as a constant: x's K
-            # stride. Left unknown, x's loads neither vectorize nor pipeline.
-            "stride_xk": 1,
-        }  # fmt: skip
-        label = f"mxfp8 decode M tile {block_m}"
-        report(label, mxfp8_mma_kernel, MXFP8_TYPES, consts, warps, args, stages)
+        served = _scale_words(block_n, block_k, warps)
+        for words in (served, not served) if block_k == 128 else (False,):
+            consts = {
+                "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8,
+                "X_TERMS": 1, "DOT_DTYPE": tl.bfloat16, "EVEN_K": True, "DIRECT": True,
+                "PDL": False, "SCALE_WORDS": words,
+                # A launch specializes an integer argument equal to 1 as a constant: x's K
+                # stride. Left unknown, x's loads neither vectorize nor pipeline.
+                "stride_xk": 1,
+            }  # fmt: skip
+            scales = ("scale words" if words else "scale bytes") + (" (served)" * (words == served))
+            label = f"mxfp8 decode M tile {block_m}, {scales}"
+            report(label, mxfp8_mma_kernel, MXFP8_TYPES, consts, warps, args, stages)
 
 
 def nvfp4_moe(args: argparse.Namespace) -> None:

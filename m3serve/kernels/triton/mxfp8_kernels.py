@@ -35,6 +35,7 @@ def mxfp8_mma_kernel(
     EVEN_K: tl.constexpr,
     DIRECT: tl.constexpr,
     PDL: tl.constexpr,
+    SCALE_WORDS: tl.constexpr = False,
 ):
     if PDL:  # let the reduction kernel start launching; it waits for this grid on the device
         tl.extra.cuda.gdc_launch_dependents()
@@ -63,18 +64,26 @@ def mxfp8_mma_kernel(
     s_first = k_lo // 32
     if BLOCK_K % 128 == 0:
         # k_lo is a multiple of BLOCK_K, so a K step's scales of a row start on a 4-byte word:
-        # said so, the 4 byte loads of a row become one 4-byte load, wide enough for an
+        # said so, a thread's 4 byte loads of a row become one 4-byte load, wide enough for an
         # asynchronous copy, which the pipeline issues ahead with the codes. Byte-wide they
         # stayed synchronous loads in the K loop, every step waiting out their latency (sm_90
         # SASS of the decode tiles: LDG.E.U8 and a trip through shared memory -> LDGSTS).
         s_first = tl.multiple_of(s_first, 4)
     s_ptrs = scales_ptr + rn_load[:, None] * stride_sn + (s_first + rg)[None, :]
+    # SCALE_WORDS (K steps of 128, K a multiple of 128): each row's 4 scales of a step as one
+    # little-endian word (byte j: group j), for tiles whose byte layout gives a thread fewer
+    # than 4 of them (64 rows at 4 warps: 2), where even aligned they stay a synchronous load.
+    w_ptrs = scales_ptr.to(tl.pointer_type(tl.int32)) + rn_load * (stride_sn // 4) + k_lo // 128
     # x is loaded transposed ([BLOCK_K, BLOCK_M]): the dot's right operand.
     x_ptrs = x_ptr + rm_load[None, :] * stride_xm + (k_lo + rk)[:, None] * stride_xk
 
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        if EVEN_K:
+        if SCALE_WORDS:
+            codes = tl.load(c_ptrs)
+            e = ((tl.load(w_ptrs)[:, None] >> (8 * rg)[None, :]) & 0xFF).to(tl.uint8)
+            xt = tl.load(x_ptrs)
+        elif EVEN_K:
             codes = tl.load(c_ptrs)
             e = tl.load(s_ptrs)
             xt = tl.load(x_ptrs)
@@ -98,6 +107,7 @@ def mxfp8_mma_kernel(
                 acc = tl.dot(w, lo.to(DOT_DTYPE), acc, input_precision="ieee")
         c_ptrs += BLOCK_K
         s_ptrs += BLOCK_K // 32
+        w_ptrs += 1
         x_ptrs += BLOCK_K * stride_xk
 
     _store_tile(acc, rn, rm, pid_k, M, N, out_ptr, part_ptr, stride_om, stride_on, DIRECT)

@@ -48,7 +48,10 @@ Paths, chosen from shapes only by `plan_mxfp8` (no autotuning, no runtime search
   A K step of 128 holds a row's scales in one aligned 4-byte word, which the kernel is told,
   so the 128-row tiles load them 4 bytes a thread, wide enough for the pipeline's
   asynchronous copies; as single bytes they were a synchronous load in every K step and a
-  trip through shared memory (sm_90 SASS, perf/sm90_resources.py; not yet timed).
+  trip through shared memory (sm_90 SASS, perf/sm90_resources.py; not yet timed). The
+  64-row tiles (M tile 32) give a thread only 2 of those bytes, so they load each row's
+  word as an int32 instead (`Mxfp8Plan.scale_words`; SASS: no synchronous load left in the
+  loop; not yet timed: `--decode-sweep` times both loads on every tile).
 * prefill, M > 64: BLOCK_M 128, BLOCK_N 128, BLOCK_K 64, 8 warps, 3 stages; tiles in groups of 16
   M tiles (2048 tokens) so the programs running together share their weight tiles through L2.
   Split-K applies too while the tiles leave SMs idle (e.g. M = 128 on a narrow N).
@@ -143,6 +146,8 @@ class Mxfp8Plan:
     gemv: bool = False  # the CUDA-core kernel (block_m is then M padded to a power of two)
     # bf16 x: W dequantized to bf16, then cuBLAS (the tiles above serve other x dtypes)
     dequant: bool = False
+    # The MMA kernel loads each row's 4 scales of a K step of 128 as one word (K % 128 == 0).
+    scale_words: bool = False
 
 
 @cache
@@ -187,7 +192,15 @@ def plan_mxfp8(
         per_sm = _PREFILL_PROGRAMS_PER_SM
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     split = _split_for(tiles, triton.cdiv(k, block_k), per_sm * num_sms)
-    return Mxfp8Plan(block_m, block_n, block_k, split, warps, stages, dequant=m >= dequant_min_m)
+    dequant, words = m >= dequant_min_m, _scale_words(block_n, block_k, warps)
+    return Mxfp8Plan(block_m, block_n, block_k, split, warps, stages, False, dequant, words)
+
+
+def _scale_words(block_n: int, block_k: int, warps: int) -> bool:
+    """Whether the MMA tile loads its scales as a word a row: at K steps of 128, where a
+    thread's share of the [block_n, 4] scale bytes is under 4 bytes, too narrow for an
+    asynchronous copy (64 rows at 4 warps: the M-tile-32 decode tiles)."""
+    return block_k == 128 and block_n * (block_k // MXFP8_BLOCK) < 4 * 32 * warps
 
 
 def _split_for(tiles: int, k_steps: int, target: int) -> int:
@@ -246,6 +259,8 @@ def _check_plan(p: Mxfp8Plan, m: int) -> None:
         raise ValueError(f"invalid plan {p}: the GEMV kernel takes at most {_GEMV_PLAN_MAX_M} rows")
     if not p.gemv and min(p.block_m, p.block_n, p.block_k) < 16:
         raise ValueError(f"invalid plan {p}: MMA blocks must be >= 16")
+    if p.scale_words and (p.gemv or p.block_k != 128):
+        raise ValueError(f"invalid plan {p}: scale words need the MMA kernel at block_k 128")
 
 
 def prepare_mxfp8(codes: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
@@ -367,12 +382,14 @@ def _mxfp8_mma(
     (m, k), n = x2.shape, codes.shape[0]
     split = part.shape[0] if not direct else 1
     tiles = triton.cdiv(m, p.block_m) * triton.cdiv(n, p.block_n)
+    # A row's scales start on a word when K is a multiple of 128 and the tensor is word-aligned.
+    words = p.scale_words and k % 128 == 0 and scales.data_ptr() % 4 == 0
     mxfp8_mma_kernel[(tiles, split)](
         x2, codes, scales, out2, part, m, n, k, steps_per_split * p.block_k,
         x2.stride(0), x2.stride(1), codes.stride(0), scales.stride(0),
         out2.stride(0), out2.stride(1),
         BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k, GROUP_M=_GROUP_M,
         X_TERMS=_X_TERMS[x2.dtype], DOT_DTYPE=tl.float32 if interpreted else tl.bfloat16,
-        EVEN_K=k % p.block_k == 0, DIRECT=direct, PDL=pdl,
+        EVEN_K=k % p.block_k == 0, DIRECT=direct, PDL=pdl, SCALE_WORDS=words,
         num_warps=p.num_warps, num_stages=p.num_stages,
     )  # fmt: skip

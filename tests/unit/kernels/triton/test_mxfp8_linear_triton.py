@@ -47,11 +47,11 @@ def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """MXFP8 codes and scales of a weight whose 32-blocks span four decades of magnitude, so
-    that neighbouring blocks of a row have different scale bytes."""
+def weight(n: int, k: int, seed: int, top: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 codes and scales of a weight whose 32-blocks span four decades of magnitude, up to
+    10**top, so that neighbouring blocks of a row have different scale bytes."""
     g = gen(seed)
-    magnitude = 10.0 ** torch.empty(n, k // 32, 1).uniform_(-4, 0, generator=g)
+    magnitude = 10.0 ** torch.empty(n, k // 32, 1).uniform_(top - 4, top, generator=g)
     w = (torch.randn(n, k // 32, 32, generator=g) * magnitude).flatten(-2)
     return quant_mxfp8(w)
 
@@ -153,16 +153,32 @@ def test_split_k_is_deterministic_and_equals_the_direct_path_up_to_sum_order() -
     torch.testing.assert_close(first, direct, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("words", [False, True], ids=["bytes", "words"])
 @pytest.mark.parametrize("split", [1, 3], ids=["direct", "split3"])
-def test_scale_word_loads_match_reference(split: int) -> None:
-    """K steps of 128 (the decode tiles) load a row's four scale bytes as one aligned word,
-    also in each split; every 32-block of these rows has its own scale byte."""
-    codes, scales = weight(40, 384, seed=21)
-    assert len(set(scales[0].tolist())) > 4
+def test_scale_word_loads_match_reference(split: int, words: bool) -> None:
+    """K steps of 128 (the decode tiles) load a row's four scale bytes as one aligned load
+    (bytes said to start on a word, or one int32 word), also in each split; every 32-block of
+    these rows has its own scale byte, and bytes past 127 (a word's sign bit included)."""
+    codes, scales = weight(40, 384, seed=21, top=3.0)
+    assert len(set(scales[0].tolist())) > 4 and (scales[:, 3::4] > 127).any()
     for dtype in (torch.float32, torch.bfloat16):
         x = activations(3, 384, dtype, seed=22)
-        got = run(x, codes, scales, Mxfp8Plan(16, 16, 128, split, 4, 2))
+        got = run(x, codes, scales, Mxfp8Plan(16, 16, 128, split, 4, 2, scale_words=words))
         assert_matches_reference(got, x, codes, scales)
+
+
+def test_the_m_tile_32_plan_loads_scale_words_and_a_misaligned_scale_tensor_bytes() -> None:
+    """M 17-32 takes the 64-row tiles, which load words; scales that do not start on a word
+    (a view one byte in) take the byte loads instead, with the same result."""
+    codes, scales = weight(96, 384, seed=23)
+    x = activations(20, 384, torch.bfloat16, seed=24)
+    assert plan_mxfp8(20, 96, 384, 1).scale_words
+    assert_matches_reference(run(x, codes, scales), x, codes, scales)
+    buffer = torch.empty(scales.numel() + 1, dtype=torch.uint8, device=DEVICE)
+    shifted = buffer[1:].view(scales.shape)
+    shifted.copy_(scales)
+    got = mxfp8_linear(x.to(DEVICE), codes.to(DEVICE), shifted).cpu()
+    assert_matches_reference(got, x, codes, scales)
 
 
 # ------------------------------------------------------------------------------ edge scales
@@ -311,6 +327,8 @@ def test_rejects_bad_inputs() -> None:
         mxfp8_linear(x, k_strided, scales)
     with pytest.raises(ValueError, match="plan"):
         mxfp8_linear(x, codes, scales, plan=Mxfp8Plan(16, 16, 48, 1, 4, 1))
+    with pytest.raises(ValueError, match="scale words"):
+        mxfp8_linear(x, codes, scales, plan=Mxfp8Plan(16, 16, 64, 1, 4, 1, scale_words=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -392,6 +410,8 @@ def test_decode_plans_read_the_weight_once_and_fill_the_gpu() -> None:
             assert p.split_k <= steps
             assert tiles * p.split_k >= H200_SMS, (m, n, k, p)
             assert k % p.block_k == 0  # the unmasked (EVEN_K) variant on every model shape
+            # Only the 64-row tiles of M tile 32 give a thread under 4 scale bytes a K step.
+            assert p.scale_words == (p.block_m == 32 and not p.gemv)
 
 
 def test_compiled_variants_stay_few() -> None:
