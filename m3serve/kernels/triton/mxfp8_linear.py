@@ -54,7 +54,10 @@ Paths, chosen from shapes only by `plan_mxfp8` (no autotuning, no runtime search
   loop; not yet timed: `--decode-sweep` times both loads on every tile).
 * prefill, M > 64: BLOCK_M 128, BLOCK_N 128, BLOCK_K 64, 8 warps, 3 stages; tiles in groups of 16
   M tiles (2048 tokens) so the programs running together share their weight tiles through L2.
-  Split-K applies too while the tiles leave SMs idle (e.g. M = 128 on a narrow N).
+  Split-K applies too while the tiles leave SMs idle (e.g. M = 128 on a narrow N). A K step
+  of 64 gives a row 2 scale bytes, too few for an asynchronous copy; the kernel loads them a
+  step ahead into registers instead, so their latency overlaps a whole K step (it was waited
+  out ~55 instructions after the load, every step; not yet timed).
 * dequantized, M >= DEQUANT_MIN_M and bf16 x (the served model's dtype): one memory-bound kernel
   writes W as bf16 into a scratch buffer (exact, as above), then cuBLAS multiplies. Converting
   in the MMA kernel's registers costs every M tile the whole conversion again and keeps that
