@@ -8,17 +8,15 @@ follower step on rank 0's tokens."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers.core_ranks import ReqSpec, Run, core_args, drive, run_cores, waves_job
+from helpers.core_ranks import ReqSpec, built_ahead_job, core_args, drive, run_cores, waves_job
 
-from m3serve.core import step_runner
 from m3serve.core.engine_core import EngineCore
 from m3serve.model.tiny.checkpoint import TinySpec
-from m3serve.runtime.messages import SamplingParams, StepPlan
+from m3serve.runtime.messages import SamplingParams
 
 SPEC = TinySpec(dtype="float32", seed=5)
 PROMPT = tuple(range(3, 40))
@@ -54,27 +52,6 @@ def _requests(path: Path) -> tuple[list[ReqSpec], list[int], int]:
     return specs, want, at
 
 
-def _busy_a_while(device: object) -> object:
-    """A "device" that stays busy after each step's launch, so the executor builds ahead."""
-    until = time.monotonic() + 0.03
-    return lambda: time.monotonic() > until
-
-
-def sent_before_built_job(core: EngineCore, specs: list[ReqSpec]) -> tuple[Run, list[bool]]:
-    """Rank 0: the requests run with each batch built ahead; per batch built ahead, whether its
-    plan had gone to the followers by then."""
-    step_runner._device_done = _busy_a_while  # type: ignore[assignment]
-    sent: list[bool] = []
-    prepare = core.runner.prepare
-
-    def spy(plan: StepPlan) -> None:
-        sent.append(core._sent == plan.step)
-        prepare(plan)
-
-    core.runner.prepare = spy  # type: ignore[method-assign]
-    return drive(core, specs), sent
-
-
 @pytest.mark.slow
 def test_followers_run_on_rank_0s_tokens_and_the_rows_it_ended_run_dead(path: Path) -> None:
     specs, want, at = _requests(path)
@@ -93,7 +70,7 @@ def test_followers_run_on_rank_0s_tokens_and_the_rows_it_ended_run_dead(path: Pa
 @pytest.mark.slow
 def test_rank_0_sends_a_plan_when_it_builds_the_batch_ahead(path: Path) -> None:
     specs, want, at = _requests(path)
-    per_rank = run_cores(2, path, {}, sent_before_built_job, specs)
+    per_rank = run_cores(2, path, {}, built_ahead_job, specs)
     (run, sent), leader_ran, _ = per_rank[0]
     followed, follower_ran, _ = per_rank[1]
     assert sent and all(sent)  # each plan built ahead was in the followers' hands first

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -23,6 +24,7 @@ import torch.multiprocessing as mp
 
 from helpers.ranks import free_port
 from helpers.vision import Grid, image_prompt
+from m3serve.core import step_runner
 from m3serve.core.engine_core import EngineCore
 from m3serve.core.req import Req
 from m3serve.runtime.config import ServerArgs
@@ -189,6 +191,27 @@ def waves_job(core: EngineCore, waves: list[list[ReqSpec]]) -> tuple[list[Run], 
     pages were back at the baseline after the last."""
     runs = [drive(core, wave) for wave in waves]
     return runs, pages_at_baseline(core)
+
+
+def built_ahead_job(core: EngineCore, specs: list[ReqSpec]) -> tuple[Run, list[bool]]:
+    """A leader job: the requests run to the end with each step's batch built ahead (the
+    "device" stays busy a while after each launch); per batch built ahead, whether its plan
+    had gone to the followers by then."""
+    step_runner._device_done = _busy_a_while  # type: ignore[assignment]
+    sent: list[bool] = []
+    prepare = core.runner.prepare
+
+    def spy(plan: StepPlan) -> None:
+        sent.append(core._sent == plan.step)
+        prepare(plan)
+
+    core.runner.prepare = spy  # type: ignore[method-assign]
+    return drive(core, specs), sent
+
+
+def _busy_a_while(device: object) -> Callable[[], bool]:
+    until = time.monotonic() + 0.03
+    return lambda: time.monotonic() > until
 
 
 class _ScrambledDraft:
