@@ -14,7 +14,7 @@ from m3serve.core.grammar import SPECIAL_PREFIX, GrammarCompiler, tokenizer_voca
 from m3serve.core.matchers import GrammarMatchers
 from m3serve.kernels.sampling import apply_token_bitmask
 from m3serve.model.tiny.tokenizer import EOS_TOKEN, build_tokenizer, special_token_ids
-from m3serve.runtime.messages import Constraint
+from m3serve.runtime.messages import SKIPPED_TOKEN, Constraint
 
 TOKENIZER_VOCAB = 512
 VOCAB = 520  # logits wider than the tokenizer: ids 512.. are padding
@@ -117,3 +117,18 @@ def test_a_new_request_in_the_slot_drops_the_old_grammar(compiler: GrammarCompil
     matchers.start(0, None)
     assert matchers.fill([0]) is None
     assert matchers.accept([0], [5]) == []
+
+
+def test_a_dead_rows_draw_leaves_its_grammar_alone(
+    compiler: GrammarCompiler, tokenizer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A row whose request ended (on a stop token, its grammar unfinished) runs once more dead
+    and comes back as SKIPPED_TOKEN: the matcher neither takes nor rejects it."""
+    grammar = compiler.compile(Constraint("ebnf", 'root ::= "yes" | "no"')).result(timeout=30)
+    matchers = GrammarMatchers(VOCAB)
+    matchers.start(0, grammar)
+    first = ids(tokenizer, "yes")[0]
+    before = allowed_ids(matchers.fill([0]))
+    assert matchers.accept([0], [SKIPPED_TOKEN]) == [False]
+    assert allowed_ids(matchers.fill([0])) == before and not caplog.records
+    assert matchers.accept([0], [first]) == [False]  # the matcher is where it was
