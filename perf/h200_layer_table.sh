@@ -2,14 +2,16 @@
 # Issue 10's table on a lent H200, in one device call (run from the repo root there): the GPU
 # tests of the quantized kernels, one MoE layer's decode (bench_moe_layer.py with transformers,
 # and bench_moe_layer_parts.py: what each part costs, one layer's kernel timeline), and the
-# W4A16 MoE alone. What comes back under $OUT: tests.txt, then a .json and a .txt per bench
-# (seven files; the device tool returns eight).
+# W4A16 MoE alone. What comes back under $OUT: tests.txt, a .txt per bench, and json.tgz with
+# each bench's .json (the device tool returns at most eight files).
 #
 #   carry [".whl"] (plus ".scratch" holding tcache.tgz, a Triton cache, if any):
 #   bash perf/h200_layer_table.sh [--ablations]
 #
 # `--ablations` runs the W4A16 MoE's tile, K-split and route variants too (bench_nvfp4_moe.py
-# --ablations: a minute or two more).
+# --ablations), and the W8A16 MXFP8 decode tiles with their scales loaded as bytes and as words
+# (bench_mxfp8_linear.py --decode-sweep, two shapes) beside the served tiles at M 24-128: about
+# four minutes more, within the device tool's ten.
 #
 # About 3.5 minutes with a warm Triton cache; each step has its own time limit, so a slow one
 # costs its own output, not the others'.
@@ -37,3 +39,9 @@ tail -7 "$OUT/moe_layer.txt"
 step nvfp4_moe 240 python3 perf/bench_nvfp4_moe.py --no-grouped "${ablations[@]}" \
   --out "$OUT/nvfp4_moe.json"
 tail -15 "$OUT/nvfp4_moe.txt"
+if [ ${#ablations[@]} -gt 0 ]; then
+  step mxfp8 200 python3 perf/bench_mxfp8_linear.py --shapes qkv_index,o_proj --ms 24,96,128 \
+    --prefill-m 0 --crossover-ms '' --decode-sweep --out "$OUT/mxfp8.json"
+  head -20 "$OUT/mxfp8.txt"
+fi
+(cd "$OUT" && tar czf json.tgz ./*.json && rm -f ./*.json)
