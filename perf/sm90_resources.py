@@ -76,10 +76,10 @@ def mxfp8_decode(args: argparse.Namespace) -> None:
     import triton.language as tl
 
     from m3serve.kernels.triton.mxfp8_kernels import mxfp8_mma_kernel
-    from m3serve.kernels.triton.mxfp8_linear import _DECODE_TILES, _scale_words, plan_mxfp8
+    from m3serve.kernels.triton.mxfp8_linear import _DECODE_TILES, _SCALE_WORDS, plan_mxfp8
 
     for block_m, (block_n, block_k, warps, stages, _) in sorted(_DECODE_TILES.items()):
-        served = _scale_words(block_n, block_k, warps)
+        served = _SCALE_WORDS[block_m]
         for words in (served, not served) if block_k == 128 else (False,):
             consts = {
                 "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8,
@@ -92,8 +92,8 @@ def mxfp8_decode(args: argparse.Namespace) -> None:
             scales = ("scale words" if words else "scale bytes") + (" (served)" * (words == served))
             label = f"mxfp8 decode M tile {block_m}, {scales}"
             report(label, mxfp8_mma_kernel, MXFP8_TYPES, consts, warps, args, stages)
-    # The prefill tiles (M 65-128 with bf16 x): their one synchronous load is the scales, which
-    # K steps of 64 load a step ahead (mxfp8_kernels.py PREFETCH).
+    # The prefill tiles (M 65-128 with bf16 x): their one synchronous load is the scales (2 bytes
+    # a row per K step of 64).
     tile = plan_mxfp8(128, 6144, 6144, 132)
     consts = {**consts, "BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n}
     consts.update(BLOCK_K=tile.block_k, SCALE_WORDS=tile.scale_words)

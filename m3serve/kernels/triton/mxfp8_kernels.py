@@ -71,18 +71,12 @@ def mxfp8_mma_kernel(
         s_first = tl.multiple_of(s_first, 4)
     s_ptrs = scales_ptr + rn_load[:, None] * stride_sn + (s_first + rg)[None, :]
     # SCALE_WORDS (K steps of 128, K a multiple of 128): each row's 4 scales of a step as one
-    # little-endian word (byte j: group j), for tiles whose byte layout gives a thread fewer
-    # than 4 of them (64 rows at 4 warps: 2), where even aligned they stay a synchronous load.
+    # little-endian word (byte j: group j). Where the byte layout gives a thread fewer than 4 of
+    # them (64 rows at 4 warps: 2) they stay a synchronous load even aligned; which tiles take
+    # words is measured (mxfp8_linear.py `_DECODE_TILES`).
     w_ptrs = scales_ptr.to(tl.pointer_type(tl.int32)) + rn_load * (stride_sn // 4) + k_lo // 128
     # x is loaded transposed ([BLOCK_K, BLOCK_M]): the dot's right operand.
     x_ptrs = x_ptr + rm_load[None, :] * stride_xm + (k_lo + rk)[:, None] * stride_xk
-
-    # Narrower K steps (the prefill tiles' 64) give a row 2 scale bytes a step, too few for an
-    # asynchronous copy: those load one step ahead into registers, so the wait for them falls a
-    # whole K step after the load, not a few instructions after it (sm_90 SASS: the LDG's
-    # first use moved from ~55 instructions on to the loop's end).
-    PREFETCH: tl.constexpr = EVEN_K and not SCALE_WORDS and BLOCK_K % 128 != 0
-    e_next = tl.load(s_ptrs) if PREFETCH else tl.zeros([BLOCK_N, BLOCK_K // 32], dtype=tl.uint8)
 
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -90,12 +84,6 @@ def mxfp8_mma_kernel(
             codes = tl.load(c_ptrs)
             e = ((tl.load(w_ptrs)[:, None] >> (8 * rg)[None, :]) & 0xFF).to(tl.uint8)
             xt = tl.load(x_ptrs)
-        elif PREFETCH:
-            codes = tl.load(c_ptrs)
-            xt = tl.load(x_ptrs)
-            e = e_next
-            ahead = (k0 + BLOCK_K + 32 * rg < k_hi)[None, :]  # the next step, if this split has one
-            e_next = tl.load(s_ptrs + BLOCK_K // 32, mask=ahead, other=127)
         elif EVEN_K:
             codes = tl.load(c_ptrs)
             e = tl.load(s_ptrs)

@@ -48,16 +48,17 @@ Paths, chosen from shapes only by `plan_mxfp8` (no autotuning, no runtime search
   A K step of 128 holds a row's scales in one aligned 4-byte word, which the kernel is told,
   so the 128-row tiles load them 4 bytes a thread, wide enough for the pipeline's
   asynchronous copies; as single bytes they were a synchronous load in every K step and a
-  trip through shared memory (sm_90 SASS, perf/sm90_resources.py; not yet timed). The
-  64-row tiles (M tile 32) give a thread only 2 of those bytes, so they load each row's
-  word as an int32 instead (`Mxfp8Plan.scale_words`; SASS: no synchronous load left in the
-  loop; not yet timed: `--decode-sweep` times both loads on every tile).
+  trip through shared memory (sm_90 SASS, perf/sm90_resources.py). The 64-row tiles (M tile
+  32) give a thread only 2 of those bytes, a synchronous load even aligned; they, and the M
+  tile 64, load each row's word as one int32 instead (`Mxfp8Plan.scale_words`). On the H200
+  (2026-12-05, the four projections, same machine): M tile 32 7-14 % faster with words, M
+  tile 64 12-20 % faster (qkv 76.4 -> 61.3 µs), M tile 16 15-47 % slower (it keeps bytes).
 * prefill, M > 64: BLOCK_M 128, BLOCK_N 128, BLOCK_K 64, 8 warps, 3 stages; tiles in groups of 16
   M tiles (2048 tokens) so the programs running together share their weight tiles through L2.
   Split-K applies too while the tiles leave SMs idle (e.g. M = 128 on a narrow N). A K step
-  of 64 gives a row 2 scale bytes, too few for an asynchronous copy; the kernel loads them a
-  step ahead into registers instead, so their latency overlaps a whole K step (it was waited
-  out ~55 instructions after the load, every step; not yet timed).
+  of 64 gives a row 2 scale bytes, a synchronous load; loading them a step ahead into
+  registers (their wait then a whole step after the load) ran 4-10 % slower on the H200
+  (2026-12-05), so they load in the step that uses them.
 * dequantized, M >= DEQUANT_MIN_M and bf16 x (the served model's dtype): one memory-bound kernel
   writes W as bf16 into a scratch buffer (exact, as above), then cuBLAS multiplies. Converting
   in the MMA kernel's registers costs every M tile the whole conversion again and keeps that
@@ -125,6 +126,9 @@ _DECODE_TILES: dict[int, DecodeTiles] = {
     32: (64, 128, 4, 4, 2),
     64: (128, 128, 4, 4, 1),
 }
+# M tiles whose served tiles load each row's 4 scales of a K step as one word (`scale_words`):
+# measured per tile on the H200 (`--decode-sweep` times both loads), not derived.
+_SCALE_WORDS = {16: False, 32: True, 64: True}
 _PREFILL_PROGRAMS_PER_SM = 1
 _MAX_SPLIT = 32
 # Each split streams at least this many K steps, so that the pipeline has loads to overlap.
@@ -187,23 +191,18 @@ def plan_mxfp8(
     and sweep the tiles)."""
     if m <= gemv_max_m:
         return _plan_gemv(m, n, k, num_sms)
+    words = False
     if m <= DECODE_MAX_M:
         block_m = max(MIN_BLOCK_M, triton.next_power_of_2(max(m, 1)))
         block_n, block_k, warps, stages, per_sm = decode_tiles or _DECODE_TILES[block_m]
+        words = decode_tiles is None and _SCALE_WORDS[block_m]
     else:
         block_m, block_n, block_k, warps, stages = 128, 128, 64, 8, 3
         per_sm = _PREFILL_PROGRAMS_PER_SM
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     split = _split_for(tiles, triton.cdiv(k, block_k), per_sm * num_sms)
-    dequant, words = m >= dequant_min_m, _scale_words(block_n, block_k, warps)
+    dequant = m >= dequant_min_m
     return Mxfp8Plan(block_m, block_n, block_k, split, warps, stages, False, dequant, words)
-
-
-def _scale_words(block_n: int, block_k: int, warps: int) -> bool:
-    """Whether the MMA tile loads its scales as a word a row: at K steps of 128, where a
-    thread's share of the [block_n, 4] scale bytes is under 4 bytes, too narrow for an
-    asynchronous copy (64 rows at 4 warps: the M-tile-32 decode tiles)."""
-    return block_k == 128 and block_n * (block_k // MXFP8_BLOCK) < 4 * 32 * warps
 
 
 def _split_for(tiles: int, k_steps: int, target: int) -> int:
