@@ -78,27 +78,29 @@ def mxfp8_decode(args: argparse.Namespace) -> None:
     from m3serve.kernels.triton.mxfp8_kernels import mxfp8_mma_kernel
     from m3serve.kernels.triton.mxfp8_linear import _DECODE_TILES, _SCALE_WORDS, plan_mxfp8
 
+    common = {
+        "GROUP_M": 8, "X_TERMS": 1, "DOT_DTYPE": tl.bfloat16, "EVEN_K": True, "DIRECT": True,
+        "PDL": False,
+        # A launch specializes an integer argument equal to 1 as a constant: x's K stride.
+        # Left unknown, x's loads neither vectorize nor pipeline.
+        "stride_xk": 1,
+    }  # fmt: skip
     for block_m, (block_n, block_k, warps, stages, _) in sorted(_DECODE_TILES.items()):
         served = _SCALE_WORDS[block_m]
         for words in (served, not served) if block_k == 128 else (False,):
-            consts = {
-                "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8,
-                "X_TERMS": 1, "DOT_DTYPE": tl.bfloat16, "EVEN_K": True, "DIRECT": True,
-                "PDL": False, "SCALE_WORDS": words,
-                # A launch specializes an integer argument equal to 1 as a constant: x's K
-                # stride. Left unknown, x's loads neither vectorize nor pipeline.
-                "stride_xk": 1,
-            }  # fmt: skip
+            tile = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}
+            consts = {**common, **tile, "SCALE_WORDS": words}
             scales = ("scale words" if words else "scale bytes") + (" (served)" * (words == served))
             label = f"mxfp8 decode M tile {block_m}, {scales}"
             report(label, mxfp8_mma_kernel, MXFP8_TYPES, consts, warps, args, stages)
     # The prefill tiles (M 65-128 with bf16 x): their one synchronous load is the scales (2 bytes
     # a row per K step of 64).
-    tile = plan_mxfp8(128, 6144, 6144, 132)
-    consts = {**consts, "BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n}
-    consts.update(BLOCK_K=tile.block_k, SCALE_WORDS=tile.scale_words)
-    label = "mxfp8 prefill tile"
-    report(label, mxfp8_mma_kernel, MXFP8_TYPES, consts, tile.num_warps, args, tile.num_stages)
+    p = plan_mxfp8(128, 6144, 6144, 132)
+    tile = {"BLOCK_M": p.block_m, "BLOCK_N": p.block_n, "BLOCK_K": p.block_k}
+    consts = {**common, **tile, "SCALE_WORDS": p.scale_words}
+    report(
+        "mxfp8 prefill tile", mxfp8_mma_kernel, MXFP8_TYPES, consts, p.num_warps, args, p.num_stages
+    )
 
 
 def nvfp4_moe(args: argparse.Namespace) -> None:
