@@ -1,7 +1,7 @@
 # Sourced by the one-call device scripts (perf/h200_*.sh), from the repo root on the lent
 # machine: installs the carried wheels (`.whl`, the README's Notes) into /tmp/site, puts them
-# and the repo on the paths, and unpacks a carried Triton cache (`.scratch/tcache.tgz`) into
-# TRITON_CACHE_DIR, setting `carried` to 1 when there was one. Exits when $OUT is unset (not the
+# and the repo on the paths, and unpacks a carried Triton cache (`.scratch/tcache.tgz.part*`, a
+# tar split in parts) into TRITON_CACHE_DIR, setting `carried` to 1 when there was one. Exits when $OUT is unset (not the
 # device machine) or the wheels do not install.
 : "${OUT:?run on the device machine, where \$OUT is set}"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -9,4 +9,5 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR=/tmp/tcache
 carried=0
-if [ -f .scratch/tcache.tgz ]; then tar xzf .scratch/tcache.tgz -C /tmp && carried=1; fi
+parts=(.scratch/tcache.tgz.part*)
+if [ -f "${parts[0]}" ]; then cat "${parts[@]}" | tar xz -C /tmp && carried=1; fi

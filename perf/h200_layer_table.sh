@@ -5,7 +5,7 @@
 # W4A16 MoE alone. What comes back under $OUT: tests.txt, a .txt per bench, and json.tgz with
 # each bench's .json (the device tool returns at most eight files).
 #
-#   carry [".whl"] (plus ".scratch" holding tcache.tgz, a Triton cache, if any):
+#   carry [".whl"] (plus ".scratch" holding tcache.tgz.part*, a Triton cache, if any):
 #   bash perf/h200_layer_table.sh [--ablations]
 #
 # `--ablations` runs the W4A16 MoE's tile, K-split and route variants too (bench_nvfp4_moe.py

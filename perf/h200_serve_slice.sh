@@ -4,33 +4,46 @@
 # levels, and pack what comes back into at most four files under $OUT (the device tool returns
 # eight): results.tgz (each level's JSON and console table, windows.txt), trace.txt (per level
 # `summarize_step_trace.py --since/--until --slowest 20`), serve.log.gz, and the Triton cache
-# (tcache.tgz) when none was carried in, for the next call's start-up (~50 s instead of ~240).
+# (tcache.tgz.part*, under 16 MiB each) when none was carried in, for the next call's start-up
+# (~50 s instead of ~240).
 #
-#   carry [".whl"] (plus ".scratch" holding tcache.tgz, if any):
-#   bash perf/h200_serve_slice.sh [--experts N] [LEVEL...]
+#   carry [".whl"] (plus ".scratch" holding tcache.tgz.part*, if any):
+#   bash perf/h200_serve_slice.sh [--experts N] [--tag T] [--serve-arg ARG]... [LEVEL...]
 #
 # `--experts N`: routed experts per layer of the slice (default 8; issue 11 allows 8-32). With
 # more experts a decode step reads more expert weights, as the real model's 128 do, and a mixed
-# step's experts are less compute-bound.
+# step's experts are less compute-bound. `--tag T` prefixes the files under $OUT with `T_`, so
+# that one call can serve twice (the second start reuses the slice and the Triton cache);
+# `--serve-arg ARG` passes ARG on to `m3serve serve` (e.g. `--serve-arg --mixed-step-stretch
+# --serve-arg 2.2`).
 # A LEVEL is NAME:CONCURRENCY:REQUESTS[:probe]; the default is the table of the closing notes:
 # c1:1:12 c16:16:192 c64:64:256:probe c128:128:256 c256:256:512. `.whl` holds the wheels the
 # README's Notes list (the server dies at import without xgrammar's).
 set -u
 experts=8
-if [ "${1:-}" = --experts ]; then experts=$2; shift 2; fi
+tag=""
+serve_args=()
+while [ $# -gt 0 ]; do
+  case $1 in
+    --experts) experts=$2; shift 2 ;;
+    --tag) tag="$2_"; shift 2 ;;
+    --serve-arg) serve_args+=("$2"); shift 2 ;;
+    *) break ;;
+  esac
+done
 levels=("$@")
 [ ${#levels[@]} -gt 0 ] || levels=(c1:1:12 c16:16:192 c64:64:256:probe c128:128:256 c256:256:512)
 . perf/device_env.sh
 # Fail in seconds, not after the health wait, when a wheel is missing.
 python3 -c "import m3serve.api.server, m3serve.core.engine_core, xgrammar" || exit 1
 t0=$(date +%s)
-python3 -m m3serve make-tiny /tmp/slice --vocab-size 32768 --hidden-size 6144 --num-layers 4 \
+[ -f /tmp/slice/config.json ] || python3 -m m3serve make-tiny /tmp/slice --vocab-size 32768 --hidden-size 6144 --num-layers 4 \
   --num-heads 64 --num-kv-heads 4 --head-dim 128 --rotary-dim 64 --dense-layers 0 \
   --intermediate-size 3072 --num-experts "$experts" --num-experts-per-tok 4 --index-head-dim 128 \
   --index-block-size 128 --index-topk-blocks 16 --shards 4 --quant modelopt-mixed \
   --device cuda > /tmp/make.log 2>&1 || { tail -20 /tmp/make.log; exit 1; }
 python3 -m m3serve serve --model-path /tmp/slice --max-running-requests 256 \
-  --context-length 4096 --enable-step-trace > /tmp/serve.log 2>&1 &
+  --context-length 4096 --enable-step-trace "${serve_args[@]}" > /tmp/serve.log 2>&1 &
 server=$!
 until curl -sf http://127.0.0.1:30000/health > /dev/null; do
   kill -0 $server 2> /dev/null || { tail -30 /tmp/serve.log; exit 1; }  # died: say why now
@@ -57,8 +70,11 @@ while read -r name since until; do
   echo "== $name"
   python3 perf/summarize_step_trace.py /tmp/serve.log --since "$since" --until "$until" \
     --top 10 --slowest 20
-done < /tmp/res/windows.txt > "$OUT/trace.txt" 2>&1
-gzip -c /tmp/serve.log > "$OUT/serve.log.gz"
-tar czf "$OUT/results.tgz" -C /tmp res
-[ $carried = 1 ] || tar czf "$OUT/tcache.tgz" -C /tmp tcache
+done < /tmp/res/windows.txt > "$OUT/${tag}trace.txt" 2>&1
+gzip -c /tmp/serve.log > "$OUT/${tag}serve.log.gz"
+tar czf "$OUT/${tag}results.tgz" -C /tmp res
+if [ $carried = 0 ]; then  # in parts: a file back from the device is at most 16 MiB
+  rm -f "$OUT"/tcache.tgz.part*
+  tar czf - -C /tmp tcache | split -b 15m - "$OUT/tcache.tgz.part"
+fi
 echo "done after $(($(date +%s) - t0)) s"

@@ -3,7 +3,7 @@
 # device call (run from the repo root there; each part makes the M3.1-shaped quantized slice
 # when the machine does not hold it yet):
 #
-#   carry [".whl"] (plus ".scratch" holding tcache.tgz, if any):
+#   carry [".whl"] (plus ".scratch" holding tcache.tgz.part*, if any):
 #   bash perf/h200x4_tp.sh decode   # tests/gpu/test_tp_gpu.py, then perf/bench_tp_decode.py:
 #                                   # µs per layer at batch 1/32/128 for tp 1/2/4 (and tp 4 with
 #                                   # --ep 4), the NCCL share, greedy tokens against tp 1
@@ -82,5 +82,8 @@ case $part in
   serve) serve "$@" ;;
   *) echo "unknown part $part (decode or serve)"; exit 2 ;;
 esac
-[ $carried = 1 ] || tar czf "$OUT/tcache.tgz" -C /tmp tcache
+if [ $carried = 0 ]; then  # in parts: a file back from the device is at most 16 MiB
+  rm -f "$OUT"/tcache.tgz.part*
+  tar czf - -C /tmp tcache | split -b 15m - "$OUT/tcache.tgz.part"
+fi
 echo "done after $(($(date +%s) - t0)) s"

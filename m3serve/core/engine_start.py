@@ -25,7 +25,7 @@ from m3serve.core.piecewise import DEFAULT_MAX_TOKENS, PiecewiseGraphs
 from m3serve.core.rank_join import agree_on_pages
 from m3serve.core.spec.engine import SpecPlugin
 from m3serve.core.spec.warmup import spec_max_step_tokens, spec_warmup_plans
-from m3serve.core.step_cost import measure_step_cost
+from m3serve.core.step_cost import budget_quantum, measure_step_cost
 from m3serve.core.step_runner import StepRunner
 from m3serve.core.trace import StartupPhases
 from m3serve.core.warmup import WarmupLimits, distinct_layers, warmup_plans
@@ -202,8 +202,9 @@ def mixed_budget(
             max_step_tokens(args.sched, slots, budget),
             runner.model.cfg.vocab_size,
         )
-    log.info("%s", cost.describe(stretch, page))
-    return MixedBudget(cost, stretch, page)
+    quantum = budget_quantum(page)
+    log.info("%s", cost.describe(stretch, quantum))
+    return MixedBudget(cost, stretch, quantum)
 
 
 def storage_tier(

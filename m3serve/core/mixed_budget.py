@@ -11,14 +11,15 @@ measure gave a decode step of 16 rows 2.21 ms where served ones ran 1.99 ms, and
   measure on; a slow step counts as at most 1.2x the mean), and a bucket's decode step is the
   least of its own and bigger buckets' (a bucket decoding alone rarely keeps its start-up time);
 * a mixed step that ran over stretch x that decode step scales its bucket's budget down, and
-  one that carried its whole budget with room for another page (at the start-up per-token
+  one that carried its whole budget with room for another quantum (at the start-up per-token
   cost, and 5 % to spare) scales it up, each by the square root of (prompt work wanted /
-  prompt work seen) and by one page of the budget at least, damped to at most 1.25x up or 0.8x
-  down. So the budget settles on the most whole pages whose mixed steps stay within `stretch`
-  decode steps, instead of hovering a page above.
+  prompt work seen) and by one quantum of the budget at least, damped to at most 1.25x up or
+  0.8x down. So the budget settles on the most whole quanta (`budget_quantum`: 32 tokens) whose
+  mixed steps stay within `stretch` decode steps, instead of hovering a quantum above.
 
-The budget never leaves [1/8, 4] x the start-up one nor drops below one page, so a prompt always
-advances and one odd step (a garbage collection, a cold cache) moves it by one damped step only.
+The budget never leaves [1/8, 4] x the start-up one nor drops below one quantum, so a prompt
+always advances and one odd step (a garbage collection, a cold cache) moves it by one damped
+step only.
 """
 
 from __future__ import annotations
@@ -32,13 +33,13 @@ from m3serve.core.step_cost import StepCost, bucket, envelope
 log = logging.getLogger(__name__)
 
 # A step carried its budget when its prompt tokens reached this share of it (chunks are whole
-# pages, the last chunk of a prompt may be short).
+# quanta, the last chunk of a prompt may be short).
 FULL_SHARE = 0.75
 EWMA = 0.1  # the weight of a new decode step in its bucket's running mean
 # A slow decode step (a collection, a hiccup) counts as at most this many times the mean: the
 # mean is what a typical gap is, and a raised one would let the budget grow past the stretch.
 DECODE_CLIP = 1.2
-# A page more is taken only if the step would stay this far inside the stretch: the gap a
+# A quantum more is taken only if the step would stay this far inside the stretch: the gap a
 # client sees adds host time and jitter to the step (on the H200 at 16 streams, mixed steps at
 # 2.9 decode steps gave an inter-token p99 of 3.0x the median).
 GROW_BELOW = 0.95
@@ -50,10 +51,10 @@ REPORT_S = 30.0  # the least time between two log lines of the budgets
 class MixedBudget:
     """Callable as the scheduler's `mixed_budget(decodes)`; `observe` is fed every step run."""
 
-    def __init__(self, cost: StepCost, stretch: float, page: int) -> None:
+    def __init__(self, cost: StepCost, stretch: float, quantum: int) -> None:
         self.cost = cost
         self.stretch = stretch
-        self.page = page
+        self.quantum = quantum
         self.sizes = sorted(cost.decode_ms)
         self.decode_ms = dict(cost.decode_ms)  # bucket -> running mean of served decode steps
         self.scale = dict.fromkeys(self.sizes, 1.0)  # bucket -> factor on the start-up budget
@@ -61,12 +62,12 @@ class MixedBudget:
         self._reported_at = 0.0
 
     def __call__(self, decodes: int) -> int:
-        tokens = int(self._unrounded(decodes)) // self.page * self.page
-        return max(tokens, self.page)
+        tokens = int(self._unrounded(decodes)) // self.quantum * self.quantum
+        return max(tokens, self.quantum)
 
     def _unrounded(self, decodes: int) -> float:
-        """The budget before it is cut to whole pages: the start-up one times the scale."""
-        start = self.cost.mixed_budget(decodes, self.stretch, self.page)
+        """The budget before it is cut to whole quanta: the start-up one times the scale."""
+        start = self.cost.mixed_budget(decodes, self.stretch, self.quantum)
         return start * self.scale[bucket(self.sizes, decodes)]
 
     def observe(self, decodes: int, prompt_tokens: int, ms: float) -> None:
@@ -85,17 +86,17 @@ class MixedBudget:
         if prompt_tokens < FULL_SHARE * self(decodes) and ms <= limit:
             return  # a short chunk says nothing about what the budget would cost
         over = limit < ms
-        if over or ms + self.page * self.cost.prefill_ms_per_token <= GROW_BELOW * limit:
-            # Over the stretch: down; a page more would still fit: up. Each by the damped
-            # ratio of the prompt work wanted to the work seen, and by a page at least: next
-            # to the stretch that ratio is near 1, and the budget is whole pages, so steps of
+        if over or ms + self.quantum * self.cost.prefill_ms_per_token <= GROW_BELOW * limit:
+            # Over the stretch: down; a quantum more would still fit: up. Each by the damped
+            # ratio of the prompt work wanted to the work seen, and by a quantum at least: next
+            # to the stretch that ratio is near 1, and the budget is whole quanta, so steps of
             # it alone could leave the budget where it is for hundreds of steps.
             step = math.sqrt((limit - decode) / max(ms - decode, 1e-3))
             tokens, unrounded = self(decodes), self._unrounded(decodes)
-            if over:  # half a token past a page boundary, against rounding
+            if over:  # half a token past a quantum boundary, against rounding
                 step = min(step, (tokens - 0.5) / unrounded)
             else:
-                step = max(step, (tokens + self.page + 0.5) / unrounded)
+                step = max(step, (tokens + self.quantum + 0.5) / unrounded)
             step = min(max(step, STEP_DOWN), STEP_UP)
             self.scale[at] = min(max(self.scale[at] * step, SCALE_MIN), SCALE_MAX)
             self._report()

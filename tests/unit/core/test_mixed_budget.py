@@ -50,6 +50,17 @@ def test_served_steps_bring_the_budget_to_where_mixed_steps_take_stretch_decode_
     assert budget.decode_ms[16] < 2.0  # the served decode step replaced the start-up one
 
 
+def test_a_tight_stretch_takes_the_budget_below_a_page_in_quanta() -> None:
+    """With stretch 1.8 one page of prompt already overruns (3.87 ms against 3.58): the budget
+    steps down 32 tokens at a time to the most that fit, 64, where a page floor would have kept
+    every mixed step over the stretch."""
+    budget = MixedBudget(START, 1.8, 32)
+    serve(budget, 16, 100, decode_ms=1.99)
+    tokens = budget(16)
+    assert tokens == 64
+    assert served_ms(16, tokens) <= 1.8 * 1.99 < served_ms(16, tokens + 32)
+
+
 def test_a_step_just_over_the_stretch_takes_a_page_off_at_once() -> None:
     """The served steps run 0.2 % over the stretch at the budget's 3 pages: the work ratio
     alone would shave 0.1 % a step off a budget 20 % above its page boundary, leaving the

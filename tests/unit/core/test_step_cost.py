@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from m3serve.core.step_cost import StepCost, fit_per_token, measure_step_cost
+from m3serve.core.step_cost import StepCost, budget_quantum, fit_per_token, measure_step_cost
 from m3serve.model.batch import ForwardBatch
 from m3serve.runtime.messages import SeqStep
 
@@ -85,3 +85,10 @@ def test_a_smaller_batch_timed_slower_than_a_bigger_one_counts_as_the_bigger_one
     assert noisy.decode(9) == 1.98 and noisy.decode(4) == 1.98
     assert noisy.decode(64) == 2.85 and noisy.decode(200) == 2.85
     assert noisy.mixed_budget(12, 2.5, 128) == noisy.mixed_budget(16, 2.5, 128)
+
+
+def test_the_budget_steps_by_quanta_of_32_tokens_not_by_pages() -> None:
+    # 375 tokens of prompt work: 352 in quanta of 32, where whole pages held 256.
+    assert budget_quantum(128) == 32
+    assert COST.mixed_budget(16, 2.5, budget_quantum(128)) == 352
+    assert budget_quantum(16) == 16  # a page smaller than a quantum is the step
