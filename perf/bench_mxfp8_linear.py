@@ -17,14 +17,14 @@ Shapes (N, K) are the model's MXFP8 projections: fused q/k/v/index-q/index-k (98
   `plan_mxfp8` picks), the measurement behind `GEMV_MAX_M`; `--gemv-sweep` times the GEMV
   kernel's tile choices at M 1 and 2 on each shape, `--decode-sweep` the MMA path's
   (`DECODE_SWEEP`: rows, stages, warps, programs per SM before K is split; at K steps of 128
-  each with its scales loaded as bytes and as a word a row) at M 4-64, the measurement behind
-  `_DECODE_TILES` and `_SCALE_WORDS`.
+  each with its scales loaded as bytes and as a word a row) at M 4-64 (`--sweep-ms`), the
+  measurement behind `_DECODE_TILES` and `_SCALE_WORDS`.
 * the MMA tiles against the dequantized path (W to bf16, then cuBLAS), each forced, at the
   `--crossover-ms` sizes: the measurement behind `DEQUANT_MIN_M`.
 
     python perf/bench_mxfp8_linear.py [--ms 1,8,32,64,128] [--prefill-m 2048]
         [--crossover-ms 64,96,128,...] [--shapes qkv_index,o_proj,...] [--gemv-sweep]
-        [--decode-sweep] [--out PATH]
+        [--decode-sweep [--sweep-ms 4,8,16,32,64]] [--out PATH]
 
 (`--ms '' --prefill-m 0 --crossover-ms ''` leaves only the sweeps.)
 
@@ -170,14 +170,16 @@ DECODE_SWEEP = (
 DECODE_SWEEP_MS = (4, 8, 16, 32, 64)
 
 
-def decode_sweep(name: str, bandwidth: float) -> list[dict[str, float | int | str]]:
-    """The MMA decode tiles of `DECODE_SWEEP` on one shape at M 4..64 (graph replay)."""
+def decode_sweep(
+    name: str, bandwidth: float, ms: tuple[int, ...] = DECODE_SWEEP_MS
+) -> list[dict[str, float | int | str]]:
+    """The MMA decode tiles of `DECODE_SWEEP` on one shape at each of `ms` (graph replay)."""
     n, k = SHAPES[name]
     weight = Weight(n, k, copies_for(n * k * 33 // 32), 1)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows: list[dict[str, float | int | str]] = []
     print(f"\nMMA decode tiles on {name} ({n} x {k}): µs (% of read bandwidth)")
-    for m in DECODE_SWEEP_MS:
+    for m in ms:
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         outs = [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for _ in weight.codes]
         for plan in _sweep_plans(m, n, k, sms):
@@ -248,6 +250,7 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--gemv-sweep", action="store_true")
     parser.add_argument("--decode-sweep", action="store_true")
+    parser.add_argument("--sweep-ms", default=",".join(map(str, DECODE_SWEEP_MS)))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     ms = [int(m) for m in args.ms.split(",") if m]
@@ -261,7 +264,8 @@ def main() -> None:
     sweep = [r for name in shapes for r in gemv_sweep(name, bandwidth)] if args.gemv_sweep else []
     tiles = []
     if args.decode_sweep:
-        tiles = [r for name in shapes for r in decode_sweep(name, bandwidth)]
+        sweep_ms = tuple(int(m) for m in args.sweep_ms.split(","))
+        tiles = [r for name in shapes for r in decode_sweep(name, bandwidth, sweep_ms)]
     print("\ndecode (CUDA-graph replay; GB/s of weight bytes = codes + scales)")
     print(
         f"{'shape':>15} {'N':>6} {'K':>6} {'M':>4} {'bm':>4} {'split':>5} {'µs':>8} {'GB/s':>7} "

@@ -37,9 +37,9 @@ Paths, chosen from shapes only by `plan_mxfp8` (no autotuning, no runtime search
   at M 1 and 2 (74 % of read bandwidth on qkv and o_proj at M = 1); the earlier 8 x 512 tiles
   left o_proj (6144 x 8192) at 61 %. It beats the MMA path at M 1-2 and loses from M = 4.
 * decode, M <= 64: BLOCK_M = 16, 32 or 64 (M padded to the next one), BLOCK_K 128, 4 warps;
-  per M tile (`_DECODE_TILES`) BLOCK_N 128 and 3 stages at 16, 64 and 4 stages at 32, 128 and
-  4 stages at 64. One M tile, so every weight byte is read once per call. When the N tiles alone
-  do not give ~2 programs per SM (1 at M tile 64), K is split across programs (at least 2 K
+  per M tile (`_DECODE_TILES`) BLOCK_N 128 and 3 stages at 16, 64 and 4 stages at 32 and 64.
+  One M tile, so every weight byte is read once per call. When the N tiles alone
+  do not give ~2 programs per SM, K is split across programs (at least 2 K
   steps each); each split writes an fp32 partial [split, M, N] and a second kernel sums the
   splits in a fixed order and casts (deterministic, no atomics). That kernel is launched with
   programmatic dependent launch on sm_90, so its launch overlaps the first kernel. On the H200
@@ -53,6 +53,8 @@ Paths, chosen from shapes only by `plan_mxfp8` (no autotuning, no runtime search
   tile 64, load each row's word as one int32 instead (`Mxfp8Plan.scale_words`). On the H200
   (2026-12-05, the four projections, same machine): M tile 32 7-14 % faster with words, M
   tile 64 12-20 % faster (qkv 76.4 -> 61.3 µs), M tile 16 15-47 % slower (it keeps bytes).
+  With words the 64-row tiles also won at M tile 64, where the 128-row ones had won with bytes
+  (the same day's `--decode-sweep`, M 64: qkv 45.6 µs against 60.8, o_proj 34.9 against 44.4).
 * prefill, M > 64: BLOCK_M 128, BLOCK_N 128, BLOCK_K 64, 8 warps, 3 stages; tiles in groups of 16
   M tiles (2048 tokens) so the programs running together share their weight tiles through L2.
   Split-K applies too while the tiles leave SMs idle (e.g. M = 128 on a narrow N). A K step
@@ -124,7 +126,7 @@ DecodeTiles = tuple[int, int, int, int, int]
 _DECODE_TILES: dict[int, DecodeTiles] = {
     16: (128, 128, 4, 3, 2),
     32: (64, 128, 4, 4, 2),
-    64: (128, 128, 4, 4, 1),
+    64: (64, 128, 4, 4, 2),
 }
 # M tiles whose served tiles load each row's 4 scales of a K step as one word (`scale_words`):
 # measured per tile on the H200 (`--decode-sweep` times both loads), not derived.
