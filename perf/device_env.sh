@@ -1,8 +1,8 @@
 # Sourced by the one-call device scripts (perf/h200_*.sh), from the repo root on the lent
 # machine: installs the carried wheels (`.whl`, the README's Notes) into /tmp/site, puts them
 # and the repo on the paths, and unpacks a carried Triton cache (`.scratch/tcache.tgz.part*`, a
-# tar split in parts) into TRITON_CACHE_DIR, setting `carried` to 1 when there was one. Exits when $OUT is unset (not the
-# device machine) or the wheels do not install.
+# tar split in parts) into TRITON_CACHE_DIR, setting `carried` to 1 when there was one. Exits
+# when $OUT is unset (not the device machine) or the wheels do not install.
 : "${OUT:?run on the device machine, where \$OUT is set}"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1

@@ -37,8 +37,8 @@ Paths, chosen from shapes only by `plan_mxfp8` (no autotuning, no runtime search
   at M 1 and 2 (74 % of read bandwidth on qkv and o_proj at M = 1); the earlier 8 x 512 tiles
   left o_proj (6144 x 8192) at 61 %. It beats the MMA path at M 1-2 and loses from M = 4.
 * decode, M <= 64: BLOCK_M = 16, 32 or 64 (M padded to the next one), BLOCK_K 128, 4 warps;
-  per M tile (`_DECODE_TILES`) BLOCK_N 128 and 3 stages at 16, 64 and 4 stages at 32 and 64.
-  One M tile, so every weight byte is read once per call. When the N tiles alone
+  per M tile (`_DECODE_TILES`) BLOCK_N 128 and 3 stages at M tile 16, BLOCK_N 64 and 4 stages
+  at 32 and 64. One M tile, so every weight byte is read once per call. When the N tiles alone
   do not give ~2 programs per SM, K is split across programs (at least 2 K
   steps each); each split writes an fp32 partial [split, M, N] and a second kernel sums the
   splits in a fixed order and casts (deterministic, no atomics). That kernel is launched with
