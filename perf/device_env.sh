@@ -1,8 +1,9 @@
 # Sourced by the one-call device scripts (perf/h200_*.sh), from the repo root on the lent
 # machine: installs the carried wheels (`.whl`, the README's Notes) into /tmp/site, puts them
 # and the repo on the paths, and unpacks a carried Triton cache (`.scratch/tcache.tgz.part*`, a
-# tar split in parts) into TRITON_CACHE_DIR, setting `carried` to 1 when there was one. Exits
-# when $OUT is unset (not the device machine) or the wheels do not install.
+# tar split in parts) into TRITON_CACHE_DIR, setting `carried` to 1 when there was one;
+# `return_triton_cache` packs it into $OUT the same way when none was carried. Exits when $OUT
+# is unset (not the device machine) or the wheels do not install.
 : "${OUT:?run on the device machine, where \$OUT is set}"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
@@ -11,3 +12,9 @@ export TRITON_CACHE_DIR=/tmp/tcache
 carried=0
 parts=(.scratch/tcache.tgz.part*)
 if [ -f "${parts[0]}" ]; then cat "${parts[@]}" | tar xz -C /tmp && carried=1; fi
+
+return_triton_cache() {
+  [ $carried = 0 ] || return 0
+  rm -f "$OUT"/tcache.tgz.part*  # in parts: a file back from the device is at most 16 MiB
+  tar czf - -C /tmp tcache | split -b 15m - "$OUT/tcache.tgz.part"
+}

@@ -37,11 +37,11 @@ levels=("$@")
 # Fail in seconds, not after the health wait, when a wheel is missing.
 python3 -c "import m3serve.api.server, m3serve.core.engine_core, xgrammar" || exit 1
 t0=$(date +%s)
-[ -f /tmp/slice/config.json ] || python3 -m m3serve make-tiny /tmp/slice --vocab-size 32768 --hidden-size 6144 --num-layers 4 \
-  --num-heads 64 --num-kv-heads 4 --head-dim 128 --rotary-dim 64 --dense-layers 0 \
-  --intermediate-size 3072 --num-experts "$experts" --num-experts-per-tok 4 --index-head-dim 128 \
-  --index-block-size 128 --index-topk-blocks 16 --shards 4 --quant modelopt-mixed \
-  --device cuda > /tmp/make.log 2>&1 || { tail -20 /tmp/make.log; exit 1; }
+[ -f /tmp/slice/config.json ] || python3 -m m3serve make-tiny /tmp/slice --vocab-size 32768 \
+  --hidden-size 6144 --num-layers 4 --num-heads 64 --num-kv-heads 4 --head-dim 128 \
+  --rotary-dim 64 --dense-layers 0 --intermediate-size 3072 --num-experts "$experts" \
+  --num-experts-per-tok 4 --index-head-dim 128 --index-block-size 128 --index-topk-blocks 16 \
+  --shards 4 --quant modelopt-mixed --device cuda > /tmp/make.log 2>&1 || { tail -20 /tmp/make.log; exit 1; }
 python3 -m m3serve serve --model-path /tmp/slice --max-running-requests 256 \
   --context-length 4096 --enable-step-trace "${serve_args[@]}" > /tmp/serve.log 2>&1 &
 server=$!
@@ -73,8 +73,5 @@ while read -r name since until; do
 done < /tmp/res/windows.txt > "$OUT/${tag}trace.txt" 2>&1
 gzip -c /tmp/serve.log > "$OUT/${tag}serve.log.gz"
 tar czf "$OUT/${tag}results.tgz" -C /tmp res
-if [ $carried = 0 ]; then  # in parts: a file back from the device is at most 16 MiB
-  rm -f "$OUT"/tcache.tgz.part*
-  tar czf - -C /tmp tcache | split -b 15m - "$OUT/tcache.tgz.part"
-fi
+return_triton_cache
 echo "done after $(($(date +%s) - t0)) s"

@@ -82,8 +82,5 @@ case $part in
   serve) serve "$@" ;;
   *) echo "unknown part $part (decode or serve)"; exit 2 ;;
 esac
-if [ $carried = 0 ]; then  # in parts: a file back from the device is at most 16 MiB
-  rm -f "$OUT"/tcache.tgz.part*
-  tar czf - -C /tmp tcache | split -b 15m - "$OUT/tcache.tgz.part"
-fi
+return_triton_cache
 echo "done after $(($(date +%s) - t0)) s"

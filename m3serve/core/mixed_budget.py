@@ -28,7 +28,7 @@ import logging
 import math
 import time
 
-from m3serve.core.step_cost import StepCost, bucket, envelope
+from m3serve.core.step_cost import StepCost, bucket, envelope, whole_quanta
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +62,7 @@ class MixedBudget:
         self._reported_at = 0.0
 
     def __call__(self, decodes: int) -> int:
-        tokens = int(self._unrounded(decodes)) // self.quantum * self.quantum
-        return max(tokens, self.quantum)
+        return whole_quanta(self._unrounded(decodes), self.quantum)
 
     def _unrounded(self, decodes: int) -> float:
         """The budget before it is cut to whole quanta: the start-up one times the scale."""

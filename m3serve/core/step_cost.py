@@ -43,6 +43,11 @@ def budget_quantum(page: int) -> int:
     return min(QUANTUM, page)
 
 
+def whole_quanta(tokens: float, quantum: int) -> int:
+    """`tokens` cut to whole quanta, and one quantum at least (a prompt always advances)."""
+    return max(int(tokens) // quantum * quantum, quantum)
+
+
 @dataclass(frozen=True)
 class StepCost:
     decode_ms: dict[int, float]  # batch size -> ms of a pure decode step
@@ -60,8 +65,7 @@ class StepCost:
         """Prompt tokens a step with `decodes` decode rows may carry, in whole `quantum`s
         (`budget_quantum`)."""
         extra_ms = (stretch - 1.0) * self.decode(decodes) - self.mixed_fixed_ms
-        tokens = int(max(extra_ms, 0.0) / self.prefill_ms_per_token) // quantum * quantum
-        return max(tokens, quantum)
+        return whole_quanta(max(extra_ms, 0.0) / self.prefill_ms_per_token, quantum)
 
     def describe(self, stretch: float, quantum: int) -> str:
         budgets = ", ".join(
