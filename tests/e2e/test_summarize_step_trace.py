@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from summarize_step_trace import consecutive, in_window, main, percentile, steps
+from summarize_step_trace import consecutive, in_window, main, percentile, steps, token_gaps
 
 from m3serve.core.trace import StepRecord
 from m3serve.runtime.messages import SeqStep, StepPlan
@@ -108,3 +108,53 @@ def test_the_slowest_steps_are_listed_longest_gap_first(
     beyond = float(slowest[0].split("beyond run")[1].split()[0])
     assert beyond == pytest.approx(0.0, abs=0.01)  # step 3 ran its whole 7 ms gap
     assert "(idle 0.00, lag 0.00)" in slowest[0]
+
+
+def _traced(tmp_path: Path, entries: list[tuple[int, bool, float, float]]) -> Path:
+    """A log of steps (number, mixed, run ms, lag ms) with 0.5 ms idle each, one line per ms."""
+    lines = []
+    for i, (step, mixed, run_ms, lag_ms) in enumerate(entries):
+        seqs = [SeqStep(None, 10, [0], slot=0)]
+        if mixed:
+            seqs.append(SeqStep([1, 2, 3], 0, [1], slot=1))
+        record = StepRecord(
+            StepPlan(step=step, seqs=seqs),
+            schedule_ms=0.1,
+            run_ms=run_ms,
+            process_ms=0.05,
+            idle_ms=0.5,
+            lag_ms=lag_ms,
+        )
+        clock = f"16:00:00,{i:03d}"
+        lines.append(f"2026-12-03 {clock} INFO [engine] m3serve.core.trace: {record.line()}")
+    log = tmp_path / "serve.log"
+    log.write_text("\n".join(lines) + "\n")
+    return log
+
+
+def test_token_gaps_add_the_run_and_the_change_of_lag(tmp_path: Path) -> None:
+    # Tokens of step n reach the loop at end_n + lag_n; end_n = end_(n-1) + idle_n + run_n.
+    log = _traced(
+        tmp_path,
+        [(1, False, 2.0, 1.0), (2, True, 4.0, 3.0), (3, True, 4.0, 1.0), (5, False, 2.0, 1.0)],
+    )
+    gaps = [(round(gap, 6), before.step, step.step) for gap, before, step in token_gaps(steps(log))]
+    # step 5 follows no step 4: no gap
+    assert gaps == [(0.5 + 4.0 + 3.0 - 1.0, 1, 2), (0.5 + 4.0 + 1.0 - 3.0, 2, 3)]
+
+
+def test_the_itl_summary_names_the_steps_of_its_tail(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    entries = [(n, False, 2.0, 1.0) for n in range(1, 200)] + [(200, True, 6.0, 4.0)]
+    log = _traced(tmp_path, entries)
+    monkeypatch.setattr("sys.argv", ["summarize_step_trace.py", str(log), "--itl"])
+    main()
+    out = capsys.readouterr().out
+    head, tail = out.split("--- inter-token gaps from the trace: ")[1].split("\n", 1)
+    assert head.startswith("n=199 p50 2.50 ")  # 0.5 idle + 2.0 run, lag unchanged
+    assert "p99 2.50 " in head  # one slow gap in 199 is past the 99th percentile
+    rows = tail.splitlines()
+    assert rows[0].split()[:3] == ["decode", "->", "decode"] and "n= 198" in rows[0]
+    assert rows[1].split()[:3] == ["decode", "->", "mixed"] and "n=   1" in rows[1]
+    assert "gap   9.50 ms = idle + run   6.50 + lag change  +3.00" in rows[1]
