@@ -18,7 +18,7 @@ Shapes (N, K) are the model's MXFP8 projections: fused q/k/v/index-q/index-k (98
   kernel's tile choices at M 1 and 2 on each shape, `--decode-sweep` the MMA path's
   (`DECODE_SWEEP`: rows, stages, warps, programs per SM before K is split; at K steps of 128
   each with its scales loaded as bytes and as a word a row) at M 4-64 (`--sweep-ms`), the
-  measurement behind `_DECODE_TILES` and `_SCALE_WORDS`.
+  measurement behind `_DECODE_TILES`.
 * the MMA tiles against the dequantized path (W to bf16, then cuBLAS), each forced, at the
   `--crossover-ms` sizes: the measurement behind `DEQUANT_MIN_M`.
 

@@ -76,7 +76,7 @@ def mxfp8_decode(args: argparse.Namespace) -> None:
     import triton.language as tl
 
     from m3serve.kernels.triton.mxfp8_kernels import mxfp8_mma_kernel
-    from m3serve.kernels.triton.mxfp8_linear import _DECODE_TILES, _SCALE_WORDS, plan_mxfp8
+    from m3serve.kernels.triton.mxfp8_linear import _DECODE_TILES, plan_mxfp8
 
     common = {
         "GROUP_M": 8, "X_TERMS": 1, "DOT_DTYPE": tl.bfloat16, "EVEN_K": True, "DIRECT": True,
@@ -85,8 +85,7 @@ def mxfp8_decode(args: argparse.Namespace) -> None:
         # Left unknown, x's loads neither vectorize nor pipeline.
         "stride_xk": 1,
     }  # fmt: skip
-    for block_m, (block_n, block_k, warps, stages, _) in sorted(_DECODE_TILES.items()):
-        served = _SCALE_WORDS[block_m]
+    for block_m, (block_n, block_k, warps, stages, _, served) in sorted(_DECODE_TILES.items()):
         for words in (served, not served) if block_k == 128 else (False,):
             tile = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}
             consts = {**common, **tile, "SCALE_WORDS": words}

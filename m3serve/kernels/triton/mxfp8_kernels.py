@@ -73,7 +73,7 @@ def mxfp8_mma_kernel(
     # SCALE_WORDS (K steps of 128, K a multiple of 128): each row's 4 scales of a step as one
     # little-endian word (byte j: group j). Where the byte layout gives a thread fewer than 4 of
     # them (64 rows at 4 warps: 2) they stay a synchronous load even aligned; which tiles take
-    # words is measured (mxfp8_linear.py `_SCALE_WORDS`).
+    # words is measured (mxfp8_linear.py `DecodeTiles.words`).
     w_ptrs = scales_ptr.to(tl.pointer_type(tl.int32)) + rn_load * (stride_sn // 4) + k_lo // 128
     # x is loaded transposed ([BLOCK_K, BLOCK_M]): the dot's right operand.
     x_ptrs = x_ptr + rm_load[None, :] * stride_xm + (k_lo + rk)[:, None] * stride_xk

@@ -89,6 +89,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from functools import cache
+from typing import NamedTuple
 
 import torch
 import triton
@@ -118,19 +119,28 @@ _GEMV_BLOCK_K = 1024
 _GEMV_PLAN_MAX_M = 16
 # Smallest tl.dot dimension: decode pads M up to this.
 MIN_BLOCK_M = 16
-# Decode tiles per M tile: (BLOCK_N, BLOCK_K, warps, stages, programs per SM below which K is
-# split). Decode programs are small (4 warps, 25-50 KB of shared memory), so several share an
-# SM and their loads overlap. From `perf/bench_mxfp8_linear.py --decode-sweep` (H200, see the
-# module docstring).
-DecodeTiles = tuple[int, int, int, int, int]
-_DECODE_TILES: dict[int, DecodeTiles] = {
-    16: (128, 128, 4, 3, 2),
-    32: (64, 128, 4, 4, 2),
-    64: (64, 128, 4, 4, 2),
+
+
+class DecodeTiles(NamedTuple):
+    """One decode M tile's launch. Decode programs are small (4 warps, 25-50 KB of shared
+    memory), so several share an SM and their loads overlap."""
+
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+    per_sm: int  # programs per SM below which K is split
+    # Each row's 4 scales of a K step of 128 as one word (`Mxfp8Plan.scale_words`): measured
+    # per tile on the H200 (`--decode-sweep` times both loads), not derived.
+    words: bool = False
+
+
+# From `perf/bench_mxfp8_linear.py --decode-sweep` (H200, see the module docstring).
+_DECODE_TILES = {
+    16: DecodeTiles(128, 128, 4, 3, 2),
+    32: DecodeTiles(64, 128, 4, 4, 2, words=True),
+    64: DecodeTiles(64, 128, 4, 4, 2, words=True),
 }
-# M tiles whose served tiles load each row's 4 scales of a K step as one word (`scale_words`):
-# measured per tile on the H200 (`--decode-sweep` times both loads), not derived.
-_SCALE_WORDS = {16: False, 32: True, 64: True}
 _PREFILL_PROGRAMS_PER_SM = 1
 _MAX_SPLIT = 32
 # Each split streams at least this many K steps, so that the pipeline has loads to overlap.
@@ -185,19 +195,19 @@ def plan_mxfp8(
     num_sms: int,
     gemv_max_m: int = GEMV_MAX_M,
     dequant_min_m: int = DEQUANT_MIN_M,
-    decode_tiles: DecodeTiles | None = None,
+    decode_tiles: tuple[int, int, int, int, int] | None = None,
 ) -> Mxfp8Plan:
     """Tiles and split count for x [m, k] @ W[n, k]^T on a device with `num_sms` SMs; M up to
     `gemv_max_m` takes the GEMV kernel, M from `dequant_min_m` the dequantized path, and the
-    MMA decode path `decode_tiles` instead of `_DECODE_TILES`' (benchmarks move the crossovers
-    and sweep the tiles)."""
+    MMA decode path `decode_tiles` (DecodeTiles' fields up to `per_sm`, scales as bytes) instead
+    of `_DECODE_TILES`' (benchmarks move the crossovers and sweep the tiles)."""
     if m <= gemv_max_m:
         return _plan_gemv(m, n, k, num_sms)
     words = False
     if m <= DECODE_MAX_M:
         block_m = max(MIN_BLOCK_M, triton.next_power_of_2(max(m, 1)))
-        block_n, block_k, warps, stages, per_sm = decode_tiles or _DECODE_TILES[block_m]
-        words = decode_tiles is None and _SCALE_WORDS[block_m]
+        chosen = DecodeTiles(*decode_tiles) if decode_tiles else _DECODE_TILES[block_m]
+        block_n, block_k, warps, stages, per_sm, words = chosen
     else:
         block_m, block_n, block_k, warps, stages = 128, 128, 64, 8, 3
         per_sm = _PREFILL_PROGRAMS_PER_SM
