@@ -14,8 +14,8 @@ run), as HH:MM:SS of the log's clock.
 
 `--itl` rebuilds the gaps between a request's tokens from the trace alone (`token_gaps`) and
 prints their percentiles with what the tail is made of: on the H200 slice at C = 16 they came
-to 2.31 / 7.73 ms (p50 / p99) where the clients measured 2.37 / 7.71, so a log is enough to
-ask where an ITL tail comes from, and what a change of the step's parts would do to it.
+to 2.31 / 7.68 ms (p50 / p99) where the clients measured 2.37 / 7.71, so a log is enough to
+ask where an ITL tail comes from.
 
     python perf/summarize_step_trace.py serve.log [--top 25] [--slowest 10] [--itl]
         [--since 16:17:05 --until 16:17:08]
