@@ -53,11 +53,19 @@ def test_lines_of_older_servers_without_idle_and_lag_still_parse(tmp_path: Path)
 
 def _log(tmp_path: Path, entries: list[tuple[str, int, float]]) -> Path:
     """A log of decode steps: (HH:MM:SS,fff, step number, run ms) each."""
-    lines = []
+    records = []
     for clock, step, run_ms in entries:
         plan = StepPlan(step=step, seqs=[SeqStep(None, 10, [0], slot=0)])
-        record = StepRecord(plan, schedule_ms=0.1, run_ms=run_ms, process_ms=0.05)
-        lines.append(f"2026-12-03 {clock} INFO [engine] m3serve.core.trace: {record.line()}")
+        records.append((clock, StepRecord(plan, schedule_ms=0.1, run_ms=run_ms, process_ms=0.05)))
+    return _write_log(tmp_path, records)
+
+
+def _write_log(tmp_path: Path, records: list[tuple[str, StepRecord]]) -> Path:
+    """serve.log with each record's trace line as the engine logs it at its clock time."""
+    lines = [
+        f"2026-12-03 {clock} INFO [engine] m3serve.core.trace: {record.line()}"
+        for clock, record in records
+    ]
     log = tmp_path / "serve.log"
     log.write_text("\n".join(lines) + "\n")
     return log
@@ -112,7 +120,7 @@ def test_the_slowest_steps_are_listed_longest_gap_first(
 
 def _traced(tmp_path: Path, entries: list[tuple[int, bool, float, float]]) -> Path:
     """A log of steps (number, mixed, run ms, lag ms) with 0.5 ms idle each, one line per ms."""
-    lines = []
+    records = []
     for i, (step, mixed, run_ms, lag_ms) in enumerate(entries):
         seqs = [SeqStep(None, 10, [0], slot=0)]
         if mixed:
@@ -125,11 +133,8 @@ def _traced(tmp_path: Path, entries: list[tuple[int, bool, float, float]]) -> Pa
             idle_ms=0.5,
             lag_ms=lag_ms,
         )
-        clock = f"16:00:00,{i:03d}"
-        lines.append(f"2026-12-03 {clock} INFO [engine] m3serve.core.trace: {record.line()}")
-    log = tmp_path / "serve.log"
-    log.write_text("\n".join(lines) + "\n")
-    return log
+        records.append((f"16:00:00,{i:03d}", record))
+    return _write_log(tmp_path, records)
 
 
 def test_token_gaps_add_the_run_and_the_change_of_lag(tmp_path: Path) -> None:
