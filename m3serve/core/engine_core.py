@@ -238,7 +238,7 @@ class EngineCore(StepLoop):
         if self.spec is not None:
             self.scheduler.spec_draft = self.spec.settings.block_size
         # ------------------------------------------------------------------ executor
-        self.executor = Executor(self.run, self.prepare)
+        self.executor = Executor(self.run, self.prepare, hold=self.device.type != "cpu")
         self.runner.while_device_runs = self.executor.while_device_runs
         self._in_flight = None
         self._ready_compiles = self.trace.compiles.count

@@ -26,10 +26,10 @@ class Steps:
     """Runs a plan by calling the hook registered for its step number, then returns its result;
     records the plans the executor asks it to build ahead."""
 
-    def __init__(self) -> None:
+    def __init__(self, hold: bool = True) -> None:
         self.hooks: dict[int, Callable[[], None]] = {}
         self.prepared: list[int] = []
-        self.executor = Executor(self.run, lambda p: self.prepared.append(p.step))
+        self.executor = Executor(self.run, lambda p: self.prepared.append(p.step), hold=hold)
 
     def run(self, plan: StepPlan) -> StepResult:
         hook = self.hooks.get(plan.step)
@@ -63,17 +63,26 @@ def test_a_step_result_waits_for_the_next_step_to_launch(steps: Steps) -> None:
     assert seen == {"before launch": False, "after launch": True}
 
 
-def test_a_result_is_not_held_for_a_step_that_samples_nothing(steps: Steps) -> None:
-    """A prompt chunk with no sampled row never reports its launch: the result before it goes
-    out before it runs."""
+@pytest.mark.parametrize(
+    ("hold", "sample"), [(True, False), (False, True)], ids=["prompt-chunk-next", "cpu-no-hold"]
+)
+def test_a_result_is_not_held_for_a_step_that_samples_nothing_or_on_a_cpu(
+    hold: bool, sample: bool
+) -> None:
+    """A prompt chunk with no sampled row never reports its launch, and a CPU's launch is the
+    whole forward (`hold=False`): the result before such a step goes out before it runs."""
+    steps = Steps(hold=hold)
     release_first = threading.Event()
     seen: dict[str, bool] = {}
-    steps.hooks[0] = lambda: release_first.wait(TIMEOUT)
-    first = steps.executor.submit(plan(0))
-    steps.hooks[1] = lambda: seen.setdefault("at start", first.done())
-    second = steps.executor.submit(plan(1, sample=False))
-    release_first.set()
-    assert second.result(TIMEOUT).step == 1
+    try:
+        steps.hooks[0] = lambda: release_first.wait(TIMEOUT)
+        first = steps.executor.submit(plan(0))
+        steps.hooks[1] = lambda: seen.setdefault("at start", first.done())
+        second = steps.executor.submit(plan(1, sample=sample))
+        release_first.set()
+        assert second.result(TIMEOUT).step == 1
+    finally:
+        steps.executor.close()
     assert seen == {"at start": True}
 
 
