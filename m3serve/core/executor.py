@@ -10,7 +10,7 @@ While a step's kernels run, this thread does what the next step needs before its
 - the previous step's result, held back until now, goes to the event loop, which then
   processes it while the device works and this thread waits without the GIL (handed over at
   once, the loop's work ran while this thread built and launched the next step: both need the
-  GIL, and the device sat idle meanwhile);
+  GIL, and the device sat idle meanwhile). Not on a CPU (`hold`), whose launch is the forward;
 - once the event loop has queued the next step, its batch is built (`prepare`), so that after
   this step's tokens arrive only the launch is left; under --tp its plan also goes to the
   follower ranks there, so a step handed to `prepare` runs even if its caller gives up on it
