@@ -3,7 +3,7 @@
 # serve the 4-layer M3.1-shaped quantized slice with the step trace, run the closed-loop
 # levels, and pack what comes back into at most four files under $OUT (the device tool returns
 # eight): results.tgz (each level's JSON and console table, windows.txt), trace.txt (per level
-# `summarize_step_trace.py --since/--until --slowest 20`), serve.log.gz, and the Triton cache
+# `summarize_step_trace.py --since/--until --slowest 20 --itl`), serve.log.gz, the Triton cache
 # (tcache.tgz.part*, under 16 MiB each) when none was carried in, for the next call's start-up
 # (~50 s instead of ~240).
 #
@@ -69,7 +69,7 @@ echo "compile warnings after ready: $(grep -c 'compiled' /tmp/serve.log)"
 while read -r name since until; do
   echo "== $name"
   python3 perf/summarize_step_trace.py /tmp/serve.log --since "$since" --until "$until" \
-    --top 10 --slowest 20
+    --top 10 --slowest 20 --itl
 done < /tmp/res/windows.txt > "$OUT/${tag}trace.txt" 2>&1
 gzip -c /tmp/serve.log > "$OUT/${tag}serve.log.gz"
 tar czf "$OUT/${tag}results.tgz" -C /tmp res
