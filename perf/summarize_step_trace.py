@@ -70,14 +70,15 @@ def steps(path: Path) -> list[Step]:
     return rows
 
 
+def _pairs(rows: list[Step]) -> list[tuple[Step, Step]]:
+    """(step before, step) for each step that directly follows the step before it."""
+    return [(prev, cur) for prev, cur in itertools.pairwise(rows) if cur.step == prev.step + 1]
+
+
 def consecutive(rows: list[Step]) -> list[tuple[float, Step]]:
     """Each step that directly follows the step before it, with the wall time between their
     lines in ms."""
-    return [
-        (1e3 * (cur.stamp - prev.stamp), cur)
-        for prev, cur in itertools.pairwise(rows)
-        if cur.step == prev.step + 1
-    ]
+    return [(1e3 * (cur.stamp - prev.stamp), cur) for prev, cur in _pairs(rows)]
 
 
 def in_window(rows: list[Step], since: str | None, until: str | None) -> list[Step]:
@@ -102,8 +103,8 @@ def token_gaps(rows: list[Step]) -> list[tuple[float, Step, Step]]:
     gap = idle + run + lag - the previous lag (0.01 ms resolution, where the clock has ms)."""
     return [
         (cur.idle_ms + cur.run_ms + cur.lag_ms - prev.lag_ms, prev, cur)
-        for prev, cur in itertools.pairwise(rows)
-        if cur.step == prev.step + 1 and cur.kind != "prefill"
+        for prev, cur in _pairs(rows)
+        if cur.kind != "prefill"
     ]
 
 
@@ -124,9 +125,8 @@ def _print_token_gaps(rows: list[Step]) -> None:
     for (before, kind), items in sorted(tail.items(), key=lambda kv: -len(kv[1])):
         run = statistics.mean(c.idle_ms + c.run_ms for _, _, c in items)
         lag = statistics.mean(c.lag_ms - b.lag_ms for _, b, c in items)
-        gap = statistics.mean(g for g, _, _ in items)
         print(
-            f"{before:>7s} -> {kind:7s} n={len(items):4d} gap {gap:6.2f} ms = "
+            f"{before:>7s} -> {kind:7s} n={len(items):4d} gap {run + lag:6.2f} ms = "
             f"idle + run {run:6.2f} + lag change {lag:+6.2f}"
         )
 
