@@ -58,7 +58,11 @@ TPOT is per token either way. E2E_done (JSON only) runs to the
 [DONE] event. Over the level, with T = wall time from the first send to the last stream's end:
     requests/s = completed requests / T; input tokens/s = sum(input tokens) / T;
     output tokens/s = sum(output tokens) / T; mean in-flight = sum(E2E_done, all requests) / T
-(completed requests only in the sums, failed ones too in mean in-flight)
+(completed requests only in the sums, failed ones too in mean in-flight);
+    prompt_cache_hit = sum(usage cached_tokens) / sum(usage prompt_tokens)
+(the share of the prompt tokens the server's prefix cache served; over half, the level warns:
+its prompts were sent before, e.g. by another run with the same --seed, so it measured little
+prefill)
 Statistics are mean and the percentiles p50/p90/p99 by linear interpolation between order
 statistics (numpy's default). Failed requests (transport error, HTTP status other than 200,
 an `error` event, a stream with no content or without [DONE]) count in `failed` with their

@@ -52,16 +52,22 @@ done
 echo "ready after $(($(date +%s) - t0)) s"
 grep -E "start-up [0-9]|mixed-step prompt budget" /tmp/serve.log | tail -2
 rm -rf /tmp/res && mkdir -p /tmp/res && : > /tmp/res/windows.txt
+# A seed per level: each bench_serving run draws its prompts from its seed, and with one seed
+# every level resent the last one's prompts, which the prefix cache then served (2026-12-05:
+# C 128 found 97 % of its prompt tokens cached).
+seed=0
 for level in "${levels[@]}"; do
+  seed=$((seed + 1))
   IFS=: read -r name concurrency requests probe <<< "$level"
   extra=()
   [ "${probe:-}" = probe ] && extra=(--decode-probe "$concurrency")
   since=$(date +%T.%3N)
   python3 perf/bench_serving.py --url http://127.0.0.1:30000 --input-len 1024 --output-len 256 \
-    --concurrency "$concurrency" --num-requests "$requests" --client-procs 4 "${extra[@]}" \
+    --concurrency "$concurrency" --num-requests "$requests" --client-procs 4 --seed "$seed" \
+    "${extra[@]}" \
     --out "/tmp/res/$name.json" > "/tmp/res/$name.txt" 2>&1
   echo "$name $since $(date +%T.%3N)" >> /tmp/res/windows.txt
-  grep -E "^concurrency|of ideal" "/tmp/res/$name.txt"
+  grep -E "^concurrency|of ideal|prefix cache" "/tmp/res/$name.txt"
 done
 kill -INT $server
 wait $server

@@ -57,11 +57,13 @@ serve_one() {  # serve_one TP LEVEL...: start, probe, run the levels, stop
   echo "tp $tp: ready after $(($(date +%s) - started)) s"
   grep -E "start-up [0-9]|mixed-step prompt budget" "/tmp/serve_tp$tp.log" | tail -2
   python3 perf/greedy_probe.py --url http://127.0.0.1:30000 --out "$OUT/greedy_tp$tp.json"
+  local seed=0  # a seed per level, so that no level resends cached prompts
   for level in "$@"; do
+    seed=$((seed + 1))
     IFS=: read -r name concurrency requests <<< "$level"
     python3 perf/bench_serving.py --url http://127.0.0.1:30000 --input-len 1024 \
       --output-len 256 --concurrency "$concurrency" --num-requests "$requests" \
-      --client-procs 4 --out "$OUT/serving_tp${tp}_$name.json" > "/tmp/level.txt" 2>&1
+      --client-procs 4 --seed "$seed" --out "$OUT/serving_tp${tp}_$name.json" > "/tmp/level.txt" 2>&1
     grep -E "^concurrency" -A3 /tmp/level.txt | sed "s/^/tp $tp $name: /"
   done
   kill -INT $server

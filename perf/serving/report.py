@@ -48,6 +48,13 @@ def print_level(r: dict[str, Any]) -> None:
         print(f"  {count} x {error}")
     if r["short_outputs"]:
         print(f"  {r['short_outputs']} completed requests had fewer than {r['output_len']} tokens")
+    hit = r.get("prompt_cache_hit")
+    if hit is not None and hit > 0.5:
+        print(
+            f"  warning: the server's prefix cache held {hit:.0%} of the prompt tokens: these "
+            "prompts were sent before (another run's level with the same --seed?), so this "
+            "level measured little prefill"
+        )
     busiest = r.get("client_cpu_util_max", r["client_cpu_util"])
     if busiest > 0.8 and r["duration_s"] > 1.0:  # shorter runs: too noisy to say
         print("  warning: a client process used most of a CPU core; it may limit what is measured")

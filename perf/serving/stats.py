@@ -59,6 +59,7 @@ def summarize(
         "input_tokens_source": _source(prompt_usage, len(ok), "prompt text"),
         "output_tokens_source": _source(with_usage, len(ok), "chunks"),
         "tokens_per_chunk": output_tokens / chunks if chunks else None,
+        "prompt_cache_hit": prompt_cache_hit(ok),
         "prompt_text_tokens": stats(r.prompt_text_tokens for r in ok),
         "input_tokens": stats(r.input_tokens for r in ok),
         "output_tokens": stats(r.output_tokens for r in ok),
@@ -72,6 +73,15 @@ def summarize(
         "arrival_lag_ms": stats(1e3 * lag for lag in lags) if lags else None,
         "requests": [r.summary() for r in records],
     }
+
+
+def prompt_cache_hit(records: Sequence[RequestRecord]) -> float | None:
+    """The share of the prompt tokens the server found in its prefix cache
+    (usage.prompt_tokens_details.cached_tokens), None where it reported none. Near 1, the
+    level measured little prefill: its prompts had been sent before."""
+    counted = [r for r in records if r.cached_tokens is not None and r.prompt_tokens]
+    total = sum(r.prompt_tokens or 0 for r in counted)
+    return sum(r.cached_tokens or 0 for r in counted) / total if total else None
 
 
 def _source(with_usage: int, requests: int, fallback: str) -> str:

@@ -16,7 +16,7 @@ from server_process import start_m3serve
 from serving.client import RequestRecord, StreamParser
 from serving.options import SMOKE
 from serving.probe import add_efficiency, summarize_probe, window
-from serving.stats import itl_definition, percentile, stats
+from serving.stats import itl_definition, percentile, prompt_cache_hit, stats
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "perf" / "bench_serving.py"
@@ -113,6 +113,17 @@ def test_decode_probe_is_not_fooled_by_a_client_that_reads_in_bursts() -> None:
     probe = summarize_probe(records, output_len=30)
     assert probe["median_gap_ms"] < 1.0
     assert probe["pure_decode_step_ms"] == pytest.approx(100.0, rel=0.1)
+
+
+def test_prompt_cache_hit_is_the_cached_share_of_the_prompt_tokens() -> None:
+    # A level whose prompts were sent before shows it: the server found them in its cache.
+    fresh = RequestRecord(start=0.0, prompt_text_tokens=1024, prompt_tokens=1184)
+    fresh.cached_tokens = 128
+    seen = RequestRecord(start=0.0, prompt_text_tokens=1024, prompt_tokens=1184)
+    seen.cached_tokens = 1152
+    assert prompt_cache_hit([fresh, seen]) == pytest.approx((128 + 1152) / (2 * 1184))
+    quiet = RequestRecord(start=0.0, prompt_text_tokens=1024, prompt_tokens=1184)
+    assert prompt_cache_hit([quiet]) is None  # a server that does not report it
 
 
 def test_percentiles_interpolate_between_order_statistics() -> None:
