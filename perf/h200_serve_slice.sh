@@ -3,9 +3,9 @@
 # serve the 4-layer M3.1-shaped quantized slice with the step trace, run the closed-loop
 # levels, and pack what comes back into at most four files under $OUT (the device tool returns
 # eight): results.tgz (each level's JSON and console table, windows.txt), trace.txt (per level
-# `summarize_step_trace.py --since/--until --slowest 20 --itl`), serve.log.gz, the Triton cache
-# (tcache.tgz.part*, under 16 MiB each) when none was carried in, for the next call's start-up
-# (~50 s instead of ~240).
+# `summarize_step_trace.py --since/--until --slowest 20 --itl --chunk-cost`), serve.log.gz,
+# the Triton cache (tcache.tgz.part*, under 16 MiB each) when none was carried in, for the next
+# call's start-up (~50 s instead of ~240). Each level draws fresh prompts (a seed per level).
 #
 #   carry [".whl"] (plus ".scratch" holding tcache.tgz.part*, if any):
 #   bash perf/h200_serve_slice.sh [--experts N] [--tag T] [--serve-arg ARG]... [LEVEL...]
@@ -75,7 +75,7 @@ echo "compile warnings after ready: $(grep -c 'compiled' /tmp/serve.log)"
 while read -r name since until; do
   echo "== $name"
   python3 perf/summarize_step_trace.py /tmp/serve.log --since "$since" --until "$until" \
-    --top 10 --slowest 20 --itl
+    --top 10 --slowest 20 --itl --chunk-cost
 done < /tmp/res/windows.txt > "$OUT/${tag}trace.txt" 2>&1
 gzip -c /tmp/serve.log > "$OUT/${tag}serve.log.gz"
 tar czf "$OUT/${tag}results.tgz" -C /tmp res

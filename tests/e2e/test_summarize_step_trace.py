@@ -6,7 +6,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from summarize_step_trace import consecutive, in_window, main, percentile, steps, token_gaps
+from summarize_step_trace import (
+    chunk_costs,
+    consecutive,
+    in_window,
+    main,
+    percentile,
+    steps,
+    token_gaps,
+)
 
 from m3serve.core.trace import StepRecord
 from m3serve.runtime.messages import SeqStep, StepPlan
@@ -163,3 +171,29 @@ def test_the_itl_summary_names_the_steps_of_its_tail(
     assert rows[0].split()[:3] == ["decode", "->", "decode"] and "n= 198" in rows[0]
     assert rows[1].split()[:3] == ["decode", "->", "mixed"] and "n=   1" in rows[1]
     assert "gap   9.50 ms = idle + run   6.50 + lag change  +3.00" in rows[1]
+
+
+def test_chunk_costs_bin_mixed_steps_by_decode_rows_and_prompt_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def plan(step: int, rows: int, chunk: int) -> StepPlan:
+        seqs = [SeqStep(None, 10, [r], slot=r) for r in range(rows)]
+        if chunk:
+            seqs.append(SeqStep(list(range(chunk)), 0, [rows], slot=rows))
+        return StepPlan(step=step, seqs=seqs)
+
+    shapes = [(16, 0, 1.8), (16, 0, 2.0), (16, 40, 4.5), (15, 100, 4.4), (20, 70, 5.0)]
+    records = [
+        (f"16:00:00,{i:03d}", StepRecord(plan(i, rows, chunk), 0.1, run_ms=ms, process_ms=0.05))
+        for i, (rows, chunk, ms) in enumerate(shapes)
+    ]
+    log = _write_log(tmp_path, records)
+    costs = chunk_costs(steps(log))
+    # 16 decode rows alone (bin -1), beside 40 prompt tokens (bin 0), 15 beside 100 (bin 1);
+    # 20 rows fall in the next row bucket.
+    assert costs == {(16, -1): [1.8, 2.0], (16, 0): [4.5], (16, 1): [4.4], (64, 1): [5.0]}
+    monkeypatch.setattr("sys.argv", ["summarize_step_trace.py", str(log), "--chunk-cost"])
+    main()
+    out = capsys.readouterr().out.splitlines()
+    assert out[-2] == "rows  <= 16  decode 1.90 (n 2)  0-63: 4.50 (n 1)  64-127: 4.40 (n 1)"
+    assert out[-1] == "rows  <= 64  64-127: 5.00 (n 1)"
