@@ -203,8 +203,10 @@ def mixed_budget(
             runner.model.cfg.vocab_size,
         )
     quantum = budget_quantum(page)
-    log.info("%s", cost.describe(stretch, quantum))
-    return MixedBudget(cost, stretch, quantum)
+    served = MixedBudget(cost, stretch, quantum, args.sched.mixed_step_min_tokens)
+    floor = f"; never below {served.floor} tokens" if args.sched.mixed_step_min_tokens else ""
+    log.info("%s%s", cost.describe(stretch, quantum), floor)
+    return served
 
 
 def storage_tier(

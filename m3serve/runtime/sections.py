@@ -84,11 +84,19 @@ class SchedArgs:
         "pure decode steps (measured at start on a GPU), which bounds inter-token latency "
         "while prompts are prefilled; 0 gives every step the whole --chunked-prefill-size",
     )
+    mixed_step_min_tokens: int = option(
+        0,
+        "the served mixed-step budget never shrinks below this many prompt tokens (0: one "
+        "quantum); where a step's fixed cost fills the stretch, smaller chunks are no faster "
+        "and only prefill slower",
+    )
 
     def __post_init__(self) -> None:
         problems = []
         if self.mixed_step_stretch != 0 and self.mixed_step_stretch <= 1:
             problems.append("--mixed-step-stretch must be 0 (off) or above 1")
+        if self.mixed_step_min_tokens < 0:
+            problems.append("--mixed-step-min-tokens must be >= 0")
         if self.max_running_requests < 1:
             problems.append("--max-running-requests must be >= 1")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:

@@ -74,6 +74,33 @@ def test_a_step_just_over_the_stretch_takes_a_page_off_at_once() -> None:
     assert budget(16) == 256
 
 
+def flat_ms(tokens: int) -> float:
+    """Served mixed steps of the 12-05 H100 slice beside 16 decode rows: ~4.6 ms whatever the
+    chunk up to a few hundred tokens (a fixed part that alone fills the stretch)."""
+    return 4.6 + 0.0005 * tokens
+
+
+def test_where_the_fixed_cost_fills_the_stretch_the_floor_keeps_chunks_whole() -> None:
+    # Every mixed step runs over 2.5 x 1.83 = 4.575 ms: without a floor the budget walks down
+    # to one quantum (chunks 8x smaller, no faster); with one it stays there.
+    start = StepCost({16: 1.83}, 0.007, 1.5)  # the start-up fit: 160 tokens
+    plain = MixedBudget(start, 2.5, 32)
+    floored = MixedBudget(start, 2.5, 32, min_tokens=256)
+    for budget in (plain, floored):
+        for _ in range(100):
+            budget.observe(16, 0, 1.83)
+            budget.observe(16, budget(16), flat_ms(budget(16)))
+    assert plain(16) == 32
+    assert floored(16) == 256
+
+
+def test_the_floor_is_whole_quanta_and_a_budget_above_it_still_follows_the_stretch() -> None:
+    budget = MixedBudget(START, 2.5, PAGE, min_tokens=200)
+    assert budget.floor == PAGE  # 200 tokens cut to whole pages
+    serve(budget, 16, 60, decode_ms=1.99)
+    assert budget(16) == 256  # as without a floor (the stretch test above)
+
+
 def test_a_budget_too_small_grows_back() -> None:
     budget = MixedBudget(START, 2.5, PAGE)
     budget.scale[64] = SCALE_MIN  # as after a burst of slow steps
