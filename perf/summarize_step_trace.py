@@ -42,7 +42,8 @@ from typing import NamedTuple
 LINE = re.compile(
     r"^(\S+ \S+) .*step (\d+) (\w+) batch=(\d+) tokens=(\d+).*host=([\d.]+)ms "
     r"\(plan ([\d.]+) \+ process ([\d.]+)\) run=([\d.]+)ms"
-    r"(?: idle=([\d.]+)ms lag=([\d.]+)ms)?(?: gc=([\d.]+)ms)?(?: budget=(\d+))?"
+    r"(?: idle=([\d.]+)ms lag=([\d.]+)ms)?(?: launch=([\d.]+)ms)?(?: gc=([\d.]+)ms)?"
+    r"(?: budget=(\d+))?"
 )
 
 
@@ -60,6 +61,7 @@ class Step(NamedTuple):
     budget: int = 0  # a mixed step's prompt budget (`budget=`; 0: not logged)
     idle_ms: float = 0.0  # the executor's wait for this plan (`idle=`; older logs: 0)
     lag_ms: float = 0.0  # the result's wait for the event loop (`lag=`)
+    launch_ms: float = 0.0  # the run until its kernels were queued (`launch=`; 0: not logged)
 
 
 def steps(path: Path) -> list[Step]:
@@ -69,11 +71,10 @@ def steps(path: Path) -> list[Step]:
         if m:
             stamp = datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
             numbers = (float(m[i]) for i in (6, 7, 8, 9))
-            idle, lag = (float(m[i]) if m[i] else 0.0 for i in (10, 11))
-            gc_ms = float(m[12]) if m[12] else 0.0
-            budget = int(m[13]) if m[13] else 0
+            idle, lag, launch, gc_ms = (float(m[i]) if m[i] else 0.0 for i in (10, 11, 12, 13))
+            budget = int(m[14]) if m[14] else 0
             head = (stamp, int(m[2]), m[3], int(m[4]), int(m[5]), *numbers)
-            rows.append(Step(*head, gc_ms, budget, idle, lag))
+            rows.append(Step(*head, gc_ms, budget, idle, lag, launch))
     return rows
 
 
@@ -147,16 +148,24 @@ def row_bucket(rows: int) -> int:
     return next((b for b in ROW_BUCKETS if rows <= b), 0)
 
 
-def chunk_costs(rows: list[Step]) -> dict[tuple[int, int], list[float]]:
-    """Run ms of the decode (prompt bin -1) and mixed steps by (row bucket, prompt-token bin)."""
-    costs: dict[tuple[int, int], list[float]] = defaultdict(list)
+def chunk_costs(rows: list[Step]) -> dict[tuple[int, int], list[Step]]:
+    """The decode (prompt bin -1) and mixed steps by (row bucket, prompt-token bin)."""
+    costs: dict[tuple[int, int], list[Step]] = defaultdict(list)
     for r in rows:
         if r.kind == "decode":
-            costs[(row_bucket(r.batch), -1)].append(r.run_ms)
+            costs[(row_bucket(r.batch), -1)].append(r)
         elif r.kind == "mixed":
             prompt = r.tokens - (r.batch - 1)
-            costs[(row_bucket(r.batch - 1), prompt // CHUNK_BIN)].append(r.run_ms)
+            costs[(row_bucket(r.batch - 1), prompt // CHUNK_BIN)].append(r)
     return costs
+
+
+def _cost_cell(label: str, group: list[Step]) -> str:
+    """Median run ms and count, and the median launch where the trace logged it."""
+    run = statistics.median(r.run_ms for r in group)
+    launches = [r.launch_ms for r in group if r.launch_ms]
+    launch = f", launch {statistics.median(launches):.2f}" if launches else ""
+    return f"{label}{run:.2f} (n {len(group)}{launch})"
 
 
 def _print_chunk_costs(rows: list[Step]) -> None:
@@ -167,11 +176,10 @@ def _print_chunk_costs(rows: list[Step]) -> None:
     for bucket in sorted({b for b, _ in costs}, key=lambda b: b or 1 << 30):
         name = f"<= {bucket}" if bucket else f"> {ROW_BUCKETS[-1]}"
         decode = costs.get((bucket, -1))
-        cells = [f"decode {statistics.median(decode):.2f} (n {len(decode)})" if decode else ""]
+        cells = [_cost_cell("decode ", decode) if decode else ""]
         for lo in sorted(k for b, k in costs if b == bucket and k >= 0):
-            runs = costs[(bucket, lo)]
             span = f"{lo * CHUNK_BIN}-{(lo + 1) * CHUNK_BIN - 1}"
-            cells.append(f"{span}: {statistics.median(runs):.2f} (n {len(runs)})")
+            cells.append(_cost_cell(f"{span}: ", costs[(bucket, lo)]))
         print(f"rows {name:>6s}  " + "  ".join(c for c in cells if c))
 
 
@@ -209,6 +217,7 @@ def main() -> None:
             f"wall gap {gap:6.2f} ms  host {med['host_ms']:5.2f} (plan {med['plan_ms']:4.2f} "
             f"process {med['process_ms']:4.2f})  run {med['run_ms']:6.2f} ms (p99 {p99:6.2f})  "
             f"idle {med['idle_ms']:4.2f} lag {med['lag_ms']:4.2f}"
+            + (f" launch {med['launch_ms']:4.2f}" if med["launch_ms"] else "")
             + (f"  gc {paused:.1f} ms in all" if paused else "")
             + (f"  budget {budgets[0]}-{budgets[-1]}" if budgets else "")
         )

@@ -128,9 +128,11 @@ class StepLoop:
         started, compiles = time.perf_counter(), self.trace.compiles.count
         if self.plans is not None and self._sent != plan.step:  # the followers run it with us
             self._send(plan)
+        self.runner.launched_at = 0.0
         result = self.runner.run(plan)
         seconds = time.perf_counter() - started
-        self.trace.ran(plan.step, seconds, compiles)
+        launched = self.runner.launched_at
+        self.trace.ran(plan.step, seconds, compiles, launched - started if launched else 0.0)
         if self.served_budget is not None:
             _feed(self.served_budget, plan, seconds)
         return result

@@ -23,6 +23,7 @@ its device and its steps queue behind rank 0's plans alone; only rank 0 encodes 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -101,6 +102,9 @@ class StepRunner:
         self.while_device_runs: Callable[[Callable[[], bool]], None] | None = None
         # A batch built by `prepare` before its step ran: (step, the slots of its rows, batch).
         self._prepared: tuple[int, list[int], ForwardBatch] | None = None
+        # perf_counter() when the last sampled step's kernels were all queued (0: none since
+        # the caller reset it): the step trace's launch time.
+        self.launched_at = 0.0
 
     @torch.inference_mode()
     def run(self, plan: StepPlan, layers: Sequence[int] | None = None) -> StepResult:
@@ -251,6 +255,7 @@ class StepRunner:
         """A sampled step's kernels are all queued and its host is about to wait for its
         tokens: the executor hands over the previous step's result and builds the next
         step's batch meanwhile. Every step with a sampled row calls this once."""
+        self.launched_at = time.perf_counter()
         if self.while_device_runs is not None:
             self.while_device_runs(_device_done(self.device))
 

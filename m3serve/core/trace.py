@@ -6,7 +6,9 @@ time (forward and sampling, on the executor thread) and the Triton kernels compi
 and where a step's time outside its run went: `idle=`, how long the executor thread had waited
 for this plan since its previous run ended (the event loop was late to launch it), and `lag=`,
 how long the finished result waited for the event loop to process it (its tokens reach the
-clients only then).
+clients only then). A step that samples also logs `launch=`, the part of its run until its
+kernels were all queued: near the whole run, the host's launching set the step's pace, not the
+device.
 `CompileCounter` sees those compilations through Triton's post-compile hook; a step that compiled
 anything is logged as a warning whether or not the trace is on, since that stall is what a
 server must never do after it reported ready. With the trace on, `GcPauses` adds the garbage
@@ -112,6 +114,9 @@ class StepRecord:
     budget: int = 0
     idle_ms: float = 0.0  # the executor's wait for this plan after its previous run
     lag_ms: float = 0.0  # the finished result's wait for the event loop
+    # From the run's start until its kernels were all queued (0: it samples nothing): where it
+    # is most of `run_ms` the host, not the device, sets the step's pace.
+    launch_ms: float = 0.0
     finished_at: float = 0.0  # perf_counter() when the run ended
 
     @property
@@ -128,11 +133,12 @@ class StepRecord:
         paused = f" gc={self.gc_ms:.2f}ms" if self.gc_ms >= 0.005 else ""
         kind = step_kind(self.plan)
         budget = f" budget={self.budget}" if self.budget and kind == "mixed" else ""
+        launch = f" launch={self.launch_ms:.2f}ms" if self.launch_ms else ""
         return (
             f"step {self.plan.step} {kind} batch={len(self.plan.seqs)} "
             f"tokens={self.tokens}{loads} host={host:.2f}ms (plan {self.schedule_ms:.2f} + "
             f"process {self.process_ms:.2f}) run={self.run_ms:.2f}ms idle={self.idle_ms:.2f}ms "
-            f"lag={self.lag_ms:.2f}ms{paused}{budget}{compiled}"
+            f"lag={self.lag_ms:.2f}ms{launch}{paused}{budget}{compiled}"
         )
 
 
@@ -152,14 +158,18 @@ class StepTrace:
         paused = -self.gc.total_ms if self.gc is not None else 0.0
         self._records[plan.step] = StepRecord(plan, seconds * 1e3, gc_ms=paused, budget=budget)
 
-    def ran(self, step: int, seconds: float, compiles_before: int) -> None:
-        """Called by the executor thread as a run of `seconds` ends."""
+    def ran(
+        self, step: int, seconds: float, compiles_before: int, launch_seconds: float = 0.0
+    ) -> None:
+        """Called by the executor thread as a run of `seconds` ends, `launch_seconds` of it
+        until its kernels were queued (0: not known)."""
         now = time.perf_counter()
         idle = now - seconds - self._last_run_end if self._last_run_end is not None else 0.0
         self._last_run_end = now
         record = self._records.get(step)
         if record is not None:
             record.run_ms = seconds * 1e3
+            record.launch_ms = launch_seconds * 1e3
             record.idle_ms = max(idle, 0.0) * 1e3
             record.finished_at = now
             record.compiled = self.compiles.since(compiles_before)

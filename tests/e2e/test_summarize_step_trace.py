@@ -24,7 +24,8 @@ def test_the_summary_parses_the_trace_lines_the_engine_writes(tmp_path: Path) ->
     decode = StepPlan(step=7, seqs=[SeqStep(None, 10, [0], slot=0), SeqStep(None, 9, [1], slot=1)])
     mixed = StepPlan(step=8, seqs=[SeqStep([1, 2, 3], 0, [2], slot=2), SeqStep(None, 11, [0])])
     lines = []
-    for stamp, plan, run_ms, gc_ms in (("00,100", decode, 3.5, 0.0), ("00,104", mixed, 4.25, 1.5)):
+    shapes = (("00,100", decode, 3.5, 0.0, 0.0), ("00,104", mixed, 4.25, 1.5, 3.75))
+    for stamp, plan, run_ms, gc_ms, launch_ms in shapes:
         record = StepRecord(
             plan,
             schedule_ms=0.1,
@@ -34,6 +35,7 @@ def test_the_summary_parses_the_trace_lines_the_engine_writes(tmp_path: Path) ->
             budget=384,
             idle_ms=0.5,
             lag_ms=0.25,
+            launch_ms=launch_ms,
         )
         lines.append(f"2026-12-03 13:50:{stamp} INFO [engine] m3serve.core.trace: {record.line()}")
     log = tmp_path / "serve.log"
@@ -47,6 +49,7 @@ def test_the_summary_parses_the_trace_lines_the_engine_writes(tmp_path: Path) ->
     assert second[5:10] == pytest.approx((0.15, 0.1, 0.05, 4.25, 1.5))
     assert second.budget == 384
     assert (second.idle_ms, second.lag_ms) == (0.5, 0.25)
+    assert (first.launch_ms, second.launch_ms) == (0.0, 3.75)
 
 
 def test_lines_of_older_servers_without_idle_and_lag_still_parse(tmp_path: Path) -> None:
@@ -188,7 +191,7 @@ def test_chunk_costs_bin_mixed_steps_by_decode_rows_and_prompt_tokens(
         for i, (rows, chunk, ms) in enumerate(shapes)
     ]
     log = _write_log(tmp_path, records)
-    costs = chunk_costs(steps(log))
+    costs = {key: [r.run_ms for r in group] for key, group in chunk_costs(steps(log)).items()}
     # 16 decode rows alone (bin -1), beside 40 prompt tokens (bin 0), 15 beside 100 (bin 1);
     # 20 rows fall in the next row bucket.
     assert costs == {(16, -1): [1.8, 2.0], (16, 0): [4.5], (16, 1): [4.4], (64, 1): [5.0]}

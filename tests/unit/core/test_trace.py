@@ -40,6 +40,24 @@ def test_each_step_logs_its_kind_batch_tokens_and_times(caplog: pytest.LogCaptur
     trace.close()
 
 
+def test_a_step_that_samples_logs_how_long_its_launch_took(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    trace = StepTrace(log_every_step=True)
+    trace.planned(plan(DECODE, step=3), 0.0)
+    trace.ran(3, 0.004, trace.compiles.count, launch_seconds=0.003)
+    trace.planned(plan(PREFILL, step=4), 0.0)
+    trace.ran(4, 0.004, trace.compiles.count)  # samples nothing: no launch point
+    with caplog.at_level(logging.INFO, logger="m3serve.core.trace"):
+        sampled, chunk = trace.processed(3, 0.0), trace.processed(4, 0.0)
+    assert sampled is not None and sampled.launch_ms == pytest.approx(3.0)
+    assert chunk is not None and chunk.launch_ms == 0.0
+    first, second = (r.getMessage() for r in caplog.records)
+    assert "run=4.00ms" in first and " launch=3.00ms" in first
+    assert "launch=" not in second
+    trace.close()
+
+
 def test_idle_is_the_executors_wait_for_a_plan_and_lag_the_results_wait(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
