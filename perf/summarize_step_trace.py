@@ -1,14 +1,14 @@
 """Summarize the step trace of a `m3serve serve --enable-step-trace` log.
 
-Per (step kind, batch size), over consecutive traced steps: how many, the median new tokens,
-the median wall time from the previous step's line to this one's, and the median host time
-(planning + processing, on the event loop) and run time (the executor thread: forward,
-sampling and the token copy back, which waits for the device), with the run time's 99th
-percentile, the garbage collector's pauses (`gc=`) summed, and the range of the mixed steps'
-prompt budgets (`budget=`). `--slowest N` lists the N steps that took longest from the step
-before them (what an inter-token latency tail is made of), with the part of the gap beyond the
-step's own run (large: the engine sat idle, or waited on something outside the step), split into
-the executor's wait for the plan (`idle=`) and the result's wait for the event loop (`lag=`);
+Per (step kind, batch size), over consecutive traced steps: how many, the median new tokens, the
+median wall time from the previous step's line to this one's, and the median host time (planning +
+processing, on the event loop) and run time (the executor thread: forward, sampling and the token
+copy back, which waits for the device), with the run time's 99th percentile, the garbage collector's
+pauses (`gc=`, and the part in full collections) summed, and the range of the mixed steps' prompt
+budgets (`budget=`). `--slowest N` lists the N steps that took longest from the step before them
+(what an inter-token latency tail is made of), with the part of the gap beyond the step's own run
+(large: the engine sat idle, or waited on something outside the step), split into the executor's
+wait for the plan (`idle=`) and the result's wait for the event loop (`lag=`);
 `--since` / `--until` keep the steps logged inside a window (one benchmark level of a longer
 run), as HH:MM:SS of the log's clock.
 
@@ -42,8 +42,8 @@ from typing import NamedTuple
 LINE = re.compile(
     r"^(\S+ \S+) .*step (\d+) (\w+) batch=(\d+) tokens=(\d+).*host=([\d.]+)ms "
     r"\(plan ([\d.]+) \+ process ([\d.]+)\) run=([\d.]+)ms"
-    r"(?: idle=([\d.]+)ms lag=([\d.]+)ms)?(?: launch=([\d.]+)ms)?(?: gc=([\d.]+)ms)?"
-    r"(?: budget=(\d+))?"
+    r"(?: idle=([\d.]+)ms lag=([\d.]+)ms)?(?: launch=([\d.]+)ms)?"
+    r"(?: gc=([\d.]+)ms(?:\(full ([\d.]+)\))?)?(?: budget=(\d+))?"
 )
 
 
@@ -62,6 +62,7 @@ class Step(NamedTuple):
     idle_ms: float = 0.0  # the executor's wait for this plan (`idle=`; older logs: 0)
     lag_ms: float = 0.0  # the result's wait for the event loop (`lag=`)
     launch_ms: float = 0.0  # the run until its kernels were queued (`launch=`; 0: not logged)
+    gc_full_ms: float = 0.0  # the part of gc_ms in full collections (`gc=...(full N)`)
 
 
 def steps(path: Path) -> list[Step]:
@@ -71,10 +72,12 @@ def steps(path: Path) -> list[Step]:
         if m:
             stamp = datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
             numbers = (float(m[i]) for i in (6, 7, 8, 9))
-            idle, lag, launch, gc_ms = (float(m[i]) if m[i] else 0.0 for i in (10, 11, 12, 13))
-            budget = int(m[14]) if m[14] else 0
+            idle, lag, launch, gc_ms, full = (
+                float(m[i]) if m[i] else 0.0 for i in (10, 11, 12, 13, 14)
+            )
+            budget = int(m[15]) if m[15] else 0
             head = (stamp, int(m[2]), m[3], int(m[4]), int(m[5]), *numbers)
-            rows.append(Step(*head, gc_ms, budget, idle, lag, launch))
+            rows.append(Step(*head, gc_ms, budget, idle, lag, launch, full))
     return rows
 
 
@@ -212,6 +215,7 @@ def main() -> None:
         budgets = sorted({r.budget for _, r in items if r.budget})
         p99 = percentile([r.run_ms for _, r in items], 0.99)
         paused = sum(r.gc_ms for _, r in items)
+        full = sum(r.gc_full_ms for _, r in items)
         print(
             f"{kind:7s} batch={batch:4d} n={len(items):5d} tokens~{med['tokens']:7.0f} "
             f"wall gap {gap:6.2f} ms  host {med['host_ms']:5.2f} (plan {med['plan_ms']:4.2f} "
@@ -219,6 +223,7 @@ def main() -> None:
             f"idle {med['idle_ms']:4.2f} lag {med['lag_ms']:4.2f}"
             + (f" launch {med['launch_ms']:4.2f}" if med["launch_ms"] else "")
             + (f"  gc {paused:.1f} ms in all" if paused else "")
+            + (f" ({full:.1f} in full collections)" if full else "")
             + (f"  budget {budgets[0]}-{budgets[-1]}" if budgets else "")
         )
     if args.slowest:
@@ -231,6 +236,7 @@ def main() -> None:
                 f"host {step.host_ms:5.2f} ms  beyond run {gap - step.run_ms:7.2f} ms "
                 f"(idle {step.idle_ms:.2f}, lag {step.lag_ms:.2f})"
                 + (f"  gc {step.gc_ms:.2f} ms" if step.gc_ms else "")
+                + (f" (full {step.gc_full_ms:.2f})" if step.gc_full_ms else "")
                 + (f"  budget {step.budget}" if step.budget else "")
             )
     if args.itl:

@@ -81,10 +81,13 @@ class CompileCounter:
 
 class GcPauses:
     """The garbage collector's running total of pause time in this process, in ms (its
-    start/stop callbacks; a collection runs in whichever thread triggered it, holding the GIL)."""
+    start/stop callbacks; a collection runs in whichever thread triggered it, holding the GIL),
+    and the part of it in full (oldest-generation) collections: those walk every object not
+    frozen at start-up, the young ones only what was made since the last."""
 
     def __init__(self) -> None:
         self.total_ms = 0.0
+        self.full_ms = 0.0
         self._started = 0.0
         gc.callbacks.append(self._callback)
 
@@ -95,8 +98,11 @@ class GcPauses:
     def _callback(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             self._started = time.perf_counter()
-        else:
-            self.total_ms += 1e3 * (time.perf_counter() - self._started)
+            return
+        ms = 1e3 * (time.perf_counter() - self._started)
+        self.total_ms += ms
+        if info.get("generation") == 2:
+            self.full_ms += ms
 
 
 @dataclass
@@ -109,6 +115,7 @@ class StepRecord:
     # Collector pauses from planning to processing (the trace's GcPauses): the running total's
     # negative when planned, the total added back when processed.
     gc_ms: float = 0.0
+    gc_full_ms: float = 0.0  # the part of gc_ms in full collections, kept the same way
     # The mixed-step prompt budget the plan was held to (0: none): the served budget moves with
     # the steps run, and a log line of it goes out at most every 30 s.
     budget: int = 0
@@ -130,7 +137,8 @@ class StepRecord:
             compiled = f" compiled {len(self.compiled)}: {', '.join(self.compiled)}"
         loaded = sum(len(copy.device) for copy in self.plan.loads)
         loads = f" load-back={loaded} pages" if loaded else ""
-        paused = f" gc={self.gc_ms:.2f}ms" if self.gc_ms >= 0.005 else ""
+        full = f"(full {self.gc_full_ms:.2f})" if self.gc_full_ms >= 0.005 else ""
+        paused = f" gc={self.gc_ms:.2f}ms{full}" if self.gc_ms >= 0.005 else ""
         kind = step_kind(self.plan)
         budget = f" budget={self.budget}" if self.budget and kind == "mixed" else ""
         launch = f" launch={self.launch_ms:.2f}ms" if self.launch_ms else ""
@@ -156,7 +164,10 @@ class StepTrace:
     def planned(self, plan: StepPlan, seconds: float, budget: int = 0) -> None:
         """`budget`: the mixed-step prompt budget the plan was held to (0: none)."""
         paused = -self.gc.total_ms if self.gc is not None else 0.0
-        self._records[plan.step] = StepRecord(plan, seconds * 1e3, gc_ms=paused, budget=budget)
+        full = -self.gc.full_ms if self.gc is not None else 0.0
+        self._records[plan.step] = StepRecord(
+            plan, seconds * 1e3, gc_ms=paused, gc_full_ms=full, budget=budget
+        )
 
     def ran(
         self, step: int, seconds: float, compiles_before: int, launch_seconds: float = 0.0
@@ -185,6 +196,7 @@ class StepTrace:
             record.lag_ms = max(began - record.finished_at, 0.0) * 1e3
         if self.gc is not None:
             record.gc_ms += self.gc.total_ms
+            record.gc_full_ms += self.gc.full_ms
         if record.compiled:
             log.warning("%s (a compile stalls every request in the step)", record.line())
         elif self.log_every_step:

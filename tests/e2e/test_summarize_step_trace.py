@@ -32,6 +32,7 @@ def test_the_summary_parses_the_trace_lines_the_engine_writes(tmp_path: Path) ->
             run_ms=run_ms,
             process_ms=0.05,
             gc_ms=gc_ms,
+            gc_full_ms=gc_ms * 0.8,
             budget=384,
             idle_ms=0.5,
             lag_ms=0.25,
@@ -50,6 +51,7 @@ def test_the_summary_parses_the_trace_lines_the_engine_writes(tmp_path: Path) ->
     assert second.budget == 384
     assert (second.idle_ms, second.lag_ms) == (0.5, 0.25)
     assert (first.launch_ms, second.launch_ms) == (0.0, 3.75)
+    assert (first.gc_full_ms, second.gc_full_ms) == (0.0, 1.2)
 
 
 def test_lines_of_older_servers_without_idle_and_lag_still_parse(tmp_path: Path) -> None:

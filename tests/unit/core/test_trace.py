@@ -135,10 +135,29 @@ def test_a_step_logs_the_garbage_collections_that_ran_inside_it(
         with caplog.at_level(logging.INFO, logger="m3serve.core.trace"):
             record = trace.processed(4, 0.0)
         assert record is not None and record.gc_ms > 0.0
-        assert f"gc={record.gc_ms:.2f}ms" in caplog.records[0].getMessage()
+        # gc.collect() is a full collection: all of the pause is counted as one.
+        assert record.gc_full_ms == pytest.approx(record.gc_ms, abs=0.01)
+        line = caplog.records[0].getMessage()
+        assert f"gc={record.gc_ms:.2f}ms(full {record.gc_full_ms:.2f})" in line
     finally:
         trace.close()
     assert trace.gc is not None and trace.gc._callback not in gc.callbacks
+
+
+def test_only_collections_of_the_oldest_generation_count_as_full(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    trace = StepTrace(log_every_step=True)
+    try:
+        trace.planned(plan(DECODE, step=6), 0.0)
+        gc.collect(0)  # a young collection: a pause, not a full one
+        trace.ran(6, 0.001, trace.compiles.count)
+        with caplog.at_level(logging.INFO, logger="m3serve.core.trace"):
+            record = trace.processed(6, 0.0)
+        assert record is not None and record.gc_ms > 0.0 and record.gc_full_ms == 0.0
+        assert "(full" not in caplog.records[0].getMessage()
+    finally:
+        trace.close()
 
 
 def test_a_step_without_a_collection_logs_no_gc_field(caplog: pytest.LogCaptureFixture) -> None:
