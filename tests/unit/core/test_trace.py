@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from m3serve.core.trace import CompileCounter, StepTrace, step_kind
+from m3serve.core.trace import CompileCounter, StepRecord, StepTrace, step_kind
 from m3serve.runtime.messages import SeqStep, StepPlan
 
 
@@ -124,40 +124,41 @@ def test_the_compile_counter_chains_to_and_restores_the_previous_hook() -> None:
         knobs.runtime.jit_post_compile_hook = previous
 
 
-def test_a_step_logs_the_garbage_collections_that_ran_inside_it(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
+def collected_step(
+    caplog: pytest.LogCaptureFixture, generation: int
+) -> tuple[StepTrace, StepRecord, str]:
+    """A traced step with a collection of `generation` between its planning and processing,
+    as one served; the trace (closed), its record and its logged line."""
     trace = StepTrace(log_every_step=True)
     try:
         trace.planned(plan(DECODE, step=4), 0.0)
-        gc.collect()  # a full collection between planning and processing, as one served
+        gc.collect(generation)
         trace.ran(4, 0.001, trace.compiles.count)
         with caplog.at_level(logging.INFO, logger="m3serve.core.trace"):
             record = trace.processed(4, 0.0)
-        assert record is not None and record.gc_ms > 0.0
-        # gc.collect() is a full collection: all of the pause is counted as one.
-        assert record.gc_full_ms == pytest.approx(record.gc_ms, abs=0.01)
-        line = caplog.records[0].getMessage()
-        assert f"gc={record.gc_ms:.2f}ms(full {record.gc_full_ms:.2f})" in line
     finally:
         trace.close()
+    assert record is not None
+    return trace, record, caplog.records[0].getMessage()
+
+
+def test_a_step_logs_the_garbage_collections_that_ran_inside_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    trace, record, line = collected_step(caplog, 2)
+    assert record.gc_ms > 0.0
+    # A collection of the oldest generation is a full one: all of the pause counts as one.
+    assert record.gc_full_ms == pytest.approx(record.gc_ms, abs=0.01)
+    assert f"gc={record.gc_ms:.2f}ms(full {record.gc_full_ms:.2f})" in line
     assert trace.gc is not None and trace.gc._callback not in gc.callbacks
 
 
 def test_only_collections_of_the_oldest_generation_count_as_full(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    trace = StepTrace(log_every_step=True)
-    try:
-        trace.planned(plan(DECODE, step=6), 0.0)
-        gc.collect(0)  # a young collection: a pause, not a full one
-        trace.ran(6, 0.001, trace.compiles.count)
-        with caplog.at_level(logging.INFO, logger="m3serve.core.trace"):
-            record = trace.processed(6, 0.0)
-        assert record is not None and record.gc_ms > 0.0 and record.gc_full_ms == 0.0
-        assert "(full" not in caplog.records[0].getMessage()
-    finally:
-        trace.close()
+    _, record, line = collected_step(caplog, 0)  # a young collection: a pause, not a full one
+    assert record.gc_ms > 0.0 and record.gc_full_ms == 0.0
+    assert "(full" not in line
 
 
 def test_a_step_without_a_collection_logs_no_gc_field(caplog: pytest.LogCaptureFixture) -> None:
