@@ -63,7 +63,8 @@ serve_one() {  # serve_one TP LEVEL...: start, probe, run the levels, stop
     IFS=: read -r name concurrency requests <<< "$level"
     python3 perf/bench_serving.py --url http://127.0.0.1:30000 --input-len 1024 \
       --output-len 256 --concurrency "$concurrency" --num-requests "$requests" \
-      --client-procs 4 --seed "$seed" --out "$OUT/serving_tp${tp}_$name.json" > "/tmp/level.txt" 2>&1
+      --client-procs 4 --seed "$seed" --out "$OUT/serving_tp${tp}_$name.json" \
+      > "/tmp/level.txt" 2>&1
     grep -E "^concurrency" -A3 /tmp/level.txt | sed "s/^/tp $tp $name: /"
   done
   kill -INT $server

@@ -163,8 +163,9 @@ class StepTrace:
 
     def planned(self, plan: StepPlan, seconds: float, budget: int = 0) -> None:
         """`budget`: the mixed-step prompt budget the plan was held to (0: none)."""
-        paused = -self.gc.total_ms if self.gc is not None else 0.0
-        full = -self.gc.full_ms if self.gc is not None else 0.0
+        paused, full = 0.0, 0.0
+        if self.gc is not None:  # the running totals now; processing adds them back
+            paused, full = -self.gc.total_ms, -self.gc.full_ms
         self._records[plan.step] = StepRecord(
             plan, seconds * 1e3, gc_ms=paused, gc_full_ms=full, budget=budget
         )
