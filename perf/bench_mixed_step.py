@@ -3,17 +3,19 @@
 The engine's own step path on a checkpoint (`StepRunner.time_step`, with the decode CUDA graphs
 and the piecewise prefill graphs captured as `m3serve serve` captures them): for each decode
 batch B, a pure decode step, then B decode rows plus a prompt chunk of each of `--chunks`
-tokens. Per step: wall ms (synchronized: host and device), device-busy ms (the sum of its
-kernels' times, torch profiler; GPU only) and kernel launches. The summary line fits
-mixed(B, P) = decode(B) + fixed + P x per-token, which is the model the mixed-step budget uses
-(`core/step_cost.py`), and says whether the fixed part is host-bound (wall above device-busy).
+tokens. Per step: wall ms (synchronized: host and device), host ms (until the step's kernels
+are all queued, from an idle device: where it nears the wall, the host sets the pace),
+device-busy ms (the sum of its kernels' times, torch profiler; GPU only) and kernel launches.
+The summary line fits mixed(B, P) = decode(B) + fixed + P x per-token, which is the model the
+mixed-step budget uses (`core/step_cost.py`), and says whether the fixed part is host-bound
+(wall above device-busy).
 
     python perf/bench_mixed_step.py --model-path DIR [--batches 1 16 64] [--chunks 128 512 1024]
         [--context 1024] [--top 12]
 
 `--top N` prints the N ops with the most device time (CPU time on a CPU) of the mixed step of
-the middle batch and the smallest chunk. JSON goes to $OUT/bench_mixed_step.json when $OUT is
-set, else perf/results/ (or --out).
+the middle batch and the smallest chunk, and on a GPU also the N with the most host time. JSON
+goes to $OUT/bench_mixed_step.json when $OUT is set, else perf/results/ (or --out).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +92,20 @@ def profiled(runner: StepRunner, seqs: list[SeqStep], sync: Any) -> tuple[float,
     return busy, len(kernels), prof
 
 
+def host_ms(run: Any, sync: Any, repeats: int = 3) -> float:
+    """The fastest of `repeats` times until `run` returns, each from an idle device: the host
+    part of a step (a mixed step returns once its kernels are queued; a decode step waits for
+    its tokens, so there it is the wall)."""
+    best = float("inf")
+    for _ in range(repeats):
+        sync()
+        started = time.perf_counter()
+        run()
+        best = min(best, 1e3 * (time.perf_counter() - started))
+    sync()
+    return best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-path", required=True)
@@ -113,11 +130,12 @@ def main() -> None:
             for chunk in (0, *args.chunks):
                 seqs = step(batch, chunk, page, args.context, vocab)
                 wall = best_ms(lambda seqs=seqs: runner.time_step(seqs), sync)
+                host = host_ms(lambda seqs=seqs: runner.time_step(seqs), sync)
                 busy, launches, prof = profiled(runner, seqs, sync)
                 profiles[(batch, chunk)] = prof
                 rows.append(
-                    {"batch": batch, "chunk": chunk, "wall_ms": wall, "device_busy_ms": busy,
-                     "launches": launches}
+                    {"batch": batch, "chunk": chunk, "wall_ms": wall, "host_ms": host,
+                     "device_busy_ms": busy, "launches": launches}
                 )  # fmt: skip
         prefill = {
             c: best_ms(lambda c=c: runner.time_step(step(0, c, page, 0, vocab)), sync)
@@ -129,12 +147,14 @@ def main() -> None:
         if r["chunk"]:
             r["fixed_ms"] = r["wall_ms"] - decode[r["batch"]] - per_token * r["chunk"]
     print(
-        f"{'batch':>5} {'chunk':>6} {'wall ms':>8} {'busy ms':>8} {'launches':>8} {'fixed ms':>9}"
+        f"{'batch':>5} {'chunk':>6} {'wall ms':>8} {'host ms':>8} {'busy ms':>8} {'launches':>8} "
+        f"{'fixed ms':>9}"
     )
     for r in rows:
         fixed = f"{r['fixed_ms']:9.2f}" if "fixed_ms" in r else f"{'-':>9}"
         print(
-            f"{r['batch']:5d} {r['chunk']:6d} {r['wall_ms']:8.2f} {r['device_busy_ms']:8.2f} "
+            f"{r['batch']:5d} {r['chunk']:6d} {r['wall_ms']:8.2f} {r['host_ms']:8.2f} "
+            f"{r['device_busy_ms']:8.2f} "
             f"{r['launches']:8d} {fixed}"
         )
     mixed = [r for r in rows if r["chunk"]]
@@ -152,7 +172,11 @@ def main() -> None:
         key = (args.batches[len(args.batches) // 2], min(args.chunks))
         sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
         print(f"== top ops of the mixed step batch {key[0]} + chunk {key[1]}")
-        print(profiles[key].key_averages().table(sort_by=sort, row_limit=args.top))
+        averages = profiles[key].key_averages()
+        print(averages.table(sort_by=sort, row_limit=args.top))
+        if device.type == "cuda":  # and where its host time went
+            print(f"== top host ops of the mixed step batch {key[0]} + chunk {key[1]}")
+            print(averages.table(sort_by="self_cpu_time_total", row_limit=args.top))
     result = {
         "benchmark": "bench_mixed_step",
         "model_path": args.model_path,

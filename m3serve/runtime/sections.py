@@ -85,7 +85,7 @@ class SchedArgs:
         "while prompts are prefilled; 0 gives every step the whole --chunked-prefill-size",
     )
     mixed_step_min_tokens: int = option(
-        0,
+        256,
         "the served mixed-step budget never shrinks below this many prompt tokens (0: one "
         "quantum); where a step's fixed cost fills the stretch, smaller chunks are no faster "
         "and only prefill slower",

@@ -28,7 +28,7 @@ def test_a_cpu_run_writes_a_row_per_batch_and_chunk(tmp_path: Path) -> None:
     assert [(r["batch"], r["chunk"]) for r in report["rows"]] == [
         (b, c) for b in (1, 3) for c in (0, 8, 16)
     ]
-    assert all(r["wall_ms"] > 0 for r in report["rows"])
+    assert all(r["wall_ms"] > 0 and r["host_ms"] > 0 for r in report["rows"])
     assert all("fixed_ms" in r for r in report["rows"] if r["chunk"])
     assert report["prefill_ms_per_token"] > 0
     assert "fixed cost per mixed step" in run.stdout and "top ops" in run.stdout
