@@ -15,6 +15,12 @@ While a step's kernels run, this thread does what the next step needs before its
   this step's tokens arrive only the launch is left; under --tp its plan also goes to the
   follower ranks there, so a step handed to `prepare` runs even if its caller gives up on it
   (the other ranks will run it, and wait for this one at its collectives).
+
+Where launches are asynchronous, the process's GIL switch interval drops from Python's 5 ms to
+`SWITCH_INTERVAL_S`: each kernel launch lets go of the GIL, and when the event loop took it
+meanwhile this thread waited until the loop blocked or the interval ran out (on an H200 serving
+the 4-layer slice: decode steps of 64 rows ran 2.87 ms served against 2.27 on an idle device;
+at 0.5 ms, 2.29 ms, and output tokens/s rose 13-14 % at concurrency 16 and 64).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -37,6 +44,7 @@ Prepare = Callable[[StepPlan], None]
 Job = tuple[Callable[[], Any], "concurrent.futures.Future[Any]", str, StepPlan | None]
 # How long to wait at a time for the next step to be queued while the device runs.
 _POLL_S = 0.0002
+SWITCH_INTERVAL_S = 0.0005  # the GIL switch interval where launches are asynchronous (above)
 
 
 class Executor:
@@ -47,6 +55,8 @@ class Executor:
         self._run = run
         self._prepare = prepare
         self._hold = hold
+        if hold and sys.getswitchinterval() > SWITCH_INTERVAL_S:
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._queue: queue.Queue[Job | None] = queue.Queue()
         # A finished step's result, held until the step after it has launched.
         self._pending: tuple[concurrent.futures.Future[Any], Any] | None = None

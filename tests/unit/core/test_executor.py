@@ -4,13 +4,14 @@ kernels run the next step's batch is built."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 
 import pytest
 
-from m3serve.core.executor import Executor
+from m3serve.core.executor import SWITCH_INTERVAL_S, Executor
 from m3serve.runtime.messages import SeqStep, StepPlan, StepResult
 
 TIMEOUT = 10.0
@@ -38,11 +39,32 @@ class Steps:
         return StepResult(step=plan.step, slots=[], tokens=[])
 
 
+@pytest.fixture(autouse=True)
+def switch_interval() -> Iterator[None]:
+    """An executor that holds results lowers the process's GIL switch interval: restored."""
+    before = sys.getswitchinterval()
+    yield
+    sys.setswitchinterval(before)
+
+
 @pytest.fixture
 def steps() -> Iterator[Steps]:
     s = Steps()
     yield s
     s.executor.close()
+
+
+def test_asynchronous_launches_lower_the_gil_switch_interval() -> None:
+    sys.setswitchinterval(0.005)  # Python's default
+    cpu = Steps(hold=False)
+    assert sys.getswitchinterval() == pytest.approx(0.005)
+    gpu = Steps(hold=True)
+    assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S)
+    sys.setswitchinterval(0.0001)  # a lower one set elsewhere stays
+    third = Steps(hold=True)
+    assert sys.getswitchinterval() == pytest.approx(0.0001)
+    for s in (cpu, gpu, third):
+        s.executor.close()
 
 
 def test_a_step_result_waits_for_the_next_step_to_launch(steps: Steps) -> None:
