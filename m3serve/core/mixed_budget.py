@@ -25,7 +25,7 @@ the kernels' M thresholds), and where that fixed part alone fills the stretch ev
 runs over it whatever it carries, so the feedback walks the budget down to one quantum and
 prompts prefill several times slower for nothing (an H100, 12-05: beside 16 decode rows, steps
 of 0-63 and of 192-255 prompt tokens both ran 4.6 ms, the stretch 4.58). The served default is
-256 (the same H100: 29 % more output tokens/s at 16 streams, inter-token p99/p50 2.91 for 3.69).
+256 (the same H100: 29 % more output tokens/s at 16 streams, inter-token p99/p50 2.91 for 3.73).
 """
 
 from __future__ import annotations
