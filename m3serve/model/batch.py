@@ -33,6 +33,7 @@ class ForwardBatch:
     seq_lens_t: torch.Tensor | None = None  # [B] int32
     extend_starts: torch.Tensor | None = None  # [B + 1] int32, request b owns rows [s[b], s[b+1])
     max_extend: int = 0  # the longest extend_len in the batch
+    decode_rows: int = 0  # how many requests in front have extend_len 1 (a mixed step's decodes)
     # Rows of T whose input embedding is given instead of looked up (image/video features):
     # eager prefill steps only; CUDA-graph paths never carry them.
     embeds_override: torch.Tensor | None = None  # [R, hidden]
@@ -126,6 +127,7 @@ class ForwardBatch:
             seq_lens_t=seq_lens_t,
             extend_starts=extend_starts,
             max_extend=int(extends.max()),
+            decode_rows=len(seqs) if (extends == 1).all() else int((extends == 1).argmin()),
         )
 
 

@@ -88,7 +88,9 @@ def make_batch(
     )
 
 
-def run(batch: AttentionBatch, config: AttentionConfig | None = None) -> torch.Tensor:
+def run(
+    batch: AttentionBatch, config: AttentionConfig | None = None, decode_rows: int = 0
+) -> torch.Tensor:
     out = torch.full_like(batch.q, float("nan"))
     paged_attention(
         batch.q,
@@ -103,6 +105,7 @@ def run(batch: AttentionBatch, config: AttentionConfig | None = None) -> torch.T
         batch.block_ids,
         max(batch.extend_lens),
         out=out,
+        decode_rows=decode_rows,
         config=config,
     )
     torch.cuda.synchronize()
@@ -144,11 +147,16 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want).norm() / want.norm())
 
 
-def check(batch: AttentionBatch, config: AttentionConfig | None = None, fp8: bool = False) -> None:
+def check(
+    batch: AttentionBatch,
+    config: AttentionConfig | None = None,
+    fp8: bool = False,
+    decode_rows: int = 0,
+) -> None:
     want_bf16 = expected(batch)
     if fp8:
         batch = batch.as_fp8()
-    got = run(batch, config)
+    got = run(batch, config, decode_rows)
     want = expected(batch) if fp8 else want_bf16
     err = rel_err(got, want)
     assert err <= BF16_TOL, f"relative error {err:.2e} against the reference"
@@ -204,6 +212,17 @@ def test_mixed_batch(sparse: bool, config: AttentionConfig | None) -> None:
     # A mid-page prefill chunk, a whole short prompt, decode tokens and verify blocks together.
     requests = [(20000 + 50, 300), (77, 77), (5000, 1), (128, 1), (40961, 8), (100000, 1)]
     check(make_batch(requests, sparse=sparse, seed=6), config)
+
+
+@SPARSE
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_mixed_step_decode_rows_take_the_decode_kernel(sparse: bool, fp8: bool) -> None:
+    # A served mixed step: 64 decode rows (contexts up to 40K) in front of a 256-token chunk
+    # after a cached prefix and a short whole prompt; the decode rows go to the decode kernel.
+    contexts = [1024 + 613 * i for i in range(64)]
+    requests = [(c, 1) for c in contexts] + [(4096 + 256, 256), (40, 40)]
+    split = AttentionConfig(mixed_decode_min_rows=1)
+    check(make_batch(requests, sparse=sparse, seed=11), split, fp8=fp8, decode_rows=64)
 
 
 @pytest.mark.parametrize("splits", [1, 5, 64])

@@ -205,6 +205,7 @@ class HopperBackend(ReferenceBackend):
             scale,
             block_ids,
             batch.max_extend,
+            decode_rows=batch.decode_rows,
         )
 
     def draft_attention(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ import torch
 from conftest import M31_SPEC, QUANT_SPEC
 from helpers.triton_keys import describe, recording
 
+import m3serve.kernels.triton.attention as attention
 from m3serve.backends.hopper import HopperBackend
 from m3serve.core.warmup import WarmupLimits, shape_points, warmup_plans
 from m3serve.model.batch import ForwardBatch
@@ -83,7 +85,13 @@ def test_every_warmup_plan_is_a_valid_step(context: int) -> None:
         ForwardBatch.build(plan.seqs, limits.page_size, "cpu")
 
 
-def test_random_steps_launch_no_variant_the_warmup_missed(model: M3ForCausalLM) -> None:
+def test_random_steps_launch_no_variant_the_warmup_missed(
+    model: M3ForCausalLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Mixed steps split their decode rows off (AttentionConfig.mixed_decode_min_rows, off by
+    # default) from 2 rows: the variants it launches must be warm too once it is on.
+    split_early = replace(attention.DEFAULT_CONFIG, mixed_decode_min_rows=2)
+    monkeypatch.setattr(attention, "DEFAULT_CONFIG", split_early)
     cfg = model.cfg
     limits = WarmupLimits(
         page_size=cfg.page_size,

@@ -1,5 +1,5 @@
 """ForwardBatch.build's vectorized metadata against the per-token definition, for random steps
-(hypothesis): positions, cache slots, page table, lengths, logit rows."""
+(hypothesis): positions, cache slots, page table, lengths, logit rows, the decode rows in front."""
 
 from __future__ import annotations
 
@@ -56,3 +56,5 @@ def test_the_batch_metadata_is_the_per_token_definition(seqs: list[SeqStep], eve
     starts = batch.extend_starts.tolist()
     assert starts[0] == 0 and [b - a for a, b in itertools.pairwise(starts)] == batch.extend_lens
     assert batch.max_extend == max(batch.extend_lens)
+    front = list(itertools.takewhile(lambda e: e == 1, batch.extend_lens))
+    assert batch.decode_rows == len(front)

@@ -23,6 +23,11 @@ Two paths, picked from `max_extend` (a host int the batch already carries, so no
   small planning kernel dedupes the tile's BLOCK_T·K selection entries into a compact page list
   once per (tile, index head), and each row is masked by its own token's selection and causality.
   The main loops have no data-dependent branches, so Triton can software-pipeline their loads.
+* a mixed step (decode rows in front of prompt chunks, `decode_rows`): the decode rows take the
+  decode path and the chunks the prefill path, two launches over disjoint rows of one output.
+  In the prefill tiles a decode row is a tile of its own, one real row of BLOCK_T (H200, 64
+  decode rows beside a 32-token chunk: 99 µs a layer in the prefill kernel). The prefill
+  kernels then skip the requests in front, which keeps their compiled variants the same.
 
 Pages are walked in chunks of BLOCK_N keys that never straddle a page; when a page is smaller
 than BLOCK_N (tiny test shapes) the chunk's tail is masked off, which keeps every tl.dot
@@ -67,6 +72,7 @@ def paged_attention(
     max_extend: int,
     out: torch.Tensor | None = None,
     *,
+    decode_rows: int = 0,
     config: AttentionConfig | None = None,
 ) -> torch.Tensor:
     """Attention of the step's new tokens over their requests' paged KV (already written).
@@ -75,7 +81,8 @@ def paged_attention(
     page_table [B, max_pages] int32 (-1 padded); seq_lens [B] int32 tokens in the cache;
     extend_starts [B + 1] int32, request b owning rows [s[b], s[b+1]); positions [T] int64;
     block_ids [T, H_idx, K] int32 logical pages (-1 padded) or None for dense causal attention;
-    max_extend the longest extend length in the batch (host int, picks the path).
+    max_extend the longest extend length in the batch (host int, picks the path);
+    decode_rows: how many requests in front have one new token each (host int; see above).
     Returns out (allocated when None) [T, Hq, D] in q's dtype. No host synchronization.
     """
     cfg = config or DEFAULT_CONFIG
@@ -137,8 +144,19 @@ def paged_attention(
     if cfg.path == "decode" or (cfg.path == "auto" and max_extend <= DECODE_MAX_EXTEND):
         launch_decode(q, k_cache, v_cache, table, seq_lens, extend_starts, positions, ids, out,
                 num_reqs, group, topk, heads_per_idx, cfg, common)  # fmt: skip
-    else:
-        launch_prefill(q, k_cache, v_cache, table, seq_lens, extend_starts, positions, ids, out,
-                 num_reqs, group, topk, heads_per_idx, num_idx_heads, max_extend, cfg,
-                 common)  # fmt: skip
+        return out
+    front = decode_rows if cfg.path == "auto" and cfg.mixed_decode_min_rows else 0
+    if front < max(cfg.mixed_decode_min_rows, 1) or front >= num_reqs:
+        front = 0
+    if front:
+        # Rows [0, front) are requests [0, front): prefixes of every tensor, which keep their
+        # addresses (so their compiled variants: Triton specializes on pointer alignment).
+        rows = slice(0, front)
+        launch_decode(q[rows], k_cache, v_cache, table[rows], seq_lens[rows],
+                extend_starts[: front + 1], positions[rows], ids[rows] if sparse else ids,
+                out[rows], front, group, topk, heads_per_idx, cfg,
+                {**common, "BLOCK_B": max(2, next_pow2(front))})  # fmt: skip
+    launch_prefill(q, k_cache, v_cache, table, seq_lens, extend_starts, positions, ids, out,
+             num_reqs, group, topk, heads_per_idx, num_idx_heads, max_extend, cfg, common,
+             first_req=front)  # fmt: skip
     return out

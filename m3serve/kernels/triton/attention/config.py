@@ -35,6 +35,11 @@ class AttentionConfig:
     # Programmatic dependent launch (sm_90+): the merge kernel is launched while the split
     # kernel still runs and waits on the device, hiding one launch latency per call.
     decode_pdl: bool = True
+    # A step that prefills (longest extend past DECODE_MAX_EXTEND) with at least this many
+    # decode rows (one new token each) in front: those rows take the decode kernel and only
+    # the rest the prefill tiles, where each decode row fills a tile of its own. 0 (off) until
+    # a GPU run has timed it (perf/bench_mixed_step.py with it on and off).
+    mixed_decode_min_rows: int = 0
 
 
 DEFAULT_CONFIG = AttentionConfig()

@@ -15,16 +15,26 @@ from m3serve.kernels.triton.attention.config import AttentionConfig, next_pow2, 
 
 
 @triton.jit
-def _locate_tile(
-    tile, starts_ptr, num_reqs, BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr
-):  # fmt: skip
-    """Tile `tile` of the batch (tiles numbered request by request) -> (exists, request, first
-    row, end row of the request)."""
+def _tile_counts(starts_ptr, first_req, num_reqs, BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Per request of the batch: (row start, row end, tiles); requests before `first_req` (a
+    mixed step's decode rows, which the decode kernel takes) have none."""
     rb = tl.arange(0, BLOCK_B)
     live = rb < num_reqs
     lo = tl.load(starts_ptr + rb, mask=live, other=0)
     hi = tl.load(starts_ptr + rb + 1, mask=live, other=0)
-    n_tiles = (hi - lo + BLOCK_T - 1) // BLOCK_T
+    n_tiles = tl.where(rb >= first_req, (hi - lo + BLOCK_T - 1) // BLOCK_T, 0)
+    return lo, hi, n_tiles
+
+
+@triton.jit
+def _locate_tile(
+    tile, starts_ptr, first_req, num_reqs, BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr
+):  # fmt: skip
+    """Tile `tile` of the batch (tiles numbered request by request from `first_req`) ->
+    (exists, request, first row, end row of the request)."""
+    rb = tl.arange(0, BLOCK_B)
+    live = rb < num_reqs
+    lo, hi, n_tiles = _tile_counts(starts_ptr, first_req, num_reqs, BLOCK_T, BLOCK_B)
     tiles_end = tl.cumsum(n_tiles, 0)
     # The owner is the first request whose tiles end after `tile` (cumulative ends are sorted).
     req = tl.sum(((tiles_end <= tile) & live).to(tl.int32), 0)
@@ -36,12 +46,13 @@ def _locate_tile(
     return exists, req, req_lo + (tile - first_tile) * BLOCK_T, req_hi
 
 
-@triton.jit(do_not_specialize=["num_reqs"])
+@triton.jit(do_not_specialize=["first_req", "num_reqs"])
 def _prefill_plan_kernel(
     ids_ptr,
     starts_ptr,
     plan_ptr,
     count_ptr,
+    first_req,
     num_reqs,
     topk,
     stride_it,
@@ -57,7 +68,7 @@ def _prefill_plan_kernel(
     tile = tl.program_id(0)
     idx_head = tl.program_id(1)
     n_heads = tl.num_programs(1)
-    _, _, tok0, req_hi = _locate_tile(tile, starts_ptr, num_reqs, BLOCK_T, BLOCK_B)
+    _, _, tok0, req_hi = _locate_tile(tile, starts_ptr, first_req, num_reqs, BLOCK_T, BLOCK_B)
     i = tl.arange(0, BLOCK_T * K_PAD)
     tok = tok0 + i // K_PAD
     entry = i % K_PAD
@@ -77,7 +88,7 @@ def _prefill_plan_kernel(
     tl.store(count_ptr + base, tl.sum(keep.to(tl.int32), 0))
 
 
-@triton.jit(do_not_specialize=["num_reqs", "stride_pt"])
+@triton.jit(do_not_specialize=["first_req", "num_reqs", "stride_pt"])
 def _prefill_kernel(
     q_ptr,
     k_ptr,
@@ -90,6 +101,7 @@ def _prefill_kernel(
     plan_ptr,
     count_ptr,
     out_ptr,
+    first_req,
     num_reqs,
     num_idx_heads,
     topk,
@@ -122,14 +134,11 @@ def _prefill_kernel(
     h = tl.program_id(1)
     # Launch the batch's last tiles first: within a request they see the most keys, and
     # starting the long programs early shortens the tail of the grid.
-    rb = tl.arange(0, BLOCK_B)
-    lo_all = tl.load(starts_ptr + rb, mask=rb < num_reqs, other=0)
-    hi_all = tl.load(starts_ptr + rb + 1, mask=rb < num_reqs, other=0)
-    total = tl.sum((hi_all - lo_all + BLOCK_T - 1) // BLOCK_T, 0)
-    tile = total - 1 - tl.program_id(0)
+    _, _, n_tiles = _tile_counts(starts_ptr, first_req, num_reqs, BLOCK_T, BLOCK_B)
+    tile = tl.sum(n_tiles, 0) - 1 - tl.program_id(0)
     if tile < 0:
         return
-    _, req, tok0, req_hi = _locate_tile(tile, starts_ptr, num_reqs, BLOCK_T, BLOCK_B)
+    _, req, tok0, req_hi = _locate_tile(tile, starts_ptr, first_req, num_reqs, BLOCK_T, BLOCK_B)
     seq_len = tl.load(seq_lens_ptr + req)
 
     r = tl.arange(0, BLOCK_T * G_PAD)
@@ -229,8 +238,13 @@ def launch_prefill(
     max_extend: int,
     cfg: AttentionConfig,
     common: dict,
+    first_req: int = 0,
 ) -> None:
+    """Tiles over the rows of requests [first_req, num_reqs) (the decode kernel takes the rows
+    of the ones before: a mixed step's decode rows)."""
     num_tokens, num_q_heads, _ = q.shape
+    num_tokens -= first_req  # the requests before have one row each
+    live_reqs = num_reqs - first_req
     num_kv_heads = num_q_heads // group
     page_size = common["PAGE"]
     group_pad = next_pow2(group)
@@ -240,7 +254,7 @@ def launch_prefill(
     block_t = max(block_t, -(-16 // group_pad))
     block_n = page_chunk(page_size, cfg.prefill_block_n)
     # Each request adds at most one partial tile, so this bounds the live tiles by shapes alone.
-    max_tiles = min(-(-num_tokens // block_t) + num_reqs, num_reqs * -(-max_extend // block_t))
+    max_tiles = min(-(-num_tokens // block_t) + live_reqs, live_reqs * -(-max_extend // block_t))
     k_pad = next_pow2(topk)
     if common["SPARSE"]:
         plan = torch.empty(
@@ -248,14 +262,15 @@ def launch_prefill(
         )
         counts = torch.empty(max_tiles, num_idx_heads, device=q.device, dtype=torch.int32)
         _prefill_plan_kernel[(max_tiles, num_idx_heads)](
-            ids, extend_starts, plan, counts, num_reqs, topk, ids.stride(0), ids.stride(1),
+            ids, extend_starts, plan, counts, first_req, num_reqs, topk, ids.stride(0),
+            ids.stride(1),
             BLOCK_T=block_t, K_PAD=k_pad, BLOCK_B=common["BLOCK_B"], num_warps=4,
         )  # fmt: skip
     else:
         plan = counts = table  # unused in dense mode
     _prefill_kernel[(max_tiles, num_kv_heads)](
         q, k_cache, v_cache, table, seq_lens, extend_starts, positions, ids, plan, counts, out,
-        num_reqs, num_idx_heads, topk, heads_per_idx,
+        first_req, num_reqs, num_idx_heads, topk, heads_per_idx,
         G=group, G_PAD=group_pad, BLOCK_T=block_t, BLOCK_N=block_n,
         CPP=-(-page_size // block_n), K_PAD=k_pad,
         num_warps=cfg.prefill_num_warps, num_stages=cfg.prefill_num_stages, **common,

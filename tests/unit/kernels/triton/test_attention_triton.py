@@ -16,6 +16,7 @@ pytest.importorskip("triton")
 from helpers.attention_batch import AttentionBatch
 from helpers.devices import DEVICE
 
+import m3serve.kernels.triton.attention as attention_module
 from m3serve.kernels.attention import paged_attention as reference
 from m3serve.kernels.triton.attention import AttentionConfig, paged_attention
 
@@ -85,7 +86,9 @@ def make_batch(
     )
 
 
-def run(batch: AttentionBatch, config: AttentionConfig | None = None) -> torch.Tensor:
+def run(
+    batch: AttentionBatch, config: AttentionConfig | None = None, decode_rows: int = 0
+) -> torch.Tensor:
     out = torch.full_like(batch.q, float("nan"))
     got = paged_attention(
         batch.q,
@@ -100,6 +103,7 @@ def run(batch: AttentionBatch, config: AttentionConfig | None = None) -> torch.T
         batch.block_ids,
         max(batch.extend_lens),
         out=out,
+        decode_rows=decode_rows,
         config=config,
     )
     assert got is out
@@ -123,9 +127,12 @@ def expected(batch: AttentionBatch) -> torch.Tensor:
     )
 
 
-def check(batch: AttentionBatch, config: AttentionConfig | None = None) -> None:
+def check(
+    batch: AttentionBatch, config: AttentionConfig | None = None, decode_rows: int = 0
+) -> None:
     tol = TOL[batch.q.dtype]
-    torch.testing.assert_close(run(batch, config).float(), expected(batch), rtol=tol, atol=tol)
+    got = run(batch, config, decode_rows).float()
+    torch.testing.assert_close(got, expected(batch), rtol=tol, atol=tol)
 
 
 DECODE = AttentionConfig(path="decode")
@@ -171,6 +178,31 @@ def test_long_prefill_chunk_spans_several_tiles(sparse: bool, q_dtype: torch.dty
 def test_auto_path_prefill_for_long_extend() -> None:
     batch = make_batch([(40, 17), (5, 2)], sparse=True, q_dtype=torch.bfloat16, seed=5)
     check(batch)  # max_extend 17 > 16: the prefill path
+
+
+@SPARSE
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_decode_rows_in_front_of_a_prompt_take_the_decode_kernel(
+    sparse: bool, q_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Three decode rows (one at a fresh page), a 20-token chunk (past the decode path's 16)
+    # starting mid-page, and a decode row behind it, which stays with the prefill tiles.
+    batch = make_batch(
+        [(9, 1), (13, 1), (30, 1), (40, 20), (6, 1)], sparse=sparse, q_dtype=q_dtype, seed=12
+    )
+    decoded: list[int] = []
+    launch = attention_module.launch_decode
+
+    def spy(q: torch.Tensor, *args: object) -> None:
+        decoded.append(q.shape[0])
+        launch(q, *args)
+
+    monkeypatch.setattr(attention_module, "launch_decode", spy)
+    check(batch, AttentionConfig(mixed_decode_min_rows=2), decode_rows=3)
+    assert decoded == [3]
+    check(batch, AttentionConfig(mixed_decode_min_rows=4), decode_rows=3)  # too few: one kernel
+    check(batch, AttentionConfig(mixed_decode_min_rows=0), decode_rows=3)  # off
+    assert decoded == [3]
 
 
 @pytest.mark.parametrize("splits", [1, 3, 8])
