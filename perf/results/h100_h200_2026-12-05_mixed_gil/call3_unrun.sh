@@ -11,7 +11,7 @@ python3 -m m3serve make-tiny /tmp/slice --vocab-size 32768 \
   --shards 4 --quant modelopt-mixed --device cuda > /tmp/make.log 2>&1 || { tail -20 /tmp/make.log; exit 1; }
 for run in split nosplit; do
   rows=8; [ $run = nosplit ] && rows=0
-  timeout 150 python3 .scratch/bench_split.py $rows --model-path /tmp/slice --batches 16 64 --chunks 32 256 \
+  timeout 150 python3 perf/results/h100_h200_2026-12-05_mixed_gil/bench_split.py $rows --model-path /tmp/slice --batches 16 64 --chunks 32 256 \
     --context 1024 --top 25 --out $OUT/mixed_$run.json > $OUT/mixed_$run.txt 2>&1
   echo "== $run $(( $(date +%s)-t0 ))s"; grep -A8 "^batch" $OUT/mixed_$run.txt; grep "_kernel " $OUT/mixed_$run.txt | head -8 | cut -c1-60,150-215
 done
