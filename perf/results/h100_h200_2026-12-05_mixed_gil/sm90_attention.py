@@ -3,7 +3,7 @@ import argparse
 import sys
 
 sys.path.insert(0, "perf")
-import sm90_resources as tool  # noqa: E402
+import sm90_resources as tool
 
 args = argparse.Namespace(ptxas="/usr/local/cuda/bin/ptxas", sass=False)
 sys.path.append("/work/venv/lib/python3.11/site-packages")
