@@ -24,6 +24,9 @@ against the median pure decode step of the same rows. Whether a smaller chunk ma
 step is what the mixed-step budget assumes (on an H100, 12-05: beside 16 rows, 4.4-4.6 ms from
 0 to 255 prompt tokens, 1.83 ms without).
 
+Collections of a millisecond or more (the engine's `gc pause ...` lines) are counted by
+generation and thread at the end, with the objects they freed.
+
     python perf/summarize_step_trace.py serve.log [--top 25] [--slowest 10] [--itl]
         [--chunk-cost] [--since 16:17:05 --until 16:17:08]
 """
@@ -37,13 +40,19 @@ import statistics
 from collections import defaultdict
 from datetime import datetime
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 LINE = re.compile(
     r"^(\S+ \S+) .*step (\d+) (\w+) batch=(\d+) tokens=(\d+).*host=([\d.]+)ms "
     r"\(plan ([\d.]+) \+ process ([\d.]+)\) run=([\d.]+)ms"
     r"(?: idle=([\d.]+)ms lag=([\d.]+)ms)?(?: launch=([\d.]+)ms)?"
     r"(?: gc=([\d.]+)ms(?:\(full ([\d.]+)\))?)?(?: budget=(\d+))?"
+)
+
+
+PAUSE = re.compile(
+    r"^(\S+ \S+) .*gc pause ([\d.]+) ms: generation (-?\d+), (\d+) objects freed, "
+    r"in thread (\S+)"
 )
 
 
@@ -65,12 +74,38 @@ class Step(NamedTuple):
     gc_full_ms: float = 0.0  # the part of gc_ms in full collections (`gc=...(full N)`)
 
 
+class Pause(NamedTuple):
+    """One logged garbage collection of a millisecond or more (`gc pause ...`)."""
+
+    stamp: float
+    ms: float
+    generation: int
+    freed: int
+    thread: str
+
+
+Row = TypeVar("Row", Step, Pause)
+
+
+def _stamp(clock: str) -> float:
+    return datetime.strptime(clock, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def gc_pauses(path: Path) -> list[Pause]:
+    rows = []
+    for line in path.read_text(errors="replace").splitlines():
+        m = PAUSE.search(line)
+        if m:
+            rows.append(Pause(_stamp(m[1]), float(m[2]), int(m[3]), int(m[4]), m[5]))
+    return rows
+
+
 def steps(path: Path) -> list[Step]:
     rows = []
     for line in path.read_text(errors="replace").splitlines():
         m = LINE.search(line)
         if m:
-            stamp = datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            stamp = _stamp(m[1])
             numbers = (float(m[i]) for i in (6, 7, 8, 9))
             idle, lag, launch, gc_ms, full = (
                 float(m[i]) if m[i] else 0.0 for i in (10, 11, 12, 13, 14)
@@ -92,9 +127,9 @@ def consecutive(rows: list[Step]) -> list[tuple[float, Step]]:
     return [(1e3 * (cur.stamp - prev.stamp), cur) for prev, cur in _pairs(rows)]
 
 
-def in_window(rows: list[Step], since: str | None, until: str | None) -> list[Step]:
-    """The steps logged at or after `since` and before `until` (HH:MM:SS[.fff] of the day of
-    the first step)."""
+def in_window(rows: list[Row], since: str | None, until: str | None) -> list[Row]:
+    """The rows logged at or after `since` and before `until` (HH:MM:SS[.fff] of the day of
+    the first row)."""
     if not rows:
         return rows
     day = datetime.fromtimestamp(rows[0].stamp).date().isoformat()
@@ -243,6 +278,24 @@ def main() -> None:
         _print_token_gaps(rows)
     if args.chunk_cost:
         _print_chunk_costs(rows)
+    _print_gc_pauses(in_window(gc_pauses(args.log), args.since, args.until))
+
+
+def _print_gc_pauses(pauses: list[Pause]) -> None:
+    if not pauses:
+        return
+    total = sum(p.ms for p in pauses)
+    print(f"--- collections of 1 ms or more: {len(pauses)}, {total:.1f} ms in all")
+    groups: dict[tuple[int, str], list[Pause]] = defaultdict(list)
+    for pause in pauses:
+        groups[(pause.generation, pause.thread)].append(pause)
+    for (generation, thread), group in sorted(groups.items()):
+        ms = [p.ms for p in group]
+        median, freed = statistics.median(ms), statistics.median(p.freed for p in group)
+        print(
+            f"generation {generation} in {thread}: n={len(group)} median {median:.2f} ms, "
+            f"max {max(ms):.2f} ms, median {freed:.0f} objects freed"
+        )
 
 
 if __name__ == "__main__":

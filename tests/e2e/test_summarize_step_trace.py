@@ -3,12 +3,15 @@ windows them and lists the slowest steps."""
 
 from __future__ import annotations
 
+import gc
+import logging
 from pathlib import Path
 
 import pytest
 from summarize_step_trace import (
     chunk_costs,
     consecutive,
+    gc_pauses,
     in_window,
     main,
     percentile,
@@ -16,7 +19,8 @@ from summarize_step_trace import (
     token_gaps,
 )
 
-from m3serve.core.trace import StepRecord
+import m3serve.core.trace as trace_module
+from m3serve.core.trace import StepRecord, StepTrace
 from m3serve.runtime.messages import SeqStep, StepPlan
 
 
@@ -202,3 +206,34 @@ def test_chunk_costs_bin_mixed_steps_by_decode_rows_and_prompt_tokens(
     out = capsys.readouterr().out.splitlines()
     assert out[-2] == "rows  <= 16  decode 1.90 (n 2)  0-63: 4.50 (n 1)  64-127: 4.40 (n 1)"
     assert out[-1] == "rows  <= 64  64-127: 5.00 (n 1)"
+
+
+def test_long_collections_are_counted_by_generation_and_thread(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The engine's own `gc pause` line: a traced step with one collection, every one "long".
+    monkeypatch.setattr(trace_module, "LONG_PAUSE_MS", 0.0)
+    trace = StepTrace(log_every_step=True)
+    try:
+        trace.planned(StepPlan(step=3, seqs=[SeqStep(None, 10, [0], slot=0)]), 0.0)
+        gc.collect(1)
+        trace.ran(3, 0.001, trace.compiles.count)
+        with caplog.at_level(logging.INFO, logger="m3serve.core.trace"):
+            trace.processed(3, 0.0)
+    finally:
+        trace.close()
+    pause = next(r.getMessage() for r in caplog.records if "gc pause" in r.getMessage())
+    log = tmp_path / "serve.log"
+    prefix = "2026-12-05 14:25:{} INFO [engine] m3serve.core.trace: "
+    log.write_text("\n".join(prefix.format(f"{s:02d},000") + pause for s in (10, 11, 30)) + "\n")
+    (first, *_) = gc_pauses(log)
+    assert (first.generation, first.thread) == (1, "MainThread")
+    assert len(in_window(gc_pauses(log), "14:25:11", "14:25:20")) == 1
+    monkeypatch.setattr("sys.argv", ["summarize_step_trace.py", str(log)])
+    main()
+    out = capsys.readouterr().out.splitlines()
+    assert out[-2].startswith("--- collections of 1 ms or more: 3, ")
+    assert out[-1].startswith("generation 1 in MainThread: n=3 median ")

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+import m3serve.core.trace as trace_module
 from m3serve.core.trace import CompileCounter, StepRecord, StepTrace, step_kind
 from m3serve.runtime.messages import SeqStep, StepPlan
 
@@ -159,6 +160,35 @@ def test_only_collections_of_the_oldest_generation_count_as_full(
     _, record, line = collected_step(caplog, 0)  # a young collection: a pause, not a full one
     assert record.gc_ms > 0.0 and record.gc_full_ms == 0.0
     assert "(full" not in line
+
+
+def test_a_long_collection_gets_a_line_of_its_own(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(trace_module, "LONG_PAUSE_MS", 0.0)  # every collection is "long"
+    gc.disable()  # only the step's own collection frees the cycles
+    try:
+        garbage = [[] for _ in range(100)]
+        for item in garbage:
+            item.append(item)  # cycles only a collection frees
+        del garbage, item
+        _, record, _ = collected_step(caplog, 1)
+    finally:
+        gc.enable()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("gc pause")]
+    assert len(lines) == 1, lines
+    assert "generation 1" in lines[0] and "in thread MainThread" in lines[0]
+    freed = int(lines[0].split(", ")[1].split()[0])
+    assert freed >= 100
+    assert f"gc pause {record.gc_ms:.2f} ms" in lines[0]  # the step's only collection
+
+
+def test_short_collections_get_no_line_of_their_own(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(trace_module, "LONG_PAUSE_MS", 1e9)  # no collection is "long"
+    collected_step(caplog, 1)
+    assert not [r for r in caplog.records if r.getMessage().startswith("gc pause")]
 
 
 def test_a_step_without_a_collection_logs_no_gc_field(caplog: pytest.LogCaptureFixture) -> None:
