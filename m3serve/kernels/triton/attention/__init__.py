@@ -145,9 +145,8 @@ def paged_attention(
         launch_decode(q, k_cache, v_cache, table, seq_lens, extend_starts, positions, ids, out,
                 num_reqs, group, topk, heads_per_idx, cfg, common)  # fmt: skip
         return out
-    front = decode_rows if cfg.path == "auto" and cfg.mixed_decode_min_rows else 0
-    if front < max(cfg.mixed_decode_min_rows, 1) or front >= num_reqs:
-        front = 0
+    split = cfg.path == "auto" and 0 < cfg.mixed_decode_min_rows <= decode_rows < num_reqs
+    front = decode_rows if split else 0
     if front:
         # Rows [0, front) are requests [0, front): prefixes of every tensor, which keep their
         # addresses (so their compiled variants: Triton specializes on pointer alignment).
