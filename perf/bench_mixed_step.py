@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +93,7 @@ def profiled(runner: StepRunner, seqs: list[SeqStep], sync: Any) -> tuple[float,
     return busy, len(kernels), prof
 
 
-def host_ms(run: Any, sync: Any, repeats: int = 3) -> float:
+def host_ms(run: Callable[[], None], sync: Callable[[], None], repeats: int = 3) -> float:
     """The fastest of `repeats` times until `run` returns, each from an idle device: the host
     part of a step (a mixed step returns once its kernels are queued; a decode step waits for
     its tokens, so there it is the wall)."""
@@ -154,8 +155,7 @@ def main() -> None:
         fixed = f"{r['fixed_ms']:9.2f}" if "fixed_ms" in r else f"{'-':>9}"
         print(
             f"{r['batch']:5d} {r['chunk']:6d} {r['wall_ms']:8.2f} {r['host_ms']:8.2f} "
-            f"{r['device_busy_ms']:8.2f} "
-            f"{r['launches']:8d} {fixed}"
+            f"{r['device_busy_ms']:8.2f} {r['launches']:8d} {fixed}"
         )
     mixed = [r for r in rows if r["chunk"]]
     fixed = sorted(r["fixed_ms"] for r in mixed)[len(mixed) // 2]
