@@ -183,6 +183,24 @@ def test_a_long_collection_gets_a_line_of_its_own(
     assert f"gc pause {record.gc_ms:.2f} ms" in lines[0]  # the step's only collection
 
 
+def test_collections_before_the_first_step_are_start_ups_and_get_no_line(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(trace_module, "LONG_PAUSE_MS", 0.0)  # every collection is "long"
+    trace = StepTrace(log_every_step=True)
+    gc.disable()  # no collection may start on its own inside the step
+    try:
+        gc.collect()  # as the heap freeze before ready does
+        trace.planned(plan(DECODE, step=1), 0.0)
+        trace.ran(1, 0.001, trace.compiles.count)
+        with caplog.at_level(logging.INFO, logger="m3serve.core.trace"):
+            trace.processed(1, 0.0)
+    finally:
+        gc.enable()
+        trace.close()
+    assert not [r for r in caplog.records if r.getMessage().startswith("gc pause")]
+
+
 def test_short_collections_get_no_line_of_their_own(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
