@@ -125,19 +125,25 @@ def test_the_compile_counter_chains_to_and_restores_the_previous_hook() -> None:
         knobs.runtime.jit_post_compile_hook = previous
 
 
-def collected_step(
-    caplog: pytest.LogCaptureFixture, generation: int
+def traced_step(
+    caplog: pytest.LogCaptureFixture, inside: int | None = None, before: int | None = None
 ) -> tuple[StepTrace, StepRecord, str]:
-    """A traced step with a collection of `generation` between its planning and processing,
-    as one served; the trace (closed), its record and its logged line."""
+    """A traced step as one served, the first of its trace, with a collection of generation
+    `inside` between its planning and processing and one of `before` ahead of its planning (as
+    start-up's), and no other; the trace (closed), its record and its logged line."""
     trace = StepTrace(log_every_step=True)
+    gc.disable()  # no collection may start on its own
     try:
+        if before is not None:
+            gc.collect(before)
         trace.planned(plan(DECODE, step=4), 0.0)
-        gc.collect(generation)
+        if inside is not None:
+            gc.collect(inside)
         trace.ran(4, 0.001, trace.compiles.count)
         with caplog.at_level(logging.INFO, logger="m3serve.core.trace"):
             record = trace.processed(4, 0.0)
     finally:
+        gc.enable()
         trace.close()
     assert record is not None
     return trace, record, caplog.records[0].getMessage()
@@ -146,7 +152,7 @@ def collected_step(
 def test_a_step_logs_the_garbage_collections_that_ran_inside_it(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    trace, record, line = collected_step(caplog, 2)
+    trace, record, line = traced_step(caplog, inside=2)
     assert record.gc_ms > 0.0
     # A collection of the oldest generation is a full one: all of the pause counts as one.
     assert record.gc_full_ms == pytest.approx(record.gc_ms, abs=0.01)
@@ -157,7 +163,7 @@ def test_a_step_logs_the_garbage_collections_that_ran_inside_it(
 def test_only_collections_of_the_oldest_generation_count_as_full(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    _, record, line = collected_step(caplog, 0)  # a young collection: a pause, not a full one
+    _, record, line = traced_step(caplog, inside=0)  # a young collection: a pause, not a full one
     assert record.gc_ms > 0.0 and record.gc_full_ms == 0.0
     assert "(full" not in line
 
@@ -172,7 +178,7 @@ def test_a_long_collection_gets_a_line_of_its_own(
         for item in garbage:
             item.append(item)  # cycles only a collection frees
         del garbage, item
-        _, record, _ = collected_step(caplog, 1)
+        _, record, _ = traced_step(caplog, inside=1)
     finally:
         gc.enable()
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("gc pause")]
@@ -187,17 +193,7 @@ def test_collections_before_the_first_step_are_start_ups_and_get_no_line(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(trace_module, "LONG_PAUSE_MS", 0.0)  # every collection is "long"
-    trace = StepTrace(log_every_step=True)
-    gc.disable()  # no collection may start on its own inside the step
-    try:
-        gc.collect()  # as the heap freeze before ready does
-        trace.planned(plan(DECODE, step=1), 0.0)
-        trace.ran(1, 0.001, trace.compiles.count)
-        with caplog.at_level(logging.INFO, logger="m3serve.core.trace"):
-            trace.processed(1, 0.0)
-    finally:
-        gc.enable()
-        trace.close()
+    traced_step(caplog, before=2)  # as the heap freeze before ready
     assert not [r for r in caplog.records if r.getMessage().startswith("gc pause")]
 
 
@@ -205,19 +201,10 @@ def test_short_collections_get_no_line_of_their_own(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(trace_module, "LONG_PAUSE_MS", 1e9)  # no collection is "long"
-    collected_step(caplog, 1)
+    traced_step(caplog, inside=1)
     assert not [r for r in caplog.records if r.getMessage().startswith("gc pause")]
 
 
 def test_a_step_without_a_collection_logs_no_gc_field(caplog: pytest.LogCaptureFixture) -> None:
-    trace = StepTrace(log_every_step=True)
-    gc.disable()  # no collection may start on its own inside the step
-    try:
-        trace.planned(plan(DECODE, step=5), 0.0)
-        trace.ran(5, 0.001, trace.compiles.count)
-        with caplog.at_level(logging.INFO, logger="m3serve.core.trace"):
-            trace.processed(5, 0.0)
-    finally:
-        gc.enable()
-        trace.close()
-    assert "gc=" not in caplog.records[0].getMessage()
+    _, _, line = traced_step(caplog)
+    assert "gc=" not in line
