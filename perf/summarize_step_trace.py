@@ -91,29 +91,31 @@ def _stamp(clock: str) -> float:
     return datetime.strptime(clock, "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
-def gc_pauses(path: Path) -> list[Pause]:
-    rows = []
+def read_trace(path: Path) -> tuple[list[Step], list[Pause]]:
+    """The step lines and the `gc pause` lines of a log, in one pass over it."""
+    rows, pauses = [], []
     for line in path.read_text(errors="replace").splitlines():
-        m = PAUSE.search(line)
-        if m:
-            rows.append(Pause(_stamp(m[1]), float(m[2]), int(m[3]), int(m[4]), m[5]))
-    return rows
+        m = LINE.search(line)
+        if m is None:
+            p = PAUSE.search(line)
+            if p:
+                pauses.append(Pause(_stamp(p[1]), float(p[2]), int(p[3]), int(p[4]), p[5]))
+            continue
+        numbers = (float(m[i]) for i in (6, 7, 8, 9))
+        optional = (float(m[i]) if m[i] else 0.0 for i in (10, 11, 12, 13, 14))
+        idle, lag, launch, gc_ms, full = optional
+        budget = int(m[15]) if m[15] else 0
+        head = (_stamp(m[1]), int(m[2]), m[3], int(m[4]), int(m[5]), *numbers)
+        rows.append(Step(*head, gc_ms, budget, idle, lag, launch, full))
+    return rows, pauses
 
 
 def steps(path: Path) -> list[Step]:
-    rows = []
-    for line in path.read_text(errors="replace").splitlines():
-        m = LINE.search(line)
-        if m:
-            stamp = _stamp(m[1])
-            numbers = (float(m[i]) for i in (6, 7, 8, 9))
-            idle, lag, launch, gc_ms, full = (
-                float(m[i]) if m[i] else 0.0 for i in (10, 11, 12, 13, 14)
-            )
-            budget = int(m[15]) if m[15] else 0
-            head = (stamp, int(m[2]), m[3], int(m[4]), int(m[5]), *numbers)
-            rows.append(Step(*head, gc_ms, budget, idle, lag, launch, full))
-    return rows
+    return read_trace(path)[0]
+
+
+def gc_pauses(path: Path) -> list[Pause]:
+    return read_trace(path)[1]
 
 
 def _pairs(rows: list[Step]) -> list[tuple[Step, Step]]:
@@ -237,7 +239,8 @@ def main() -> None:
     parser.add_argument("--since")
     parser.add_argument("--until")
     args = parser.parse_args()
-    rows = in_window(steps(args.log), args.since, args.until)
+    logged, pauses = read_trace(args.log)
+    rows = in_window(logged, args.since, args.until)
     print(f"{len(rows)} steps traced")
     timed = consecutive(rows)
     groups: dict[tuple[str, int], list[tuple[float, Step]]] = defaultdict(list)
@@ -278,7 +281,7 @@ def main() -> None:
         _print_token_gaps(rows)
     if args.chunk_cost:
         _print_chunk_costs(rows)
-    _print_gc_pauses(in_window(gc_pauses(args.log), args.since, args.until))
+    _print_gc_pauses(in_window(pauses, args.since, args.until))
 
 
 def _print_gc_pauses(pauses: list[Pause]) -> None:

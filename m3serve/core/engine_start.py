@@ -204,7 +204,7 @@ def mixed_budget(
         )
     quantum = budget_quantum(page)
     served = MixedBudget(cost, stretch, quantum, args.sched.mixed_step_min_tokens)
-    floor = f"; never below {served.floor} tokens" if args.sched.mixed_step_min_tokens else ""
+    floor = f"; never below {served.floor} tokens" if served.floor else ""
     log.info("%s%s", cost.describe(stretch, quantum), floor)
     return served
 

@@ -89,10 +89,11 @@ class MixedBudget:
         # slower than a bigger one's, so a bucket served rarely keeps no noisy start-up time.
         decode = envelope(self.decode_ms, at)
         limit = self.stretch * decode
-        if prompt_tokens < FULL_SHARE * self(decodes) and ms <= limit:
+        tokens = self(decodes)
+        if prompt_tokens < FULL_SHARE * tokens and ms <= limit:
             return  # a short chunk says nothing about what the budget would cost
         over = limit < ms
-        if over and self(decodes) <= self.floor:
+        if over and tokens <= self.floor:
             return  # at the floor: a smaller budget is not allowed, so the scale stays put
         if over or ms + self.quantum * self.cost.prefill_ms_per_token <= GROW_BELOW * limit:
             # Over the stretch: down; a quantum more would still fit: up. Each by the damped
@@ -100,7 +101,7 @@ class MixedBudget:
             # to the stretch that ratio is near 1, and the budget is whole quanta, so steps of
             # it alone could leave the budget where it is for hundreds of steps.
             step = math.sqrt((limit - decode) / max(ms - decode, 1e-3))
-            tokens, unrounded = self(decodes), self._unrounded(decodes)
+            unrounded = self._unrounded(decodes)
             if over:  # half a token past a quantum boundary, against rounding
                 step = min(step, (tokens - 0.5) / unrounded)
             else:
