@@ -242,6 +242,11 @@ class EngineCore(StepLoop):
         self.runner.while_device_runs = self.executor.while_device_runs
         self._in_flight = None
         self._ready_compiles = self.trace.compiles.count
+        if self.device.type == "cuda":
+            device = self.device
+            self.trace.watch_allocator(
+                lambda: torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+            )
         log.info("%s", self.startup.line())
 
     def info(self) -> dict[str, Any]:

@@ -15,6 +15,8 @@ server must never do after it reported ready. With the trace on, `GcPauses` adds
 collector's time between a step's planning and its processing (`gc=`), the other stall a
 Python server has, and each collection of a millisecond or more gets a line of its own
 (`gc pause ...`: its generation, the objects it freed and the thread that waited it out).
+On a GPU the trace also watches the CUDA caching allocator (`AllocRetries`): an allocation it
+had to retry after freeing its cache waited for the device, a stall no other field shows.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -131,6 +133,40 @@ class GcPauses:
             self._long.append(GcPause(ms, generation, info.get("collected", 0), thread))
 
 
+# The CUDA allocator's counters are read every this many runs: `torch.cuda.memory_stats` builds
+# a dict of some 200 of them.
+ALLOC_CHECK_EVERY = 64
+
+
+class AllocRetries:
+    """Allocations the CUDA caching allocator had to retry. One that finds neither a cached
+    block nor free device memory frees every cached block (cudaFree, which first waits for all
+    the work queued on the device) and allocates again: milliseconds in whichever step asked,
+    seen only as a slow launch. `read` gives the allocator's running count; a rise is logged
+    with the steps it happened in, checked every ALLOC_CHECK_EVERY runs."""
+
+    def __init__(self, read: Callable[[], int]) -> None:
+        self._read = read
+        self._seen = read()
+        self._runs = 0
+        self._first_step: int | None = None  # the first run since the last check
+
+    def check(self, step: int) -> None:
+        """Called by the executor thread as each run ends."""
+        if self._first_step is None:
+            self._first_step = step
+        self._runs += 1
+        if self._runs % ALLOC_CHECK_EVERY:
+            return
+        count = self._read()
+        if count > self._seen:
+            log.info("CUDA allocator: %d allocations retried after freeing its cache (each "
+                     "waits for the device) in steps %d-%d", count - self._seen,
+                     self._first_step, step)  # fmt: skip
+        self._seen = count
+        self._first_step = None
+
+
 @dataclass
 class StepRecord:
     plan: StepPlan
@@ -187,6 +223,13 @@ class StepTrace:
         self._records: dict[int, StepRecord] = {}
         self._last_run_end: float | None = None  # executor thread only
         self._serving = False  # a step has been planned: start-up is over
+        self.alloc: AllocRetries | None = None
+
+    def watch_allocator(self, read: Callable[[], int]) -> None:
+        """With the trace on, log the CUDA allocator's retried allocations from here on
+        (`read`: its running count)."""
+        if self.log_every_step:
+            self.alloc = AllocRetries(read)
 
     def planned(self, plan: StepPlan, seconds: float, budget: int = 0) -> None:
         """`budget`: the mixed-step prompt budget the plan was held to (0: none)."""
@@ -217,6 +260,8 @@ class StepTrace:
             record.idle_ms = max(idle, 0.0) * 1e3
             record.finished_at = now
             record.compiled = self.compiles.since(compiles_before)
+        if self.alloc is not None:
+            self.alloc.check(step)
 
     def processed(self, step: int, seconds: float) -> StepRecord | None:
         """Called as processing of `seconds` (begun once the result was in) ends."""

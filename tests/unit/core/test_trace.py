@@ -208,3 +208,33 @@ def test_short_collections_get_no_line_of_their_own(
 def test_a_step_without_a_collection_logs_no_gc_field(caplog: pytest.LogCaptureFixture) -> None:
     _, _, line = traced_step(caplog)
     assert "gc=" not in line
+
+
+def test_retried_cuda_allocations_are_logged_with_the_steps_they_happened_in(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    retries = [3]  # the allocator's running count: start-up's retries are not logged
+    trace = StepTrace(log_every_step=True)
+    trace.watch_allocator(lambda: retries[0])
+    every = trace_module.ALLOC_CHECK_EVERY
+    with caplog.at_level(logging.INFO, logger="m3serve.core.trace"):
+        for step in range(1, every + 1):  # no retry in the first window
+            trace.ran(step, 0.001, trace.compiles.count)
+        for step in range(every + 1, 2 * every + 1):
+            if step == every + 5:
+                retries[0] = 5
+            trace.ran(step, 0.001, trace.compiles.count)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("CUDA allocator: 2 allocations retried")
+    assert line.endswith(f"in steps {every + 1}-{2 * every}")
+
+
+def test_the_allocator_is_not_read_without_the_trace() -> None:
+    def read() -> int:
+        raise AssertionError("read without the trace")
+
+    trace = StepTrace(log_every_step=False)
+    trace.watch_allocator(read)
+    for step in range(1, 2 * trace_module.ALLOC_CHECK_EVERY):
+        trace.ran(step, 0.001, trace.compiles.count)
+    assert trace.alloc is None

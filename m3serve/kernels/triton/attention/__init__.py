@@ -23,11 +23,12 @@ Two paths, picked from `max_extend` (a host int the batch already carries, so no
   small planning kernel dedupes the tile's BLOCK_T·K selection entries into a compact page list
   once per (tile, index head), and each row is masked by its own token's selection and causality.
   The main loops have no data-dependent branches, so Triton can software-pipeline their loads.
-* a mixed step (decode rows in front of prompt chunks, `decode_rows`): the decode rows take the
-  decode path and the chunks the prefill path, two launches over disjoint rows of one output.
-  In the prefill tiles a decode row is a tile of its own, one real row of BLOCK_T (H200, 64
-  decode rows beside a 32-token chunk: 99 µs a layer in the prefill kernel). The prefill
-  kernels then skip the requests in front, which keeps their compiled variants the same.
+* a mixed step (decode rows in front of prompt chunks, `decode_rows`) takes the prefill path,
+  where a decode row is a tile of its own, one real row of BLOCK_T (H200, 64 decode rows beside
+  a 32-token chunk: 99 µs a layer in the prefill kernel). With `mixed_decode_min_rows` set the
+  decode rows take the decode path instead and the prefill kernels skip the requests in front
+  (same compiled variants): two launches over disjoint rows of one output. Off by default: on
+  the H100 it was no faster on the device and slower on the host (`AttentionConfig`).
 
 Pages are walked in chunks of BLOCK_N keys that never straddle a page; when a page is smaller
 than BLOCK_N (tiny test shapes) the chunk's tail is masked off, which keeps every tl.dot

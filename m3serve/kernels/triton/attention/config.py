@@ -37,8 +37,11 @@ class AttentionConfig:
     decode_pdl: bool = True
     # A step that prefills (longest extend past DECODE_MAX_EXTEND) with at least this many
     # decode rows (one new token each) in front: those rows take the decode kernel and only
-    # the rest the prefill tiles, where each decode row fills a tile of its own. 0 (off) until
-    # a GPU run has timed it (perf/bench_mixed_step.py with it on and off).
+    # the rest the prefill tiles, where each decode row fills a tile of its own. 0 (off): on an
+    # H100 (2026-12-05, 4-layer slice, 1.2K contexts) the decode kernel took back what the prefill
+    # kernel saved (64 + 32 tokens: 3.58 -> 3.60 ms of kernels) and the second path cost the host
+    # 0.45-1.3 ms a step; served at C 16 and 64 it lost 2-4 % (perf/results/h100_h200_2026-12-05
+    # _mixed_gil/README.md).
     mixed_decode_min_rows: int = 0
 
 
