@@ -62,8 +62,9 @@ def gate_up_gemv_kernel(xs_ptr, ids_ptr, w_ptr, stride_we, s_ptr, stride_se, g_p
     r = tl.arange(0, ROWS)
     j = tl.program_id(0) * HALF_N + (r % HALF_N)
     is_up = r >= HALF_N
-    acc = _gemv_rows(xs_ptr, w_ptr + expert * stride_we, s_ptr + expert * stride_se,
-                     tl.where(is_up, inter + j, j), hidden, ROWS, BLOCK_K, K_TILES, DEQUANT)  # fmt: skip
+    rows = tl.where(is_up, inter + j, j)
+    w_base, s_base = w_ptr + expert * stride_we, s_ptr + expert * stride_se
+    acc = _gemv_rows(xs_ptr, w_base, s_base, rows, hidden, ROWS, BLOCK_K, K_TILES, DEQUANT)
     g = tl.where(is_up, tl.load(g_ptr + expert * 2 + 1), tl.load(g_ptr + expert * 2))
     gate, up = tl.split(tl.permute(tl.reshape(acc * g * ACC_SCALE, [2, HALF_N]), (1, 0)))
     gate = tl.minimum(gate, limit)
