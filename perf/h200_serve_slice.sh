@@ -8,25 +8,29 @@
 # call's start-up (~50 s instead of ~240). Each level draws fresh prompts (a seed per level).
 #
 #   carry [".whl"] (plus ".scratch" holding tcache.tgz.part*, if any):
-#   bash perf/h200_serve_slice.sh [--experts N] [--tag T] [--serve-arg ARG]... [LEVEL...]
+#   bash perf/h200_serve_slice.sh [--experts N] [--tag T] [--client-procs P] [--serve-arg ARG]...
+#       [LEVEL...]
 #
 # `--experts N`: routed experts per layer of the slice (default 8; issue 11 allows 8-32). With
 # more experts a decode step reads more expert weights, as the real model's 128 do, and a mixed
 # step's experts are less compute-bound. `--tag T` prefixes the files under $OUT with `T_`, so
 # that one call can serve twice (the second start reuses the slice and the Triton cache);
 # `--serve-arg ARG` passes ARG on to `m3serve serve` (e.g. `--serve-arg --mixed-step-stretch
-# --serve-arg 2.2`).
+# --serve-arg 2.2`); `--client-procs P`: the load generator's processes (default 4); the
+# client's own share of the ITL p99 is the gap between its ratio and the trace's (`--itl`).
 # A LEVEL is NAME:CONCURRENCY:REQUESTS[:probe]; the default is the table of the closing notes:
 # c1:1:12 c16:16:192 c64:64:256:probe c128:128:256 c256:256:512. `.whl` holds the wheels the
 # README's Notes list (the server dies at import without xgrammar's).
 set -u
 experts=8
 tag=""
+client_procs=4
 serve_args=()
 while [ $# -gt 0 ]; do
   case $1 in
     --experts) experts=$2; shift 2 ;;
     --tag) tag="$2_"; shift 2 ;;
+    --client-procs) client_procs=$2; shift 2 ;;
     --serve-arg) serve_args+=("$2"); shift 2 ;;
     *) break ;;
   esac
@@ -63,8 +67,8 @@ for level in "${levels[@]}"; do
   [ "${probe:-}" = probe ] && extra=(--decode-probe "$concurrency")
   since=$(date +%T.%3N)
   python3 perf/bench_serving.py --url http://127.0.0.1:30000 --input-len 1024 --output-len 256 \
-    --concurrency "$concurrency" --num-requests "$requests" --client-procs 4 --seed "$seed" \
-    "${extra[@]}" \
+    --concurrency "$concurrency" --num-requests "$requests" --client-procs "$client_procs" \
+    --seed "$seed" "${extra[@]}" \
     --out "/tmp/res/$name.json" > "/tmp/res/$name.txt" 2>&1
   echo "$name $since $(date +%T.%3N)" >> /tmp/res/windows.txt
   grep -E "^concurrency|of ideal|prefix cache" "/tmp/res/$name.txt"
