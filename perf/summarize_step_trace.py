@@ -4,11 +4,13 @@ Per (step kind, batch size), over consecutive traced steps: how many, the median
 median wall time from the previous step's line to this one's, and the median host time (planning +
 processing, on the event loop) and run time (the executor thread: forward, sampling and the token
 copy back, which waits for the device), with the run time's 99th percentile, the garbage collector's
-pauses (`gc=`, and the part in full collections) summed, and the range of the mixed steps' prompt
-budgets (`budget=`). `--slowest N` lists the N steps that took longest from the step before them
-(what an inter-token latency tail is made of), with the part of the gap beyond the step's own run
-(large: the engine sat idle, or waited on something outside the step), split into the executor's
-wait for the plan (`idle=`) and the result's wait for the event loop (`lag=`);
+pauses (`gc=`, and the part in full collections) summed, the range of the mixed steps' prompt
+budgets (`budget=`), and where steps built their own batch in their launch (`build=`: their plan
+came too late to build it ahead), how many and the median time. `--slowest N` lists the N steps
+that took longest from the step before them (what an inter-token latency tail is made of), with
+the part of the gap beyond the step's own run (large: the engine sat idle, or waited on
+something outside the step), split into the executor's wait for the plan (`idle=`) and the
+result's wait for the event loop (`lag=`);
 `--since` / `--until` keep the steps logged inside a window (one benchmark level of a longer
 run), as HH:MM:SS of the log's clock.
 
@@ -46,7 +48,7 @@ LINE = re.compile(
     r"^(\S+ \S+) .*step (\d+) (\w+) batch=(\d+) tokens=(\d+).*host=([\d.]+)ms "
     r"\(plan ([\d.]+) \+ process ([\d.]+)\) run=([\d.]+)ms"
     r"(?: idle=([\d.]+)ms lag=([\d.]+)ms)?(?: launch=([\d.]+)ms)?"
-    r"(?: gc=([\d.]+)ms(?:\(full ([\d.]+)\))?)?(?: budget=(\d+))?"
+    r"(?: gc=([\d.]+)ms(?:\(full ([\d.]+)\))?)?(?: budget=(\d+))?(?: build=([\d.]+)ms)?"
 )
 
 
@@ -72,6 +74,7 @@ class Step(NamedTuple):
     lag_ms: float = 0.0  # the result's wait for the event loop (`lag=`)
     launch_ms: float = 0.0  # the run until its kernels were queued (`launch=`; 0: not logged)
     gc_full_ms: float = 0.0  # the part of gc_ms in full collections (`gc=...(full N)`)
+    build_ms: float = 0.0  # the launch's share building the batch (`build=`; 0: built ahead)
 
 
 class Pause(NamedTuple):
@@ -105,8 +108,9 @@ def read_trace(path: Path) -> tuple[list[Step], list[Pause]]:
         optional = (float(m[i]) if m[i] else 0.0 for i in (10, 11, 12, 13, 14))
         idle, lag, launch, gc_ms, full = optional
         budget = int(m[15]) if m[15] else 0
+        build = float(m[16]) if m[16] else 0.0
         head = (_stamp(m[1]), int(m[2]), m[3], int(m[4]), int(m[5]), *numbers)
-        rows.append(Step(*head, gc_ms, budget, idle, lag, launch, full))
+        rows.append(Step(*head, gc_ms, budget, idle, lag, launch, full, build))
     return rows, pauses
 
 
@@ -254,12 +258,14 @@ def main() -> None:
         p99 = percentile([r.run_ms for _, r in items], 0.99)
         paused = sum(r.gc_ms for _, r in items)
         full = sum(r.gc_full_ms for _, r in items)
+        built = [r.build_ms for _, r in items if r.build_ms]
         print(
             f"{kind:7s} batch={batch:4d} n={len(items):5d} tokens~{med['tokens']:7.0f} "
             f"wall gap {gap:6.2f} ms  host {med['host_ms']:5.2f} (plan {med['plan_ms']:4.2f} "
             f"process {med['process_ms']:4.2f})  run {med['run_ms']:6.2f} ms (p99 {p99:6.2f})  "
             f"idle {med['idle_ms']:4.2f} lag {med['lag_ms']:4.2f}"
             + (f" launch {med['launch_ms']:4.2f}" if med["launch_ms"] else "")
+            + (f" (built in it: n {len(built)}, {statistics.median(built):.2f})" if built else "")
             + (f"  gc {paused:.1f} ms in all" if paused else "")
             + (f" ({full:.1f} in full collections)" if full else "")
             + (f"  budget {budgets[0]}-{budgets[-1]}" if budgets else "")

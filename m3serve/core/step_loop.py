@@ -132,7 +132,8 @@ class StepLoop:
         result = self.runner.run(plan)
         seconds = time.perf_counter() - started
         launched = self.runner.launched_at
-        self.trace.ran(plan.step, seconds, compiles, launched - started if launched else 0.0)
+        launch = launched - started if launched else 0.0
+        self.trace.ran(plan.step, seconds, compiles, launch, self.runner.build_seconds)
         if self.served_budget is not None:
             _feed(self.served_budget, plan, seconds)
         return result

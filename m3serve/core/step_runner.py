@@ -105,6 +105,9 @@ class StepRunner:
         # perf_counter() when the last sampled step's kernels were all queued (0: none since
         # the caller reset it): the step trace's launch time.
         self.launched_at = 0.0
+        # Seconds the last step spent building its batch itself (0: `prepare` had built it
+        # ahead, while the step before ran): part of its launch, the step trace's `build=`.
+        self.build_seconds = 0.0
 
     @torch.inference_mode()
     def run(self, plan: StepPlan, layers: Sequence[int] | None = None) -> StepResult:
@@ -162,6 +165,7 @@ class StepRunner:
         self, plan: StepPlan, layers: Sequence[int] | None, load: LayerLoad | None
     ) -> StepResult:
         sampled = [seq.slot for seq in plan.seqs if seq.sample]
+        self.build_seconds = 0.0
         seqs, dead = self._rows(plan.seqs)
         if not seqs:  # load-backs only, or every row's request ended on the step before
             return _result(plan.step, sampled, [], [], [], [])
@@ -172,7 +176,9 @@ class StepRunner:
             seqs = spec.lengths.resolve(seqs)
         batch = self._take_prepared(plan.step, seqs)
         if batch is None:
+            started = time.perf_counter()
             batch = self._build(seqs)
+            self.build_seconds = time.perf_counter() - started
         batch = self._with_media(plan, seqs, batch)
         if spec is not None:
             return spec.run(plan.step, seqs, batch, self, sampled, load, layers)

@@ -8,7 +8,8 @@ for this plan since its previous run ended (the event loop was late to launch it
 how long the finished result waited for the event loop to process it (its tokens reach the
 clients only then). A step that samples also logs `launch=`, the part of its run until its
 kernels were all queued: near the whole run, the host's launching set the step's pace, not the
-device.
+device; and `build=`, the part of that launch spent building the step's batch, where it was not
+built ahead while the step before ran.
 `CompileCounter` sees those compilations through Triton's post-compile hook; a step that compiled
 anything is logged as a warning whether or not the trace is on, since that stall is what a
 server must never do after it reported ready. With the trace on, `GcPauses` adds the garbage
@@ -186,6 +187,9 @@ class StepRecord:
     # From the run's start until its kernels were all queued (0: it samples nothing): where it
     # is most of `run_ms` the host, not the device, sets the step's pace.
     launch_ms: float = 0.0
+    # The part of the launch that built the step's batch (0: `prepare` built it ahead while the
+    # step before ran, as it should on a GPU): a step whose plan came too late to build ahead.
+    build_ms: float = 0.0
     finished_at: float = 0.0  # perf_counter() when the run ended
 
     @property
@@ -204,11 +208,12 @@ class StepRecord:
         kind = step_kind(self.plan)
         budget = f" budget={self.budget}" if self.budget and kind == "mixed" else ""
         launch = f" launch={self.launch_ms:.2f}ms" if self.launch_ms else ""
+        build = f" build={self.build_ms:.2f}ms" if self.build_ms >= 0.005 else ""
         return (
             f"step {self.plan.step} {kind} batch={len(self.plan.seqs)} "
             f"tokens={self.tokens}{loads} host={host:.2f}ms (plan {self.schedule_ms:.2f} + "
             f"process {self.process_ms:.2f}) run={self.run_ms:.2f}ms idle={self.idle_ms:.2f}ms "
-            f"lag={self.lag_ms:.2f}ms{launch}{paused}{budget}{compiled}"
+            f"lag={self.lag_ms:.2f}ms{launch}{paused}{budget}{build}{compiled}"
         )
 
 
@@ -246,10 +251,16 @@ class StepTrace:
         )
 
     def ran(
-        self, step: int, seconds: float, compiles_before: int, launch_seconds: float = 0.0
+        self,
+        step: int,
+        seconds: float,
+        compiles_before: int,
+        launch_seconds: float = 0.0,
+        build_seconds: float = 0.0,
     ) -> None:
         """Called by the executor thread as a run of `seconds` ends, `launch_seconds` of it
-        until its kernels were queued (0: not known)."""
+        until its kernels were queued (0: not known), `build_seconds` of that building its
+        batch (0: built ahead)."""
         now = time.perf_counter()
         idle = now - seconds - self._last_run_end if self._last_run_end is not None else 0.0
         self._last_run_end = now
@@ -257,6 +268,7 @@ class StepTrace:
         if record is not None:
             record.run_ms = seconds * 1e3
             record.launch_ms = launch_seconds * 1e3
+            record.build_ms = build_seconds * 1e3
             record.idle_ms = max(idle, 0.0) * 1e3
             record.finished_at = now
             record.compiled = self.compiles.since(compiles_before)

@@ -28,8 +28,8 @@ def test_the_summary_parses_the_trace_lines_the_engine_writes(tmp_path: Path) ->
     decode = StepPlan(step=7, seqs=[SeqStep(None, 10, [0], slot=0), SeqStep(None, 9, [1], slot=1)])
     mixed = StepPlan(step=8, seqs=[SeqStep([1, 2, 3], 0, [2], slot=2), SeqStep(None, 11, [0])])
     lines = []
-    shapes = (("00,100", decode, 3.5, 0.0, 0.0), ("00,104", mixed, 4.25, 1.5, 3.75))
-    for stamp, plan, run_ms, gc_ms, launch_ms in shapes:
+    shapes = (("00,100", decode, 3.5, 0.0, 0.0, 0.0), ("00,104", mixed, 4.25, 1.5, 3.75, 0.5))
+    for stamp, plan, run_ms, gc_ms, launch_ms, build_ms in shapes:
         record = StepRecord(
             plan,
             schedule_ms=0.1,
@@ -41,6 +41,7 @@ def test_the_summary_parses_the_trace_lines_the_engine_writes(tmp_path: Path) ->
             idle_ms=0.5,
             lag_ms=0.25,
             launch_ms=launch_ms,
+            build_ms=build_ms,
         )
         lines.append(f"2026-12-03 13:50:{stamp} INFO [engine] m3serve.core.trace: {record.line()}")
     log = tmp_path / "serve.log"
@@ -56,6 +57,7 @@ def test_the_summary_parses_the_trace_lines_the_engine_writes(tmp_path: Path) ->
     assert (second.idle_ms, second.lag_ms) == (0.5, 0.25)
     assert (first.launch_ms, second.launch_ms) == (0.0, 3.75)
     assert (first.gc_full_ms, second.gc_full_ms) == (0.0, 1.2)
+    assert (first.build_ms, second.build_ms) == (0.0, 0.5)  # the first was built ahead
 
 
 def test_lines_of_older_servers_without_idle_and_lag_still_parse(tmp_path: Path) -> None:
@@ -237,3 +239,23 @@ def test_long_collections_are_counted_by_generation_and_thread(
     out = capsys.readouterr().out.splitlines()
     assert out[-2].startswith("--- collections of 1 ms or more: 3, ")
     assert out[-1].startswith("generation 1 in MainThread: n=3 median ")
+
+
+def test_steps_that_built_their_own_batch_are_counted_per_kind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    records = []
+    for i, build_ms in enumerate((0.0, 0.8, 0.0, 1.2)):
+        record = StepRecord(
+            StepPlan(step=i + 1, seqs=[SeqStep(None, 10, [0], slot=0)]),
+            schedule_ms=0.1,
+            run_ms=2.0,
+            process_ms=0.05,
+            launch_ms=1.5,
+            build_ms=build_ms,
+        )
+        records.append((f"16:00:00,{2 * i:03d}", record))
+    monkeypatch.setattr("sys.argv", ["summarize_step_trace.py", str(_write_log(tmp_path, records))])
+    main()
+    (decode,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("decode")]
+    assert "launch 1.50 (built in it: n 2, 1.00)" in decode

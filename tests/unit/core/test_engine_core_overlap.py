@@ -105,17 +105,32 @@ def test_a_batch_built_ahead_runs_although_a_request_in_it_ended_meanwhile(
         ran.append([s.slot for s in seqs if s.input_ids is None])
         return with_media(self, plan, seqs, batch)
 
+    ahead_by_step: dict[int, bool] = {}
+
     def spy_take(self, step, seqs):  # type: ignore[no-untyped-def]
         batch = take(self, step, seqs)
         used_ahead.append(batch is not None)
+        ahead_by_step[step] = batch is not None
         return batch
 
     monkeypatch.setattr(StepRunner, "_with_media", spy_run)
     monkeypatch.setattr(StepRunner, "_take_prepared", spy_take)
     built = _decode_rows(core, monkeypatch)
+    built_in_run: dict[int, bool] = {}  # by step: whether the trace got a `build=` time
+    ran_trace = core.trace.ran
+
+    def spy_ran(step, seconds, compiles, launch=0.0, build=0.0):  # type: ignore[no-untyped-def]
+        built_in_run[step] = build > 0.0
+        return ran_trace(step, seconds, compiles, launch, build)
+
+    monkeypatch.setattr(core.trace, "ran", spy_ran)
     _stopping_beside_running(core, greedy, stop, ends_at)
 
     assert sum(row.count(0) for row in ran) == ends_at  # the last one dead
     assert any(used_ahead)  # steps ran on batches built ahead
+    # The trace's `build=` is 0 exactly for the steps that ran a batch built ahead.
+    assert {step: not ahead for step, ahead in ahead_by_step.items()} == {
+        step: built_in_run[step] for step in ahead_by_step
+    }
     assert len(built) == len(ran)  # and none was built again: not the one "stopping" ended in
     core.scheduler.idle_check()

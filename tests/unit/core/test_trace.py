@@ -59,6 +59,23 @@ def test_a_step_that_samples_logs_how_long_its_launch_took(
     trace.close()
 
 
+def test_a_step_that_built_its_own_batch_logs_how_long_that_took(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    trace = StepTrace(log_every_step=True)
+    trace.planned(plan(DECODE, step=5), 0.0)
+    trace.ran(5, 0.004, trace.compiles.count, launch_seconds=0.003, build_seconds=0.0012)
+    trace.planned(plan(DECODE, step=6), 0.0)
+    trace.ran(6, 0.004, trace.compiles.count, launch_seconds=0.003)  # built ahead
+    with caplog.at_level(logging.INFO, logger="m3serve.core.trace"):
+        trace.processed(5, 0.0)
+        trace.processed(6, 0.0)
+    late, ahead = (r.getMessage() for r in caplog.records)
+    assert late.endswith(" launch=3.00ms build=1.20ms")
+    assert "build=" not in ahead
+    trace.close()
+
+
 def test_idle_is_the_executors_wait_for_a_plan_and_lag_the_results_wait(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
