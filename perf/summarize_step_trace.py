@@ -105,10 +105,9 @@ def read_trace(path: Path) -> tuple[list[Step], list[Pause]]:
                 pauses.append(Pause(_stamp(p[1]), float(p[2]), int(p[3]), int(p[4]), p[5]))
             continue
         numbers = (float(m[i]) for i in (6, 7, 8, 9))
-        optional = (float(m[i]) if m[i] else 0.0 for i in (10, 11, 12, 13, 14))
-        idle, lag, launch, gc_ms, full = optional
+        optional = (float(m[i]) if m[i] else 0.0 for i in (10, 11, 12, 13, 14, 16))
+        idle, lag, launch, gc_ms, full, build = optional
         budget = int(m[15]) if m[15] else 0
-        build = float(m[16]) if m[16] else 0.0
         head = (_stamp(m[1]), int(m[2]), m[3], int(m[4]), int(m[5]), *numbers)
         rows.append(Step(*head, gc_ms, budget, idle, lag, launch, full, build))
     return rows, pauses

@@ -38,6 +38,18 @@ MMA = gl.constexpr(
 )
 
 
+X_LOAD = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
+B_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2))
+
+
+@gluon.jit
+def _x_tile(x_ptr, k):
+    """The activations' [BK, BM] tile at K offset k (x stored [K, BM])."""
+    xr = gl.arange(0, BK, layout=gl.SliceLayout(1, X_LOAD))
+    xc = gl.arange(0, BM, layout=gl.SliceLayout(0, X_LOAD))
+    return gl.load(x_ptr + (k + xr)[:, None] * BM + xc[None, :])
+
+
 @gluon.jit
 def _decode(w_ptr, rows, cols, k, K):
     codes = gl.load(w_ptr + rows[:, None] * K + (k + cols)[None, :])
@@ -55,19 +67,15 @@ def _store_acc(out_ptr, acc, mma: gl.constexpr):
 def register_a(w_ptr, x_ptr, out_ptr, K):
     mma: gl.constexpr = MMA
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    x_load: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    b_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
     rows = gl.arange(0, BN, layout=gl.SliceLayout(1, a_layout))
     cols = gl.arange(0, BK, layout=gl.SliceLayout(0, a_layout))
-    xr = gl.arange(0, BK, layout=gl.SliceLayout(1, x_load))
-    xc = gl.arange(0, BM, layout=gl.SliceLayout(0, x_load))
-    bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BK, BM], b_smem)
+    bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BK, BM], B_SMEM)
     acc = gl.zeros([BN, BM], gl.float32, layout=mma)
     a = _decode(w_ptr, rows, cols, 0, K)
     for i in range(0, K // BK):
         k = i * BK
         buf = bufs.index(i % 2)
-        buf.store(gl.load(x_ptr + (k + xr)[:, None] * BM + xc[None, :]))
+        buf.store(_x_tile(x_ptr, k))
         fence_async_shared()
         acc = warpgroup_mma(a, buf, acc, is_async=True)
         a_next = _decode(w_ptr, rows, cols, (k + BK) % K, K)
@@ -79,22 +87,18 @@ def register_a(w_ptr, x_ptr, out_ptr, K):
 def smem_a(w_ptr, x_ptr, out_ptr, K):
     mma: gl.constexpr = MMA
     w_load: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-    x_load: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     a_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    b_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
     rows = gl.arange(0, BN, layout=gl.SliceLayout(1, w_load))
     cols = gl.arange(0, BK, layout=gl.SliceLayout(0, w_load))
-    xr = gl.arange(0, BK, layout=gl.SliceLayout(1, x_load))
-    xc = gl.arange(0, BM, layout=gl.SliceLayout(0, x_load))
     abufs = gl.allocate_shared_memory(gl.bfloat16, [2, BN, BK], a_smem)
-    bbufs = gl.allocate_shared_memory(gl.bfloat16, [2, BK, BM], b_smem)
+    bbufs = gl.allocate_shared_memory(gl.bfloat16, [2, BK, BM], B_SMEM)
     acc = gl.zeros([BN, BM], gl.float32, layout=mma)
     for i in range(0, K // BK):
         k = i * BK
         abuf = abufs.index(i % 2)
         bbuf = bbufs.index(i % 2)
         abuf.store(_decode(w_ptr, rows, cols, k, K))
-        bbuf.store(gl.load(x_ptr + (k + xr)[:, None] * BM + xc[None, :]))
+        bbuf.store(_x_tile(x_ptr, k))
         fence_async_shared()
         acc = warpgroup_mma(abuf, bbuf, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
