@@ -231,6 +231,10 @@ PREFILL_ABLATIONS = {
     "block_m128_n128_w8": NVFP4MoEConfig(block_m=128, block_n=128, num_warps=8),
     "stages4": NVFP4MoEConfig(num_stages=4),
     "block_m64_n64_w4": NVFP4MoEConfig(block_m=64, block_n=64, num_warps=4),
+    # A block's tail (pairs past BLOCK_M on the same decoded weights) and the register cap.
+    "no_tail": NVFP4MoEConfig(tail_m=0, max_registers=0),
+    "tail16_uncapped": NVFP4MoEConfig(tail_m=16, max_registers=0),
+    "tail32": NVFP4MoEConfig(tail_m=32),
 }
 
 

@@ -35,11 +35,13 @@ from pathlib import Path
 from typing import Any
 
 # The variants `plan_moe` picks at M3.1's widths (K tiles of 128): (label, route, P_PAD,
-# BLOCK_N, BLOCK_M, K_TILES, warps).
+# BLOCK_N, BLOCK_M, TAIL_M, K_TILES, warps, register cap or 0).
 VARIANTS = [
-    ("T1 slots", 0, 32, 64, 16, 2, 4),
-    ("T8 slots", 0, 32, 128, 16, 1, 4),
-    ("prefill sorted", 1, 0, 128, 128, 1, 8),
+    ("T1 slots", 0, 32, 64, 16, 0, 2, 4, 0),
+    ("T8 slots", 0, 32, 128, 16, 0, 1, 4, 0),
+    ("T1024 sorted", 1, 0, 64, 32, 16, 1, 4, 0),
+    ("T2048 sorted", 1, 0, 128, 64, 16, 1, 8, 128),
+    ("prefill sorted", 1, 0, 128, 128, 0, 1, 8, 0),
 ]
 GATE_UP_TYPES = {
     "alpha": "fp32", "limit": "fp32", "x_ptr": "*bf16", "ids_ptr": "*i32", "sorted_ptr": "*i32",
@@ -109,16 +111,23 @@ def nvfp4_moe(args: argparse.Namespace) -> None:
     from m3serve.kernels.triton.nvfp4_moe import kernels
 
     for split in args.splits:
-        for label, route, p_pad, block_n, block_m, k_tiles, warps in VARIANTS:
+        for label, route, p_pad, block_n, block_m, tail_m, k_tiles, warps, cap in VARIANTS:
             common = {
                 "P_PAD": p_pad, "E_PAD": 128, "SKIPS": False, "BLOCK_M": block_m,
-                "K_TILES": k_tiles, "SPLIT_K": split, "DEQUANT": 0, "DOT": tl.bfloat16,
-                "PDL": True, "ROUTE": route, "BLOCK_N": block_n, "BLOCK_K": 128,
+                "TAIL_M": tail_m, "K_TILES": k_tiles, "SPLIT_K": split, "DEQUANT": 0,
+                "DOT": tl.bfloat16, "PDL": True, "ROUTE": route, "BLOCK_N": block_n,
+                "BLOCK_K": 128,
             }  # fmt: skip
             gate_up = {**common, "TOP_K": 4, "ACT_TILE_K": 128}
             name = f"{label} split {split}"
-            report(f"gate_up {name}", kernels.gate_up_kernel, GATE_UP_TYPES, gate_up, warps, args)
-            report(f"down {name}", kernels.down_kernel, DOWN_TYPES, common, warps, args)
+            report(
+                f"gate_up {name}", kernels.gate_up_kernel, GATE_UP_TYPES, gate_up, warps, args,
+                max_registers=cap,
+            )  # fmt: skip
+            report(
+                f"down {name}", kernels.down_kernel, DOWN_TYPES, common, warps, args,
+                max_registers=cap,
+            )  # fmt: skip
         combine = {"TOP_K": 4, "SPLIT_K": split, "BLOCK": 2048, "SKIPS": False, "PDL": True}
         types = {"y_ptr": "*fp32", "ids_ptr": "*i32", "out_ptr": "*bf16"}
         report(f"combine split {split}", kernels.combine_kernel, types, combine, 4, args)
@@ -143,6 +152,7 @@ def report(
     warps: int,
     args: argparse.Namespace,
     stages: int = 3,
+    max_registers: int = 0,
 ) -> None:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -166,6 +176,8 @@ def report(
     source = ASTSource(fn, signature, constexprs=consts, attrs=attrs)
     try:
         options = {"num_warps": warps, "num_stages": stages}
+        if max_registers:
+            options["maxnreg"] = max_registers
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     except Exception as exc:  # the point of the tool: say which variant fails, go on
         print(f"{label}: does not compile: {type(exc).__name__}: {str(exc)[:2000]}")

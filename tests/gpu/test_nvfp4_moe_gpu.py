@@ -157,6 +157,19 @@ def test_prefill_2048_tokens(experts: Experts) -> None:
     assert_close(got[rows], reference(experts, x, weights, ids, rows))
 
 
+@pytest.mark.parametrize(("tail_m", "max_registers"), [(0, 0), (16, 0), (16, 128), (32, 128)])
+def test_prefill_blocks_with_a_tail(experts: Experts, tail_m: int, max_registers: int) -> None:
+    """2048 tokens (64 pairs an expert on average, BLOCK_M 64): experts with a few pairs more
+    take them in their block's tail, with and without the register cap."""
+    tokens = 2048
+    x = activations(tokens, seed=4)
+    weights, ids = routing(tokens, seed=5)
+    got = run(experts, x, weights, ids, tail_m=tail_m, max_registers=max_registers)
+    rows = torch.randperm(tokens, generator=torch.Generator().manual_seed(6))[:PREFILL_CHECK_ROWS]
+    rows = rows.to(DEV)
+    assert_close(got[rows], reference(experts, x, weights, ids, rows))
+
+
 def test_clamp_is_engaged(experts: Experts) -> None:
     """The data really exercises SwiGLU-OAI's clamps (else the tests above would not see a bug
     in them)."""

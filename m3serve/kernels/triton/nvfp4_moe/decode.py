@@ -125,6 +125,8 @@ def nvfp4_mma(
     a_ptr,
     a_rows,
     a_ok,
+    t_rows,
+    t_ok,
     w_ptr,
     s_ptr,
     w_rows,
@@ -134,6 +136,7 @@ def nvfp4_mma(
     k_hi,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    TAIL_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     K_TILES: tl.constexpr,
     DEQUANT: tl.constexpr,
@@ -148,7 +151,12 @@ def nvfp4_mma(
     to the tensor cores without a trip through registers. BLOCK_K is a weight tile's width, the
     period of the activations' order; a loop step takes K_TILES tiles (the loads of one step are
     what the pipeline keeps in flight, and the step's fixed costs, its barriers and waits, are
-    shared by them), K_TILES dividing the tiles of [k_lo, k_hi) (a K split's range)."""
+    shared by them), K_TILES dividing the tiles of [k_lo, k_hi) (a K split's range).
+
+    With TAIL_M > 0 it also returns tail [BLOCK_N, TAIL_M] = the same product over the rows
+    t_rows (t_ok) of A, from the same decoded weight tiles: a block of pairs a little over BLOCK_M
+    decodes its weights once (a second block would decode them all again for its few pairs).
+    With TAIL_M 0 the tail is zeros [BLOCK_N, 16] and t_rows, t_ok are not read."""
     HALF: tl.constexpr = BLOCK_K // 2  # bytes of a tile row
     GROUPS: tl.constexpr = BLOCK_K // 16  # scales of a tile row
     kb = tl.arange(0, HALF)
@@ -161,6 +169,12 @@ def nvfp4_mma(
     s_tile = s_ptr + (group * (32 * (k_end // 16)) + lane * GROUPS)[:, None] + kg[None, :]
     a_half = a_ptr + a_rows[:, None] + kb[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if TAIL_M > 0:
+        t_half = a_ptr + t_rows[:, None] + kb[None, :]
+        tail = tl.zeros([BLOCK_N, TAIL_M], dtype=tl.float32)
+    else:
+        t_half = a_half
+        tail = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K * K_TILES):
         for u in tl.static_range(K_TILES):
             k = k0 + u * BLOCK_K
@@ -176,7 +190,12 @@ def nvfp4_mma(
             a_odd = tl.load(a_half + (k + HALF), mask=a_ok[:, None], other=0.0)
             acc = _dot_exact(lo, tl.trans(a_even), acc, DOT)
             acc = _dot_exact(hi, tl.trans(a_odd), acc, DOT)
-    return acc
+            if TAIL_M > 0:
+                t_even = tl.load(t_half + k, mask=t_ok[:, None], other=0.0)
+                t_odd = tl.load(t_half + (k + HALF), mask=t_ok[:, None], other=0.0)
+                tail = _dot_exact(lo, tl.trans(t_even), tail, DOT)
+                tail = _dot_exact(hi, tl.trans(t_odd), tail, DOT)
+    return acc, tail
 
 
 @triton.jit

@@ -69,6 +69,22 @@ def _slot_rows(ids_ptr, num_pairs, expert, first, P_PAD: tl.constexpr, BLOCK_M: 
 
 
 @triton.jit
+def _block_pairs(sorted_ptr, BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr):
+    """The sorted route's block of this program: (pairs, valid) of its first BLOCK_M positions
+    and of the TAIL_M after them, and whether the tail holds a pair (a block is BLOCK_M +
+    TAIL_M positions, its expert's pairs first, then -1)."""
+    first = tl.program_id(1) * (BLOCK_M + TAIL_M)
+    pair = tl.load(sorted_ptr + first + tl.arange(0, BLOCK_M))
+    if TAIL_M > 0:
+        tail = tl.load(sorted_ptr + first + BLOCK_M + tl.arange(0, TAIL_M))
+        has_tail = tl.load(sorted_ptr + first + BLOCK_M) >= 0
+    else:
+        tail = pair
+        has_tail = False
+    return tl.maximum(pair, 0), pair >= 0, tl.maximum(tail, 0), tail >= 0, has_tail
+
+
+@triton.jit
 def _gate_up_tile(
     x_ptr,
     stride_xt,
@@ -80,6 +96,9 @@ def _gate_up_tile(
     expert,
     pair,
     pair_ok,
+    tail_pair,
+    tail_ok,
+    has_tail,
     hidden,
     inter,
     alpha,
@@ -90,6 +109,7 @@ def _gate_up_tile(
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    TAIL_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     K_TILES: tl.constexpr,
     SPLIT_K: tl.constexpr,
@@ -97,6 +117,8 @@ def _gate_up_tile(
     DEQUANT: tl.constexpr,
     DOT: tl.constexpr,
 ):
+    """gate_up of BLOCK_M pairs and, where `has_tail`, the TAIL_M pairs after them (a block's
+    tail: see `nvfp4_mma`) with the same weight tiles."""
     HALF_N: tl.constexpr = BLOCK_N // 2
     r = tl.arange(0, BLOCK_N)
     j = tl.program_id(0) * HALF_N + (r % HALF_N)
@@ -104,32 +126,64 @@ def _gate_up_tile(
     is_up = r >= HALF_N
     w_rows = tl.where(is_up, inter + j, j)
     tok = (pair // TOP_K).to(tl.int64)
+    tail_tok = (tail_pair // TOP_K).to(tl.int64)
     span = hidden // SPLIT_K
     k_lo = 0  # unsplit: the loop's bounds as the measured kernels had them
     if SPLIT_K > 1:
         k_lo = tl.program_id(2) * span
-    acc = nvfp4_mma(
-        x_ptr,
-        tok * stride_xt,
-        pair_ok,
-        w_ptr,
-        s_ptr,
-        w_rows,
-        j < inter,
-        hidden,
-        k_lo,
-        k_lo + span,
-        BLOCK_N,
-        BLOCK_M,
-        BLOCK_K,
-        K_TILES,
-        DEQUANT,
-        DOT,
-    )
+    a_rows = tok * stride_xt
+    t_rows = tail_tok * stride_xt
+    w_ok = j < inter
+    # Without tails (TAIL_M 0) the branch is resolved at compile time; with them it is taken
+    # before the K loop, so that each of the two loops pipelines on its own.
+    if TAIL_M > 0 and has_tail:
+        acc, tail = nvfp4_mma(
+            x_ptr, a_rows, pair_ok, t_rows, tail_ok, w_ptr, s_ptr, w_rows, w_ok, hidden,
+            k_lo, k_lo + span, BLOCK_N, BLOCK_M, TAIL_M, BLOCK_K, K_TILES, DEQUANT, DOT,
+        )  # fmt: skip
+        _gate_up_out(tail, g_ptr, act_ptr, stride_ap, expert, tail_pair, tail_ok, is_up, w_rows,
+                     j, inter, alpha, limit, pre_ptr, stride_pp, num_pairs, BLOCK_N, TAIL_M,
+                     SPLIT_K, ACT_TILE_K)  # fmt: skip
+    else:
+        acc, _ = nvfp4_mma(
+            x_ptr, a_rows, pair_ok, a_rows, pair_ok, w_ptr, s_ptr, w_rows, w_ok, hidden,
+            k_lo, k_lo + span, BLOCK_N, BLOCK_M, 0, BLOCK_K, K_TILES, DEQUANT, DOT,
+        )  # fmt: skip
+    _gate_up_out(acc, g_ptr, act_ptr, stride_ap, expert, pair, pair_ok, is_up, w_rows, j, inter,
+                 alpha, limit, pre_ptr, stride_pp, num_pairs, BLOCK_N, BLOCK_M, SPLIT_K,
+                 ACT_TILE_K)  # fmt: skip
+
+
+@triton.jit
+def _gate_up_out(
+    acc,
+    g_ptr,
+    act_ptr,
+    stride_ap,
+    expert,
+    pair,
+    pair_ok,
+    is_up,
+    w_rows,
+    j,
+    inter,
+    alpha,
+    limit,
+    pre_ptr,
+    stride_pp,
+    num_pairs,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    ACT_TILE_K: tl.constexpr,
+):
+    """The global scales on gate_up's [BLOCK_N, BLOCK_M] tile, then its activations stored (or
+    this split's pre-activations, which the reduce kernel ends)."""
+    HALF_N: tl.constexpr = BLOCK_N // 2
     g_gate = tl.load(g_ptr + expert * 2)
     g_up = tl.load(g_ptr + expert * 2 + 1)
     acc = acc * (tl.where(is_up, g_up, g_gate) * ACC_SCALE)[:, None]
-    if SPLIT_K > 1:  # this split's share of the pre-activations; the reduce kernel ends it
+    if SPLIT_K > 1:  # this split's share of the pre-activations
         row = (tl.program_id(2) * num_pairs + pair).to(tl.int64)
         ptrs = pre_ptr + row[None, :] * stride_pp + w_rows[:, None]
         tl.store(ptrs, acc, mask=(j < inter)[:, None] & pair_ok[None, :])
@@ -216,6 +270,7 @@ def gate_up_kernel(
     SKIPS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    TAIL_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     K_TILES: tl.constexpr,
     SPLIT_K: tl.constexpr,
@@ -237,20 +292,21 @@ def gate_up_kernel(
             pair_ok = first + tl.arange(0, BLOCK_M) < count
             _gate_up_tile(
                 x_ptr, stride_xt, w_base, s_base, g_ptr, act_ptr, stride_ap, expert, pair,
-                pair_ok, hidden, inter, alpha, limit, pre_ptr, stride_pp, num_pairs, TOP_K,
-                BLOCK_N, BLOCK_M, BLOCK_K, K_TILES, SPLIT_K, ACT_TILE_K, DEQUANT, DOT,
+                pair_ok, pair, pair_ok, False, hidden, inter, alpha, limit, pre_ptr, stride_pp,
+                num_pairs, TOP_K, BLOCK_N, BLOCK_M, 0, BLOCK_K, K_TILES, SPLIT_K, ACT_TILE_K,
+                DEQUANT, DOT,
             )  # fmt: skip
     else:
         expert = tl.load(block_expert_ptr + tl.program_id(1))
         if expert >= 0:
-            pair = tl.load(sorted_ptr + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M))
+            pair, pair_ok, tail, tail_ok, has_tail = _block_pairs(sorted_ptr, BLOCK_M, TAIL_M)
             w_base = w_ptr + expert.to(tl.int64) * stride_we
             s_base = s_ptr + expert.to(tl.int64) * stride_se
             _gate_up_tile(
-                x_ptr, stride_xt, w_base, s_base, g_ptr, act_ptr, stride_ap, expert,
-                tl.maximum(pair, 0), pair >= 0, hidden, inter, alpha, limit, pre_ptr, stride_pp,
-                num_pairs, TOP_K, BLOCK_N, BLOCK_M, BLOCK_K, K_TILES, SPLIT_K, ACT_TILE_K,
-                DEQUANT, DOT,
+                x_ptr, stride_xt, w_base, s_base, g_ptr, act_ptr, stride_ap, expert, pair,
+                pair_ok, tail, tail_ok, has_tail, hidden, inter, alpha, limit, pre_ptr,
+                stride_pp, num_pairs, TOP_K, BLOCK_N, BLOCK_M, TAIL_M, BLOCK_K, K_TILES,
+                SPLIT_K, ACT_TILE_K, DEQUANT, DOT,
             )  # fmt: skip
 
 
@@ -267,41 +323,48 @@ def _down_tile(
     expert,
     pair,
     pair_ok,
+    tail_pair,
+    tail_ok,
+    has_tail,
     num_pairs,
     hidden,
     inter,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    TAIL_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     K_TILES: tl.constexpr,
     SPLIT_K: tl.constexpr,
     DEQUANT: tl.constexpr,
     DOT: tl.constexpr,
 ):
+    """down of BLOCK_M pairs and, where `has_tail`, the TAIL_M pairs after them."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    pair64 = pair.to(tl.int64)
     span = inter // SPLIT_K
     k_lo = 0  # unsplit: the loop's bounds as the measured kernels had them
     if SPLIT_K > 1:
         k_lo = tl.program_id(2) * span
-    acc = nvfp4_mma(
-        act_ptr,
-        pair64 * stride_ap,
-        pair_ok,
-        w_ptr,
-        s_ptr,
-        n,
-        n < hidden,
-        inter,
-        k_lo,
-        k_lo + span,
-        BLOCK_N,
-        BLOCK_M,
-        BLOCK_K,
-        K_TILES,
-        DEQUANT,
-        DOT,
-    )
+    a_rows = pair.to(tl.int64) * stride_ap
+    t_rows = tail_pair.to(tl.int64) * stride_ap
+    if TAIL_M > 0 and has_tail:  # see _gate_up_tile
+        acc, tail = nvfp4_mma(
+            act_ptr, a_rows, pair_ok, t_rows, tail_ok, w_ptr, s_ptr, n, n < hidden, inter,
+            k_lo, k_lo + span, BLOCK_N, BLOCK_M, TAIL_M, BLOCK_K, K_TILES, DEQUANT, DOT,
+        )  # fmt: skip
+        _down_out(tail, g_ptr, tw_ptr, y_ptr, stride_yp, expert, tail_pair, tail_ok, n,
+                  num_pairs, hidden)  # fmt: skip
+    else:
+        acc, _ = nvfp4_mma(
+            act_ptr, a_rows, pair_ok, a_rows, pair_ok, w_ptr, s_ptr, n, n < hidden, inter,
+            k_lo, k_lo + span, BLOCK_N, BLOCK_M, 0, BLOCK_K, K_TILES, DEQUANT, DOT,
+        )  # fmt: skip
+    _down_out(acc, g_ptr, tw_ptr, y_ptr, stride_yp, expert, pair, pair_ok, n, num_pairs, hidden)
+
+
+@triton.jit
+def _down_out(acc, g_ptr, tw_ptr, y_ptr, stride_yp, expert, pair, pair_ok, n, num_pairs, hidden):
+    """down's tile times the global scale and each pair's top-k weight, one y row a pair."""
+    pair64 = pair.to(tl.int64)
     mix = tl.load(tw_ptr + pair64, mask=pair_ok, other=0.0)
     acc = acc * (tl.load(g_ptr + expert) * ACC_SCALE) * mix[None, :]
     row = tl.program_id(2) * num_pairs + pair64  # one y row per (split, pair)
@@ -334,6 +397,7 @@ def down_kernel(
     SKIPS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    TAIL_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     K_TILES: tl.constexpr,
     SPLIT_K: tl.constexpr,
@@ -356,21 +420,21 @@ def down_kernel(
             pair_ok = first + tl.arange(0, BLOCK_M) < count
             _down_tile(
                 act_ptr, stride_ap, w_base, s_base, g_ptr, tw_ptr, y_ptr, stride_yp, expert, pair,
-                pair_ok, num_pairs, hidden, inter, BLOCK_N, BLOCK_M, BLOCK_K, K_TILES, SPLIT_K,
-                DEQUANT, DOT,
+                pair_ok, pair, pair_ok, False, num_pairs, hidden, inter, BLOCK_N, BLOCK_M, 0,
+                BLOCK_K, K_TILES, SPLIT_K, DEQUANT, DOT,
             )  # fmt: skip
     else:
         expert = tl.load(block_expert_ptr + tl.program_id(1))
         if PDL:
             tl.extra.cuda.gdc_wait()
         if expert >= 0:
-            pair = tl.load(sorted_ptr + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M))
+            pair, pair_ok, tail, tail_ok, has_tail = _block_pairs(sorted_ptr, BLOCK_M, TAIL_M)
             w_base = w_ptr + expert.to(tl.int64) * stride_we
             s_base = s_ptr + expert.to(tl.int64) * stride_se
             _down_tile(
                 act_ptr, stride_ap, w_base, s_base, g_ptr, tw_ptr, y_ptr, stride_yp, expert,
-                tl.maximum(pair, 0), pair >= 0, num_pairs, hidden, inter, BLOCK_N, BLOCK_M,
-                BLOCK_K, K_TILES, SPLIT_K, DEQUANT, DOT,
+                pair, pair_ok, tail, tail_ok, has_tail, num_pairs, hidden, inter, BLOCK_N,
+                BLOCK_M, TAIL_M, BLOCK_K, K_TILES, SPLIT_K, DEQUANT, DOT,
             )  # fmt: skip
 
 

@@ -204,7 +204,22 @@ def test_plan_tiles_by_pairs() -> None:
     assert (eight.route, eight.gate_up_n, eight.k_tiles) == (planning.ROUTE_SLOTS, 128, 1)
     sorted_small = planning.plan_moe(256, 128, "auto")
     assert sorted_small.route == planning.ROUTE_SORTED
-    assert (sorted_small.block_m, sorted_small.gate_up_n) == (16, 128)
+    assert (sorted_small.block_m, sorted_small.gate_up_n, sorted_small.tail_m) == (16, 128, 0)
+
+
+def test_plan_gives_prefill_blocks_a_tail() -> None:
+    """From 32 pairs an expert (T 1024 of 128 experts, top-4) blocks take a 16-pair tail; at 64,
+    under a register cap that keeps two 8-warp programs on an SM; not at 128."""
+    t1024 = planning.plan_moe(4096, 128, "auto")
+    assert (t1024.block_m, t1024.tail_m, t1024.max_registers) == (32, 16, 0)
+    t2048 = planning.plan_moe(8192, 128, "auto")
+    assert (t2048.block_m, t2048.tail_m, t2048.max_registers, t2048.num_warps) == (64, 16, 128, 8)
+    t4096 = planning.plan_moe(16384, 128, "auto")
+    assert (t4096.block_m, t4096.tail_m) == (128, 0)
+    no_tail = planning.overridden(t2048, NVFP4MoEConfig(tail_m=0, max_registers=0))
+    assert (no_tail.tail_m, no_tail.max_registers) == (0, 0)
+    slots = planning.overridden(planning.plan_moe(4, 128, "auto"), NVFP4MoEConfig(tail_m=16))
+    assert slots.tail_m == 0  # the slots route has no blocks
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -244,6 +259,23 @@ def test_many_pairs_per_expert(route: str) -> None:
     if route == "sorted":
         assert plan.block_m == 128 and plan.gate_up_n == 128 and plan.num_warps == 8
     assert_exact(run(ex, x, weights, ids, route), reference(ex, x, weights, ids))
+
+
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_a_block_takes_the_pairs_of_its_tail_with_the_same_weights(split_k: int) -> None:
+    """Sorted blocks of 16 pairs and a 16-pair tail: expert 0 has 20 pairs (a tail of 4),
+    expert 1 40 (a full block and tail, then 8 pairs without a tail), experts 2 and 3 10 each
+    (no tail); the tail's own epilogue (SwiGLU, the top-k weight) and a K split too."""
+    ex = Experts(num_experts=4, inter=256, seed=31, hidden=256)
+    firsts = [0] * 20 + [1] * 10 + [1] * 10
+    seconds = [1] * 20 + [2] * 10 + [3] * 10
+    ids = torch.tensor([firsts, seconds]).t().contiguous()
+    ids[1::3] = ids[1::3].flip(1)
+    assert torch.bincount(ids.flatten(), minlength=4).tolist() == [20, 40, 10, 10]
+    x = activations(40, seed=32, hidden=256)
+    weights = torch.rand(40, TOP_K, generator=torch.Generator().manual_seed(33)) + 0.1
+    got = run(ex, x, weights, ids, "sorted", block_m=16, tail_m=16, split_k=split_k)
+    assert_exact(got, reference(ex, x, weights, ids))
 
 
 @pytest.mark.parametrize("route", ROUTES)
