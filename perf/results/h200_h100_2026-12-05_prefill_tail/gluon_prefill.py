@@ -39,6 +39,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+sys.path.append("/work/venv/lib/python3.11/site-packages")  # the dev box: m3serve's deps
+from m3serve.kernels.triton.nvfp4_moe.decode import E2M1_PTX
+
 BN = gl.constexpr(128)  # weight rows a program: two warpgroups of 64
 BK = gl.constexpr(128)  # a weight tile's K width
 HALF = gl.constexpr(64)  # bytes of a tile row
@@ -56,29 +59,7 @@ OP_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitw
 
 # The served decode (`nvfp4_moe.decode.E2M1_PTX`) with one scale register for the 4 bytes: a
 # pack of 4 bytes never straddles a group of 8, so $5 (bf16 scale twice) serves all of them.
-E2M1_ONE_SCALE = gl.constexpr("""
-{
-.reg .b32 u, v, t;
-prmt.b32 u, $4, 0, 0x4140;
-prmt.b32 v, $4, 0, 0x4342;
-and.b32 t, u, 0x000F000F;
-mul.lo.u32 t, t, 0x1040;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 $0, t, $5;
-and.b32 t, v, 0x000F000F;
-mul.lo.u32 t, t, 0x1040;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 $1, t, $5;
-and.b32 t, u, 0x00F000F0;
-mul.lo.u32 t, t, 0x104;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 $2, t, $5;
-and.b32 t, v, 0x00F000F0;
-mul.lo.u32 t, t, 0x104;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 $3, t, $5;
-}
-""")
+E2M1_ONE_SCALE = gl.constexpr(E2M1_PTX.value.replace("$6", "$5"))
 
 
 @gluon.jit
