@@ -10,7 +10,9 @@ came too late to build it ahead), how many and the median time. `--slowest N` li
 that took longest from the step before them (what an inter-token latency tail is made of), with
 the part of the gap beyond the step's own run (large: the engine sat idle, or waited on
 something outside the step), split into the executor's wait for the plan (`idle=`) and the
-result's wait for the event loop (`lag=`);
+result's wait for the event loop (`lag=`), and with its launch beside the executor thread's CPU
+time in it (`cpu=`: far below the launch, the thread was kept from running) and the OS's
+preemptions of it (`preempted=`: the engine was short of CPU, not of the GIL);
 `--since` / `--until` keep the steps logged inside a window (one benchmark level of a longer
 run), as HH:MM:SS of the log's clock.
 
@@ -49,6 +51,7 @@ LINE = re.compile(
     r"\(plan ([\d.]+) \+ process ([\d.]+)\) run=([\d.]+)ms"
     r"(?: idle=([\d.]+)ms lag=([\d.]+)ms)?(?: launch=([\d.]+)ms)?"
     r"(?: gc=([\d.]+)ms(?:\(full ([\d.]+)\))?)?(?: budget=(\d+))?(?: build=([\d.]+)ms)?"
+    r"(?: cpu=([\d.]+)ms)?(?: preempted=(\d+))?"
 )
 
 
@@ -75,6 +78,8 @@ class Step(NamedTuple):
     launch_ms: float = 0.0  # the run until its kernels were queued (`launch=`; 0: not logged)
     gc_full_ms: float = 0.0  # the part of gc_ms in full collections (`gc=...(full N)`)
     build_ms: float = 0.0  # the launch's share building the batch (`build=`; 0: built ahead)
+    launch_cpu_ms: float = 0.0  # the executor thread's CPU time in the launch (`cpu=`)
+    preempted: int = 0  # the OS's involuntary switches away from it in the run (`preempted=`)
 
 
 class Pause(NamedTuple):
@@ -105,11 +110,12 @@ def read_trace(path: Path) -> tuple[list[Step], list[Pause]]:
                 pauses.append(Pause(_stamp(p[1]), float(p[2]), int(p[3]), int(p[4]), p[5]))
             continue
         numbers = (float(m[i]) for i in (6, 7, 8, 9))
-        optional = (float(m[i]) if m[i] else 0.0 for i in (10, 11, 12, 13, 14, 16))
-        idle, lag, launch, gc_ms, full, build = optional
+        optional = (float(m[i]) if m[i] else 0.0 for i in (10, 11, 12, 13, 14, 16, 17))
+        idle, lag, launch, gc_ms, full, build, cpu = optional
         budget = int(m[15]) if m[15] else 0
+        preempted = int(m[18]) if m[18] else 0
         head = (_stamp(m[1]), int(m[2]), m[3], int(m[4]), int(m[5]), *numbers)
-        rows.append(Step(*head, gc_ms, budget, idle, lag, launch, full, build))
+        rows.append(Step(*head, gc_ms, budget, idle, lag, launch, full, build, cpu, preempted))
     return rows, pauses
 
 
@@ -281,12 +287,18 @@ def main() -> None:
                 + (f"  gc {step.gc_ms:.2f} ms" if step.gc_ms else "")
                 + (f" (full {step.gc_full_ms:.2f})" if step.gc_full_ms else "")
                 + (f"  budget {step.budget}" if step.budget else "")
+                + (_launch_cpu(step) if step.launch_ms else "")
+                + (f"  preempted {step.preempted}" if step.preempted else "")
             )
     if args.itl:
         _print_token_gaps(rows)
     if args.chunk_cost:
         _print_chunk_costs(rows)
     _print_gc_pauses(in_window(pauses, args.since, args.until))
+
+
+def _launch_cpu(step: Step) -> str:
+    return f"  launch {step.launch_ms:.2f} (cpu {step.launch_cpu_ms:.2f})"
 
 
 def _print_gc_pauses(pauses: list[Pause]) -> None:

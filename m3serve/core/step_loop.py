@@ -25,7 +25,7 @@ from m3serve.core.req import Req
 from m3serve.core.scheduler import Outputs, Scheduler
 from m3serve.core.step_inputs import StepInputs
 from m3serve.core.step_runner import StepRunner
-from m3serve.core.trace import StepTrace
+from m3serve.core.trace import StepTrace, thread_usage
 from m3serve.runtime.messages import StepPlan, StepResult
 
 Launched = tuple[int, "asyncio.Future[StepResult]"]  # a step submitted to the executor
@@ -126,6 +126,7 @@ class StepLoop:
     def run(self, plan: StepPlan) -> StepResult:
         """One forward over the plan's tokens, and a sampled token for each seq that asks."""
         started, compiles = time.perf_counter(), self.trace.compiles.count
+        cpu, switches = thread_usage()
         if self.plans is not None and self._sent != plan.step:  # the followers run it with us
             self._send(plan)
         self.runner.launched_at = 0.0
@@ -133,7 +134,11 @@ class StepLoop:
         seconds = time.perf_counter() - started
         launched = self.runner.launched_at
         launch = launched - started if launched else 0.0
-        self.trace.ran(plan.step, seconds, compiles, launch, self.runner.build_seconds)
+        launch_cpu = self.runner.launched_cpu - cpu if launched else 0.0
+        preempted = thread_usage()[1] - switches
+        self.trace.ran(
+            plan.step, seconds, compiles, launch, self.runner.build_seconds, launch_cpu, preempted
+        )
         if self.served_budget is not None:
             _feed(self.served_budget, plan, seconds)
         return result

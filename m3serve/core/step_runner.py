@@ -105,6 +105,7 @@ class StepRunner:
         # perf_counter() when the last sampled step's kernels were all queued (0: none since
         # the caller reset it): the step trace's launch time.
         self.launched_at = 0.0
+        self.launched_cpu = 0.0  # time.thread_time() then: the trace's `cpu=`
         # Seconds the last step spent building its batch itself (0: `prepare` had built it
         # ahead, while the step before ran): part of its launch, the step trace's `build=`.
         self.build_seconds = 0.0
@@ -262,6 +263,7 @@ class StepRunner:
         tokens: the executor hands over the previous step's result and builds the next
         step's batch meanwhile. Every step with a sampled row calls this once."""
         self.launched_at = time.perf_counter()
+        self.launched_cpu = time.thread_time()
         if self.while_device_runs is not None:
             self.while_device_runs(_device_done(self.device))
 

@@ -9,7 +9,10 @@ how long the finished result waited for the event loop to process it (its tokens
 clients only then). A step that samples also logs `launch=`, the part of its run until its
 kernels were all queued: near the whole run, the host's launching set the step's pace, not the
 device; and `build=`, the part of that launch spent building the step's batch, where it was not
-built ahead while the step before ran.
+built ahead while the step before ran; `cpu=`, the executor thread's CPU time in that launch (far
+below `launch=`: the thread could not run, waiting for the GIL or for a CPU), and `preempted=`,
+how often the OS took the CPU from it during the run while it could have gone on (a CPU-starved
+engine, not a GIL-bound one).
 `CompileCounter` sees those compilations through Triton's post-compile hook; a step that compiled
 anything is logged as a warning whether or not the trace is on, since that stall is what a
 server must never do after it reported ready. With the trace on, `GcPauses` adds the garbage
@@ -33,9 +36,26 @@ from typing import Any, Literal
 
 from m3serve.runtime.messages import StepPlan
 
+try:
+    import resource
+
+    _PER_THREAD: int | None = resource.RUSAGE_THREAD  # Linux
+except (ImportError, AttributeError):
+    _PER_THREAD = None
+
 log = logging.getLogger(__name__)
 
 StepKind = Literal["prefill", "decode", "mixed"]
+
+
+def thread_usage() -> tuple[float, int]:
+    """The calling thread's CPU seconds so far and how often the OS took the CPU away from it
+    while it could run (involuntary context switches; 0 where they are not counted per
+    thread)."""
+    cpu = time.thread_time()
+    if _PER_THREAD is None:
+        return cpu, 0
+    return cpu, resource.getrusage(_PER_THREAD).ru_nivcsw
 
 
 def step_kind(plan: StepPlan) -> StepKind:
@@ -190,6 +210,9 @@ class StepRecord:
     # The part of the launch that built the step's batch (0: `prepare` built it ahead while the
     # step before ran, as it should on a GPU): a step whose plan came too late to build ahead.
     build_ms: float = 0.0
+    # The executor thread's CPU time in the launch, and the times the OS preempted it in the run.
+    launch_cpu_ms: float = 0.0
+    preempted: int = 0
     finished_at: float = 0.0  # perf_counter() when the run ended
 
     @property
@@ -209,11 +232,13 @@ class StepRecord:
         budget = f" budget={self.budget}" if self.budget and kind == "mixed" else ""
         launch = f" launch={self.launch_ms:.2f}ms" if self.launch_ms else ""
         build = f" build={self.build_ms:.2f}ms" if self.build_ms >= 0.005 else ""
+        cpu = f" cpu={self.launch_cpu_ms:.2f}ms" if self.launch_ms else ""
+        preempted = f" preempted={self.preempted}" if self.preempted else ""
         return (
             f"step {self.plan.step} {kind} batch={len(self.plan.seqs)} "
             f"tokens={self.tokens}{loads} host={host:.2f}ms (plan {self.schedule_ms:.2f} + "
             f"process {self.process_ms:.2f}) run={self.run_ms:.2f}ms idle={self.idle_ms:.2f}ms "
-            f"lag={self.lag_ms:.2f}ms{launch}{paused}{budget}{build}{compiled}"
+            f"lag={self.lag_ms:.2f}ms{launch}{paused}{budget}{build}{cpu}{preempted}{compiled}"
         )
 
 
@@ -257,10 +282,13 @@ class StepTrace:
         compiles_before: int,
         launch_seconds: float = 0.0,
         build_seconds: float = 0.0,
+        launch_cpu_seconds: float = 0.0,
+        preempted: int = 0,
     ) -> None:
         """Called by the executor thread as a run of `seconds` ends, `launch_seconds` of it
         until its kernels were queued (0: not known), `build_seconds` of that building its
-        batch (0: built ahead)."""
+        batch (0: built ahead), `launch_cpu_seconds` the thread's CPU time in the launch;
+        `preempted`: the OS's involuntary switches away from the thread during the run."""
         now = time.perf_counter()
         idle = now - seconds - self._last_run_end if self._last_run_end is not None else 0.0
         self._last_run_end = now
@@ -269,6 +297,8 @@ class StepTrace:
             record.run_ms = seconds * 1e3
             record.launch_ms = launch_seconds * 1e3
             record.build_ms = build_seconds * 1e3
+            record.launch_cpu_ms = launch_cpu_seconds * 1e3
+            record.preempted = preempted
             record.idle_ms = max(idle, 0.0) * 1e3
             record.finished_at = now
             record.compiled = self.compiles.since(compiles_before)

@@ -259,3 +259,31 @@ def test_steps_that_built_their_own_batch_are_counted_per_kind(
     main()
     (decode,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("decode")]
     assert "launch 1.50 (built in it: n 2, 1.00)" in decode
+
+
+def test_the_slowest_steps_show_their_launch_beside_its_cpu_time_and_preemptions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A step whose 22 ms launch got 1.5 ms of the executor thread's CPU and was preempted
+    twice: the slowest list says so, next to a normal step's."""
+    records = []
+    for i, (run, launch, cpu, preempted) in enumerate(
+        ((2.0, 1.0, 0.9, 0), (2.0, 1.0, 0.9, 0), (24.0, 22.0, 1.5, 2))
+    ):
+        record = StepRecord(
+            StepPlan(step=i + 1, seqs=[SeqStep(None, 10, [0], slot=0)]),
+            schedule_ms=0.1,
+            run_ms=run,
+            process_ms=0.05,
+            launch_ms=launch,
+            launch_cpu_ms=cpu,
+            preempted=preempted,
+        )
+        records.append((f"16:00:00,{(0, 3, 33)[i]:03d}", record))
+    log = _write_log(tmp_path, records)
+    assert [(r.launch_cpu_ms, r.preempted) for r in steps(log)] == [(0.9, 0), (0.9, 0), (1.5, 2)]
+    monkeypatch.setattr("sys.argv", ["summarize_step_trace.py", str(log), "--slowest", "1"])
+    main()
+    out = capsys.readouterr().out.splitlines()
+    slowest = out[out.index("--- the 1 longest gaps from the step before") + 1]
+    assert slowest.endswith("launch 22.00 (cpu 1.50)  preempted 2")

@@ -10,7 +10,7 @@ import time
 import pytest
 
 import m3serve.core.trace as trace_module
-from m3serve.core.trace import CompileCounter, StepRecord, StepTrace, step_kind
+from m3serve.core.trace import CompileCounter, StepRecord, StepTrace, step_kind, thread_usage
 from m3serve.runtime.messages import SeqStep, StepPlan
 
 
@@ -71,9 +71,41 @@ def test_a_step_that_built_its_own_batch_logs_how_long_that_took(
         trace.processed(5, 0.0)
         trace.processed(6, 0.0)
     late, ahead = (r.getMessage() for r in caplog.records)
-    assert late.endswith(" launch=3.00ms build=1.20ms")
+    assert late.endswith(" launch=3.00ms build=1.20ms cpu=0.00ms")
     assert "build=" not in ahead
     trace.close()
+
+
+def test_a_launch_logs_the_executor_threads_cpu_time_in_it_and_its_preemptions(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A 20 ms launch on 1.2 ms of the thread's CPU: the thread was kept from running, and
+    preempted says whether by the OS; a step without a launch logs neither."""
+    trace = StepTrace(log_every_step=True)
+    trace.planned(plan(DECODE, step=5), 0.0)
+    trace.ran(5, 0.022, trace.compiles.count, 0.020, 0.0, launch_cpu_seconds=0.0012, preempted=3)
+    trace.planned(plan(PREFILL, step=6), 0.0)
+    trace.ran(6, 0.004, trace.compiles.count)  # a prompt chunk alone samples nothing
+    with caplog.at_level(logging.INFO, logger="m3serve.core.trace"):
+        trace.processed(5, 0.0)
+        trace.processed(6, 0.0)
+    starved, chunk = (r.getMessage() for r in caplog.records)
+    assert starved.endswith(" launch=20.00ms cpu=1.20ms preempted=3")
+    assert "cpu=" not in chunk and "preempted=" not in chunk
+    trace.close()
+
+
+def test_thread_usage_counts_this_threads_cpu_and_not_its_sleep() -> None:
+    cpu, switches = thread_usage()
+    time.sleep(0.05)
+    slept_cpu, after_sleep = thread_usage()
+    deadline = time.perf_counter() + 0.05
+    while time.perf_counter() < deadline:  # busy: the thread's own CPU time
+        pass
+    busy_cpu, after_busy = thread_usage()
+    assert slept_cpu - cpu < 0.02
+    assert busy_cpu - slept_cpu > 0.02
+    assert 0 <= switches <= after_sleep <= after_busy  # a running count
 
 
 def test_idle_is_the_executors_wait_for_a_plan_and_lag_the_results_wait(
