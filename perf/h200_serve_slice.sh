@@ -2,8 +2,9 @@
 # The issue-11 serving table on a lent H200, in one device call (run from the repo root there):
 # serve the 4-layer M3.1-shaped quantized slice with the step trace, run the closed-loop
 # levels, and pack what comes back into at most four files under $OUT (the device tool returns
-# eight): results.tgz (each level's JSON and console table, windows.txt), trace.txt (per level
-# `summarize_step_trace.py --since/--until --slowest 20 --itl --chunk-cost`), serve.log.gz,
+# eight): results.tgz (each level's JSON and console table, windows.txt, vmstat.txt), trace.txt
+# (per level `summarize_step_trace.py --since/--until --slowest 20 --itl --chunk-cost`),
+# serve.log.gz,
 # the Triton cache (tcache.tgz.part*, under 16 MiB each) when none was carried in, for the next
 # call's start-up (~50 s instead of ~240). Each level draws fresh prompts (a seed per level).
 #
@@ -56,6 +57,10 @@ done
 echo "ready after $(($(date +%s) - t0)) s"
 grep -E "start-up [0-9]|mixed-step prompt budget" /tmp/serve.log | tail -2
 rm -rf /tmp/res && mkdir -p /tmp/res && : > /tmp/res/windows.txt
+# The machine's CPU a second at a time (its `st` column: time the VM's host took) beside the
+# trace's `cpu=` and `preempted=`, for steps whose launch the engine could not run.
+vmstat -t 1 > /tmp/res/vmstat.txt 2>&1 &
+vmstat=$!
 # A seed per level: each bench_serving run draws its prompts from its seed, and with one seed
 # every level resent the last one's prompts, which the prefix cache then served (2026-12-05:
 # C 128 found 97 % of its prompt tokens cached).
@@ -75,6 +80,7 @@ for level in "${levels[@]}"; do
 done
 kill -INT $server
 wait $server
+kill $vmstat 2> /dev/null
 echo "compile warnings after ready: $(grep -c 'compiled' /tmp/serve.log)"
 while read -r name since until; do
   echo "== $name"
