@@ -4,9 +4,8 @@
 # levels, and pack what comes back into at most four files under $OUT (the device tool returns
 # eight): results.tgz (each level's JSON and console table, windows.txt, vmstat.txt), trace.txt
 # (per level `summarize_step_trace.py --since/--until --slowest 20 --itl --chunk-cost`),
-# serve.log.gz,
-# the Triton cache (tcache.tgz.part*, under 16 MiB each) when none was carried in, for the next
-# call's start-up (~50 s instead of ~240). Each level draws fresh prompts (a seed per level).
+# serve.log.gz, the Triton cache (tcache.tgz.part*, under 16 MiB each) when none was carried
+# in, for the next call's start-up (~50 s instead of ~240). Each level draws fresh prompts (a seed per level).
 #
 #   carry [".whl"] (plus ".scratch" holding tcache.tgz.part*, if any):
 #   bash perf/h200_serve_slice.sh [--experts N] [--tag T] [--client-procs P] [--serve-arg ARG]...
