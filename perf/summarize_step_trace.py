@@ -279,6 +279,7 @@ def main() -> None:
         print(f"--- the {args.slowest} longest gaps from the step before")
         for gap, step in sorted(timed, key=lambda gs: -gs[0])[: args.slowest]:
             clock = datetime.fromtimestamp(step.stamp).strftime("%H:%M:%S.%f")[:-3]
+            launch = f"  launch {step.launch_ms:.2f} (cpu {step.launch_cpu_ms:.2f})"
             print(
                 f"{clock} step {step.step} {step.kind:7s} batch={step.batch:4d} "
                 f"tokens={step.tokens:6d} gap {gap:7.2f} ms  run {step.run_ms:7.2f} ms  "
@@ -287,7 +288,7 @@ def main() -> None:
                 + (f"  gc {step.gc_ms:.2f} ms" if step.gc_ms else "")
                 + (f" (full {step.gc_full_ms:.2f})" if step.gc_full_ms else "")
                 + (f"  budget {step.budget}" if step.budget else "")
-                + (_launch_cpu(step) if step.launch_ms else "")
+                + (launch if step.launch_ms else "")
                 + (f"  preempted {step.preempted}" if step.preempted else "")
             )
     if args.itl:
@@ -295,10 +296,6 @@ def main() -> None:
     if args.chunk_cost:
         _print_chunk_costs(rows)
     _print_gc_pauses(in_window(pauses, args.since, args.until))
-
-
-def _launch_cpu(step: Step) -> str:
-    return f"  launch {step.launch_ms:.2f} (cpu {step.launch_cpu_ms:.2f})"
 
 
 def _print_gc_pauses(pauses: list[Pause]) -> None:
