@@ -39,9 +39,11 @@ from typing import Any
 VARIANTS = [
     ("T1 slots", 0, 32, 64, 16, 0, 2, 4, 0),
     ("T8 slots", 0, 32, 128, 16, 0, 1, 4, 0),
+    ("T512 sorted", 1, 0, 128, 16, 16, 1, 4, 0),
     ("T1024 sorted", 1, 0, 64, 32, 16, 1, 4, 0),
     ("T2048 sorted", 1, 0, 128, 64, 16, 1, 8, 128),
-    ("prefill sorted", 1, 0, 128, 128, 0, 1, 8, 0),
+    ("prefill sorted", 1, 0, 128, 128, 32, 1, 8, 0),
+    ("prefill sorted, no tail", 1, 0, 128, 128, 0, 1, 8, 0),
 ]
 GATE_UP_TYPES = {
     "alpha": "fp32", "limit": "fp32", "x_ptr": "*bf16", "ids_ptr": "*i32", "sorted_ptr": "*i32",

@@ -61,12 +61,12 @@ Grouping pairs by expert (two routes, chosen from shapes):
   pairs BLOCK_M = 16 at a time (looping if there are more). Every selected expert's weights are
   read once per n-tile and the grid is (n-tiles, min(E, T*k)), so T = 1 runs 4 x 96 programs.
 * "sorted" (prefill): moe_align-style metadata from two small kernels (`align.py`): pairs
-  grouped by expert in pair order, each expert padded to a multiple of BLOCK_M + TAIL_M;
-  program (n-tile, block) runs one expert over BLOCK_M pairs on the tensor cores and, where its
-  block's tail (TAIL_M more positions, 0 or 16 by the plan) holds pairs, those too with the
-  same decoded weight tiles: routing is uneven, and an expert a few pairs over BLOCK_M would
-  otherwise decode all its weights a second time for them. The block count is bounded from
-  shapes (blocks past the end do nothing).
+  grouped by expert in pair order, in blocks of BLOCK_M + TAIL_M positions; program (n-tile,
+  block) runs one expert over BLOCK_M pairs on the tensor cores and, where its block's tail
+  (TAIL_M more positions, 16 or 32 by the plan; only an expert's last block fills it) holds
+  pairs, those too with the same decoded weight tiles: routing is uneven, and an expert a few
+  pairs over a multiple of BLOCK_M would otherwise decode all its weights once more for them.
+  The block count is bounded from shapes (blocks past the end do nothing).
 
 Expert parallelism: a rank holding E of the experts gets ids from `local_expert_ids`, where E
 marks a pair whose expert another rank holds. With `skips` those pairs are left out of the slots
@@ -216,8 +216,9 @@ def nvfp4_moe(
         grid_r = min(num_experts, num_pairs)
         sorted_pairs = block_expert = flat_ids  # unused by this route
     else:
-        block = plan.block_m + plan.tail_m
-        sorted_pairs, block_expert, grid_r = align_pairs(flat_ids, num_experts, block)
+        sorted_pairs, block_expert, grid_r = align_pairs(
+            flat_ids, num_experts, plan.block_m, plan.tail_m
+        )
     # The interpreter's casts to bf16 truncate: it keeps the activation in fp32 instead.
     act_dtype = x.dtype if on_gpu else torch.float32
     act = torch.empty(num_pairs, inter, dtype=act_dtype, device=x.device)

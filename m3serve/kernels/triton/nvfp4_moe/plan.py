@@ -45,8 +45,8 @@ class NVFP4MoEConfig:
     # Programs each projection's K is split over (0: the plan's; reduced to a count dividing both
     # projections' loop steps): more programs per weight column for few tokens.
     split_k: int = 0
-    # Sorted route: pairs a block takes past block_m with the same decoded weights (-1: the
-    # plan's; 0: none; else a power of two >= 16).
+    # Sorted route: pairs an expert's last block takes past block_m with the same decoded
+    # weights (-1: the plan's; 0: none; else a power of two >= 16).
     tail_m: int = -1
     # Registers a thread may use (-1: the plan's; 0: the compiler's choice).
     max_registers: int = -1
@@ -66,7 +66,7 @@ class Plan:
     p_pad: int  # slots route: padded pair vector
     k_tiles: int = 1  # weight tiles per K loop step
     split_k: int = 1  # programs over each projection's K (their partial sums added in order)
-    tail_m: int = 0  # sorted route: a block's pairs past block_m (`nvfp4_mma`'s tail)
+    tail_m: int = 0  # sorted route: an expert's last block's pairs past block_m (its tail)
     max_registers: int = 0  # a thread's registers, capped (0: the compiler's choice)
 
 
@@ -90,17 +90,19 @@ def plan_moe(num_pairs: int, num_experts: int, route: str) -> Plan:
     # blocks are full, since the decode cost of a weight tile is shared by its BLOCK_M pairs.
     mean = -(-num_pairs // num_experts)
     block_m = min(max(triton.next_power_of_2(mean), 16), 128)
-    # Routing is uneven: about half the experts get a few pairs more than the mean, and a second
-    # block would decode all their weights again for those. A 16-pair tail takes them with the
-    # block's decoded tiles (H200, T 2048, random top-4 of 128: 3464 -> 2968 µs with the
-    # register cap that keeps two programs an SM, 3311 without; T 1024: 2741 -> 2265;
-    # every expert at the mean: 1 % slower; perf/results/h200_h100_2026-12-05_prefill_tail/).
+    # Routing is uneven: many experts get a few pairs more than a multiple of BLOCK_M, and a
+    # block of their own would decode all their weights again for those. An expert's last block
+    # takes up to TAIL_M more with its decoded tiles (`align.py`; H200, random top-4 of 128
+    # experts: T 2048 3464 -> 2968 µs with the register cap that keeps two 8-warp programs an
+    # SM, 3311 without it; T 512 2024 -> 1667; T 4096 6131 -> 5364 with a 32-pair tail, whose
+    # 229-235 registers leave the one program an SM the 172-186 of no tail do;
+    # perf/results/h200_h100_2026-12-05_prefill_tail/ and h200_2026-12-05_last_block_tail/).
     if block_m == 128:
-        return Plan(ROUTE_SORTED, block_m, 128, 128, 8, 3, 0)
+        return Plan(ROUTE_SORTED, block_m, 128, 128, 8, 3, 0, tail_m=32)
     if block_m == 64:
         return Plan(ROUTE_SORTED, 64, 128, 128, 8, 3, 0, tail_m=16, max_registers=128)
     if block_m == 16:  # T 32-64 on the H200: 128 weight rows a program, 7-8 % under 64
-        return Plan(ROUTE_SORTED, block_m, 128, 128, 4, 3, 0)
+        return Plan(ROUTE_SORTED, block_m, 128, 128, 4, 3, 0, tail_m=16)
     return Plan(ROUTE_SORTED, block_m, 64, 64, 4, 3, 0, tail_m=16)
 
 

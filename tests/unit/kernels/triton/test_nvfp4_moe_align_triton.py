@@ -36,36 +36,61 @@ def test_align_pairs(block_m: int) -> None:
         assert torch.equal(mine, mine.sort().values)
 
 
-def _aligned_reference(ids: list[int], num_experts: int, block_m: int, blocks: int) -> tuple:
+def _aligned_reference(
+    ids: list[int], num_experts: int, block_m: int, tail_m: int, blocks: int
+) -> tuple:
     """The layout align_pairs promises, built by hand: experts in id order, each one's pairs in
-    pair order then -1 up to a multiple of block_m, -1 to the end; each block's expert."""
+    pair order, block_m to a block and up to tail_m more in its last block (at least one block
+    for an expert with pairs), each block -1 padded to block_m + tail_m; -1 to the end; each
+    block's expert."""
+    stride = block_m + tail_m
     sorted_pairs: list[int] = []
     block_expert: list[int] = []
     for e in range(num_experts):
         mine = [p for p, i in enumerate(ids) if i == e]
-        padded = -(-len(mine) // block_m) * block_m
-        sorted_pairs += mine + [-1] * (padded - len(mine))
-        block_expert += [e] * (padded // block_m)
-    sorted_pairs += [-1] * (blocks * block_m - len(sorted_pairs))
+        if not mine:
+            continue
+        n = max(-(-(len(mine) - tail_m) // block_m), 1)
+        for b in range(n):
+            part = mine[b * block_m : (b + 1) * block_m] if b < n - 1 else mine[b * block_m :]
+            sorted_pairs += part + [-1] * (stride - len(part))
+        block_expert += [e] * n
+    sorted_pairs += [-1] * (blocks * stride - len(sorted_pairs))
     block_expert += [-1] * (blocks - len(block_expert))
     return sorted_pairs, block_expert
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(
     num_experts=st.integers(1, 9),
     block_m=st.sampled_from([16, 32, 64, 128]),
+    tail_m=st.sampled_from([0, 16, 32]),
     data=st.data(),
 )
-def test_align_pairs_matches_the_stable_grouping(num_experts: int, block_m: int, data) -> None:
+def test_align_pairs_matches_the_stable_grouping(
+    num_experts: int, block_m: int, tail_m: int, data
+) -> None:
     # Up to ~5 chunks of the placing kernels; id num_experts is an expert held elsewhere.
     ids = data.draw(st.lists(st.integers(0, num_experts), min_size=1, max_size=600))
     sorted_pairs, block_expert, blocks = align.align_pairs(
-        torch.tensor(ids, dtype=torch.int32, device=DEVICE), num_experts, block_m
+        torch.tensor(ids, dtype=torch.int32, device=DEVICE), num_experts, block_m, tail_m
     )
-    want_pairs, want_experts = _aligned_reference(ids, num_experts, block_m, blocks)
+    want_pairs, want_experts = _aligned_reference(ids, num_experts, block_m, tail_m, blocks)
     assert sorted_pairs.cpu().tolist() == want_pairs
     assert block_expert.cpu().tolist() == want_experts
+
+
+def test_only_an_experts_last_block_fills_its_tail() -> None:
+    """Blocks of 16 and a tail of 16: 20 pairs take one block and 4 of its tail, 40 a block
+    of 16 with an empty tail then one of 24, 32 one block with a full tail, 33 two blocks."""
+    counts = [20, 40, 32, 33]
+    ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)]).int()
+    sorted_pairs, block_expert, blocks = align.align_pairs(ids.to(DEVICE), 4, 16, 16)
+    filled = (sorted_pairs.cpu().view(blocks, 32) >= 0).sum(1)
+    assert block_expert.cpu().tolist()[:6] == [0, 1, 1, 2, 3, 3]
+    assert filled.tolist()[:6] == [20, 16, 24, 32, 16, 17]
+    tails = (sorted_pairs.cpu().view(blocks, 32)[:, 16:] >= 0).any(1)
+    assert tails.tolist()[:6] == [True, False, True, True, False, True]
 
 
 def test_align_pairs_leaves_out_experts_held_elsewhere() -> None:

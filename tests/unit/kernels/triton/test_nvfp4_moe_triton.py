@@ -204,18 +204,20 @@ def test_plan_tiles_by_pairs() -> None:
     assert (eight.route, eight.gate_up_n, eight.k_tiles) == (planning.ROUTE_SLOTS, 128, 1)
     sorted_small = planning.plan_moe(256, 128, "auto")
     assert sorted_small.route == planning.ROUTE_SORTED
-    assert (sorted_small.block_m, sorted_small.gate_up_n, sorted_small.tail_m) == (16, 128, 0)
+    assert (sorted_small.block_m, sorted_small.gate_up_n, sorted_small.tail_m) == (16, 128, 16)
 
 
 def test_plan_gives_prefill_blocks_a_tail() -> None:
-    """From 32 pairs an expert (T 1024 of 128 experts, top-4) blocks take a 16-pair tail; at 64,
-    under a register cap that keeps two 8-warp programs on an SM; not at 128."""
+    """Blocks of 16 and 32 pairs take a 16-pair tail; of 64 too, under a register cap that keeps
+    two 8-warp programs on an SM; of 128 a 32-pair one."""
+    t512 = planning.plan_moe(2048, 128, "auto")
+    assert (t512.block_m, t512.tail_m, t512.max_registers) == (16, 16, 0)
     t1024 = planning.plan_moe(4096, 128, "auto")
     assert (t1024.block_m, t1024.tail_m, t1024.max_registers) == (32, 16, 0)
     t2048 = planning.plan_moe(8192, 128, "auto")
     assert (t2048.block_m, t2048.tail_m, t2048.max_registers, t2048.num_warps) == (64, 16, 128, 8)
     t4096 = planning.plan_moe(16384, 128, "auto")
-    assert (t4096.block_m, t4096.tail_m) == (128, 0)
+    assert (t4096.block_m, t4096.tail_m, t4096.max_registers) == (128, 32, 0)
     no_tail = planning.overridden(t2048, NVFP4MoEConfig(tail_m=0, max_registers=0))
     assert (no_tail.tail_m, no_tail.max_registers) == (0, 0)
     slots = planning.overridden(planning.plan_moe(4, 128, "auto"), NVFP4MoEConfig(tail_m=16))
@@ -264,8 +266,8 @@ def test_many_pairs_per_expert(route: str) -> None:
 @pytest.mark.parametrize("split_k", [1, 2])
 def test_a_block_takes_the_pairs_of_its_tail_with_the_same_weights(split_k: int) -> None:
     """Sorted blocks of 16 pairs and a 16-pair tail: expert 0 has 20 pairs (a tail of 4),
-    expert 1 40 (a full block and tail, then 8 pairs without a tail), experts 2 and 3 10 each
-    (no tail); the tail's own epilogue (SwiGLU, the top-k weight) and a K split too."""
+    expert 1 40 (a block without a tail, then one of 16 and a tail of 8), experts 2 and 3 10
+    each (no tail); the tail's own epilogue (SwiGLU, the top-k weight) and a K split too."""
     ex = Experts(num_experts=4, inter=256, seed=31, hidden=256)
     firsts = [0] * 20 + [1] * 10 + [1] * 10
     seconds = [1] * 20 + [2] * 10 + [3] * 10
