@@ -12,9 +12,11 @@ Work split, decode (T <= GEMV_MAX_TOKENS): one program per expert reads that exp
 over all of H and multiplies it with every token's x on CUDA cores (no dot tile padded to 16
 tokens), writes the T logits to a scratch buffer and counts itself in with an atomic; the last
 program to arrive reads all the logits back and runs the top-k epilogue, then resets the count
-for the next call. One launch: on the H200 (`perf/bench_router.py`) 8.0 µs a call at T = 1-4
+for the next call. One launch: on the H200 (`perf/bench_router.py`) 6.4-7.0 µs a call at T = 1-4
 and 9.3 at T = 8, where the two-kernel split below takes 12.9; at T = 16 the split is faster
-(12.9 against 14.7), the products per program growing with T. The arrival count is
+(12.9 against 14.7), the products per program growing with T. A program loads its whole row
+in one step where its products fit (T = 1: 6.4 µs cold against 8.0 in steps of 1024, whose
+loads waited for each other; 2026-12-05, H200). The arrival count is
 one int32 per device, so calls must not run concurrently on two streams (the MoE layers route
 one after another on the main stream).
 
@@ -84,7 +86,7 @@ _MIN_DOT = 16
 GEMV_MAX_TOKENS = 8
 # Products a GEMV program holds per hidden step (BLOCK_T x BLOCK_H): 64 fp32 a thread at 4 warps.
 _GEMV_PRODUCTS = 8192
-_GEMV_MAX_H = 1024
+_GEMV_MAX_H = 8192
 
 
 @dataclass(frozen=True)
