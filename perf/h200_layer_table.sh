@@ -20,14 +20,6 @@ ablations=()
 [ "${1:-}" = --ablations ] && ablations=(--ablations)
 . perf/device_env.sh
 
-step() {  # step NAME SECONDS COMMAND...: run with a limit, say how it went and how long it took
-  local name=$1 limit=$2 t0
-  shift 2
-  t0=$(date +%s)
-  timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
-  echo "$name: rc=$? after $(($(date +%s) - t0)) s"
-}
-
 step tests 240 python3 -m pytest -q tests/gpu/test_mxfp8_linear_gpu.py \
   tests/gpu/test_nvfp4_moe_gpu.py tests/gpu/test_hopper_quantized.py tests/gpu/test_router_gpu.py
 tail -2 "$OUT/tests.txt"

@@ -3,14 +3,12 @@
 # layer parts with the router's whole-row step, router GPU tests.
 . perf/device_env.sh
 nvidia-smi --query-gpu=name --format=csv,noheader
-step() { local name=$1 limit=$2 t0; shift 2; t0=$(date +%s)
-  timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1; echo "== $name rc=$? $(($(date +%s) - t0)) s"; }
-step l2probe 120 python3 .scratch/l2probe.py
+step l2probe 120 python3 perf/results/h200_2026-12-05_last_block_tail/l2probe.py
 grep -E "cold|hot|MB" $OUT/l2probe.txt
 step router_tests 120 python3 -m pytest -q tests/gpu/test_router_gpu.py
 tail -1 $OUT/router_tests.txt
 step parts 200 python3 perf/bench_moe_layer_parts.py --batches 1 8 \
   --variants served no_prefetch prefetch_40mb --kernels served --out $OUT/parts.json
 grep -A7 "read bandwidth" $OUT/parts.txt
-step tail2 240 env PYTHONPATH=$PWD/perf:$PYTHONPATH python3 .scratch/tail2.py
+step tail2 240 env PYTHONPATH=$PWD/perf:$PYTHONPATH python3 perf/results/h200_2026-12-05_last_block_tail/tails.py call2
 grep -E "dense|^E" $OUT/tail2.txt

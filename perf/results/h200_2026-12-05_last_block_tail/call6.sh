@@ -3,8 +3,6 @@
 # layer parts (served vs unprioritized), quantized engine tests, the serving slice's C16/C64.
 . perf/device_env.sh
 nvidia-smi --query-gpu=name --format=csv,noheader
-step() { local name=$1 limit=$2 t0; shift 2; t0=$(date +%s)
-  timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1; echo "== $name rc=$? $(($(date +%s) - t0)) s"; }
 step parts 150 python3 perf/bench_moe_layer_parts.py --batches 1 8 64 \
   --variants served unprioritized served unprioritized --kernels served --out $OUT/parts.json
 grep -A8 "read bandwidth" $OUT/parts.txt

@@ -3,8 +3,6 @@
 # high-priority stream: layer parts against each change undone; quantized engine tests.
 . perf/device_env.sh
 nvidia-smi --query-gpu=name --format=csv,noheader
-step() { local name=$1 limit=$2 t0; shift 2; t0=$(date +%s)
-  timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1; echo "== $name rc=$? $(($(date +%s) - t0)) s"; }
 step parts 120 python3 perf/bench_moe_layer_parts.py --batches 1 8 64 \
   --variants served unprioritized reorder_in_branch --kernels served --out $OUT/parts.json
 grep -E "^batch +[0-9]+ +[a-z_]+:" $OUT/parts.txt

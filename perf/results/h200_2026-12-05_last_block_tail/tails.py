@@ -1,17 +1,28 @@
-"""Prefill tails past block 64: 128 experts at T 2048/6144/8192 and 512 (block 16), 8 experts
-(the serving slice) at T 256/512/1184; tail 0/16/32, register cap as given."""
+"""The NVFP4 MoE prefill at tails and register caps across T, random top-4 routing, CUDA-graph
+timed: `tails.py call2` the tails of call 2 (then every block took one), `tails.py call3` the
+plan (tail -1, cap -1) against no tail (call 3, tails in an expert's last block). Run with
+perf/ on PYTHONPATH."""
+import sys
+
 import torch
-from bench_nvfp4_moe import ALPHA, LIMIT, TOP_K, H, INTER, DEV, dense_bf16_us, random_experts, steps, Step
+from bench_nvfp4_moe import ALPHA, DEV, INTER, LIMIT, TOP_K, H, Step, dense_bf16_us, random_experts, steps
 from gpu_timing import graph_us
+
 from m3serve.kernels.triton.nvfp4_moe import NVFP4MoEConfig, nvfp4_moe
 from m3serve.kernels.triton.nvfp4_moe.plan import plan_moe
 
-ex = random_experts()
-dense_tf = 2.0 * 8192 * 3 * H * INTER / dense_bf16_us(8192) / 1e6
-print(f"dense bf16 {dense_tf:.1f} TFLOP/s", flush=True)
+CASES = {  # (experts, tokens, [(tail_m, max_registers), ...])
+    "call2": [(128, 512, [(0, 0), (16, 0)]), (128, 2048, [(16, 128), (32, 0), (32, 168)]),
+              (128, 6144, [(0, 0), (16, 0), (32, 0)]), (128, 8192, [(0, 0), (32, 0)]),
+              (8, 256, [(0, 0), (16, 0), (32, 0)]), (8, 512, [(0, 0), (32, 0)]),
+              (8, 1184, [(0, 0), (16, 0), (32, 0)])],
+    "call3": [(128, t, [(-1, -1), (0, 0)]) for t in (256, 512, 1024, 2048, 3072, 4096, 6144, 8192)]
+    + [(8, t, [(-1, -1), (0, 0)]) for t in (256, 512, 1184)],
+}
 
 
 def few_steps(tokens, experts, count, seed):
+    """Random top-4 of `experts` (the bench's `steps` routes over all 128)."""
     gen = torch.Generator(device=DEV).manual_seed(seed)
     out = []
     for _ in range(count):
@@ -21,8 +32,10 @@ def few_steps(tokens, experts, count, seed):
     return out
 
 
-cases = [(128, t, [(-1, -1), (0, 0)]) for t in (256, 512, 1024, 2048, 3072, 4096, 6144, 8192)] + [(8, t, [(-1, -1), (0, 0)]) for t in (256, 512, 1184)]
-for experts, tokens, variants in cases:
+ex = random_experts()
+dense_tf = 2.0 * 8192 * 3 * H * INTER / dense_bf16_us(8192) / 1e6
+print(f"dense bf16 {dense_tf:.1f} TFLOP/s", flush=True)
+for experts, tokens, variants in CASES[sys.argv[1]]:
     args = [t[:experts] for t in ex.args()]
     group = steps(tokens, 2, seed=tokens) if experts == 128 else few_steps(tokens, experts, 2, tokens)
     fl = 2.0 * tokens * TOP_K * 3 * H * INTER
