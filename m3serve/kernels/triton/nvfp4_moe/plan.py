@@ -93,10 +93,11 @@ def plan_moe(num_pairs: int, num_experts: int, route: str) -> Plan:
     # Routing is uneven: many experts get a few pairs more than a multiple of BLOCK_M, and a
     # block of their own would decode all their weights again for those. An expert's last block
     # takes up to TAIL_M more with its decoded tiles (`align.py`; H200, random top-4 of 128
-    # experts: T 2048 3464 -> 2968 µs with the register cap that keeps two 8-warp programs an
-    # SM, 3311 without it; T 512 2024 -> 1667; T 4096 6131 -> 5364 with a 32-pair tail, whose
-    # 229-235 registers leave the one program an SM the 172-186 of no tail do;
-    # perf/results/h200_h100_2026-12-05_prefill_tail/ and h200_2026-12-05_last_block_tail/).
+    # experts, no tail -> tail: T 512 2125 -> 1703 µs, T 1024 2702 -> 2240, T 2048 3524 -> 2865
+    # under the register cap that keeps two 8-warp programs an SM (3311 without it), T 4096
+    # 6277 -> 5272 with a 32-pair tail, whose 229-235 registers leave the one program an SM
+    # that no tail's 172-186 do; 2-3 % slower where no expert spills, e.g. T 3072;
+    # perf/results/h200_2026-12-05_last_block_tail/, h200_h100_2026-12-05_prefill_tail/).
     if block_m == 128:
         return Plan(ROUTE_SORTED, block_m, 128, 128, 8, 3, 0, tail_m=32)
     if block_m == 64:
