@@ -17,6 +17,7 @@ from summarize_step_trace import (
     percentile,
     steps,
     token_gaps,
+    weighted_percentile,
 )
 
 import m3serve.core.trace as trace_module
@@ -137,11 +138,12 @@ def test_the_slowest_steps_are_listed_longest_gap_first(
     assert "(idle 0.00, lag 0.00)" in slowest[0]
 
 
-def _traced(tmp_path: Path, entries: list[tuple[int, bool, float, float]]) -> Path:
-    """A log of steps (number, mixed, run ms, lag ms) with 0.5 ms idle each, one line per ms."""
+def _traced(tmp_path: Path, entries: list[tuple[int, bool, float, float]], rows: int = 1) -> Path:
+    """A log of steps (number, mixed, run ms, lag ms) with 0.5 ms idle each, one line per ms,
+    `rows` decode rows each (or the entry's fifth field)."""
     records = []
-    for i, (step, mixed, run_ms, lag_ms) in enumerate(entries):
-        seqs = [SeqStep(None, 10, [0], slot=0)]
+    for i, (step, mixed, run_ms, lag_ms, *own) in enumerate(entries):
+        seqs = [SeqStep(None, 10, [0], slot=r) for r in range(own[0] if own else rows)]
         if mixed:
             seqs.append(SeqStep([1, 2, 3], 0, [1], slot=1))
         record = StepRecord(
@@ -176,12 +178,35 @@ def test_the_itl_summary_names_the_steps_of_its_tail(
     main()
     out = capsys.readouterr().out
     head, tail = out.split("--- inter-token gaps from the trace: ")[1].split("\n", 1)
-    assert head.startswith("n=199 p50 2.50 ")  # 0.5 idle + 2.0 run, lag unchanged
+    assert head.startswith("n=199 tokens in 199 steps p50 2.50 ")  # 0.5 idle + 2.0 run
     assert "p99 2.50 " in head  # one slow gap in 199 is past the 99th percentile
     rows = tail.splitlines()
     assert rows[0].split()[:3] == ["decode", "->", "decode"] and "n= 198" in rows[0]
     assert rows[1].split()[:3] == ["decode", "->", "mixed"] and "n=   1" in rows[1]
     assert "gap   9.50 ms = idle + run   6.50 + lag change  +3.00" in rows[1]
+
+
+def test_itl_percentiles_count_a_gap_once_per_decode_row_that_sees_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ten 1-row steps 1.5 ms apart, then three 16-row steps of 3.5: per step the median gap is
+    1.5 ms, per token (what a client measures) 3.5; a mixed step's prompt row sees no gap."""
+    entries = [(n, False, 1.0, 1.0, 1) for n in range(1, 12)]
+    entries += [(n, False, 3.0, 1.0, 16) for n in range(12, 15)]
+    log = _traced(tmp_path, [*entries, (15, True, 3.0, 1.0, 16)])
+    monkeypatch.setattr("sys.argv", ["summarize_step_trace.py", str(log), "--itl"])
+    main()
+    head = capsys.readouterr().out.split("--- inter-token gaps from the trace: ")[1]
+    assert head.startswith("n=74 tokens in 14 steps p50 3.50 ")  # 10 + 3 * 16 + 16
+    assert percentile([g for g, _, _ in token_gaps(steps(log))], 0.5) == pytest.approx(1.5)
+
+
+def test_weighted_percentile_repeats_each_value_its_weight() -> None:
+    assert weighted_percentile([(1.0, 1), (2.0, 1), (3.0, 1), (4.0, 1)], 0.5) == 2.0
+    assert weighted_percentile([(5.0, 0), (1.0, 3), (9.0, 1)], 0.99) == 9.0
+    assert weighted_percentile([(1.0, 3), (9.0, 1)], 0.5) == 1.0
+    values = [float(v) for v in range(1, 101)]
+    assert weighted_percentile([(v, 1) for v in values], 0.9) == percentile(values, 0.9)
 
 
 def test_chunk_costs_bin_mixed_steps_by_decode_rows_and_prompt_tokens(
