@@ -2,10 +2,11 @@
 # The issue-11 serving table on a lent H200, in one device call (run from the repo root there):
 # serve the 4-layer M3.1-shaped quantized slice with the step trace, run the closed-loop
 # levels, and pack what comes back into at most four files under $OUT (the device tool returns
-# eight): results.tgz (each level's JSON and console table, windows.txt, vmstat.txt), trace.txt
-# (per level `summarize_step_trace.py --since/--until --slowest 20 --itl --chunk-cost`),
-# serve.log.gz, the Triton cache (tcache.tgz.part*, under 16 MiB each) when none was carried
-# in, for the next call's start-up (~50 s instead of ~240). Each level draws fresh prompts (a seed per level).
+# eight): results.tgz (each level's JSON and console table, windows.txt, vmstat.txt, top.txt:
+# each server thread's CPU a second at a time), trace.txt (per level `summarize_step_trace.py
+# --since/--until --slowest 20 --itl --chunk-cost`), serve.log.gz, the Triton cache
+# (tcache.tgz.part*, under 16 MiB each) when none was carried in, for the next call's start-up
+# (~50 s instead of ~240). Each level draws fresh prompts (a seed per level).
 #
 #   carry [".whl"] (plus ".scratch" holding tcache.tgz.part*, if any):
 #   bash perf/h200_serve_slice.sh [--experts N] [--tag T] [--client-procs P] [--serve-arg ARG]...
@@ -60,6 +61,10 @@ rm -rf /tmp/res && mkdir -p /tmp/res && : > /tmp/res/windows.txt
 # trace's `cpu=` and `preempted=`, for steps whose launch the engine could not run.
 vmstat -t 1 > /tmp/res/vmstat.txt 2>&1 &
 vmstat=$!
+# Each server thread's CPU a second at a time (the API process streams every token: at C 64 the
+# clients saw tokens ~1.2 ms later than the steps made them, 2026-12-05).
+top -b -H -d 1 -p "$(pgrep -d, -P $server),$server" > /tmp/res/top.txt 2>&1 &
+top=$!
 # A seed per level: each bench_serving run draws its prompts from its seed, and with one seed
 # every level resent the last one's prompts, which the prefix cache then served (2026-12-05:
 # C 128 found 97 % of its prompt tokens cached).
@@ -79,7 +84,7 @@ for level in "${levels[@]}"; do
 done
 kill -INT $server
 wait $server
-kill $vmstat 2> /dev/null
+kill $vmstat $top 2> /dev/null
 echo "compile warnings after ready: $(grep -c 'compiled' /tmp/serve.log)"
 while read -r name since until; do
   echo "== $name"
