@@ -245,8 +245,7 @@ def _print_chunk_costs(rows: list[Step]) -> None:
 
 def percentile(values: list[float], q: float) -> float:
     """The q-quantile (0..1) by the nearest rank."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
+    return weighted_percentile([(v, 1) for v in values], q)
 
 
 def weighted_percentile(values: list[tuple[float, int]], q: float) -> float:
