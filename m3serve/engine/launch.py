@@ -39,7 +39,7 @@ from m3serve.engine.hicache import (
     hicache_in_process,
     wants_hicache,
 )
-from m3serve.engine.ranks import follower_name, rank_addresses, serve_follower
+from m3serve.engine.ranks import follower_name, is_engine_rank, rank_addresses, serve_follower
 from m3serve.runtime.actor import Actor
 from m3serve.runtime.codec import Codec
 from m3serve.runtime.config import ServerArgs
@@ -69,6 +69,8 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from m3serve.actors.tokenizer import TokenizerActor
+
+log = logging.getLogger(__name__)
 
 PARENT_POLL_S = 0.5
 
@@ -111,6 +113,15 @@ class ActorGraph:
         elif (proc := self.supervisor.procs.get("engine")) is not None:
             self.supervisor.stop_watching()  # the exits that follow are the shutdown's
             await asyncio.to_thread(proc.join, timeout)
+
+    def stop_engine_ranks(self) -> None:
+        """Terminate the engine's processes still alive once one of its ranks is lost: the
+        others can run no step without it, and an idle rank 0 would not even notice (only a
+        collective fails), holding its device memory until the server stops."""
+        for name, proc in self.supervisor.procs.items():
+            if is_engine_rank(name) and proc.is_alive():
+                log.warning("terminating %s (pid %s): its engine lost a rank", name, proc.pid)
+                proc.terminate()
 
     def forget_metrics_of(self, name: str) -> None:
         """Drops the live gauges of a child that died: a dead engine runs and holds nothing.

@@ -31,6 +31,12 @@ def follower_name(rank: int) -> str:
     return f"rank{rank}"
 
 
+def is_engine_rank(name: str) -> bool:
+    """Whether a supervised process is a rank of the engine: rank 0's ("engine") or a
+    follower's."""
+    return name == "engine" or (name.startswith("rank") and name[4:].isdigit())
+
+
 def rank_addresses(size: int) -> list[RankAddress]:
     """Every rank's address of one group, on a port free now (the ranks bind it soon after)."""
     with socket.socket() as sock:

@@ -10,6 +10,7 @@ import logging
 from m3serve.engine.errors import EngineDeadError, RequestError
 from m3serve.engine.hicache import HICACHE
 from m3serve.engine.plumbing import RequestPlumbing
+from m3serve.engine.ranks import is_engine_rank
 from m3serve.engine.workers import worker_index
 from m3serve.runtime.messages import (
     Abort,
@@ -70,6 +71,8 @@ class Recovery(RequestPlumbing):
             return
         if self._graph is not None:
             self._graph.forget_metrics_of(name)
+            if is_engine_rank(name):
+                self._graph.stop_engine_ranks()
         self._die(EngineDeadError(message))
 
     def _restartable(self, actor: str | None) -> bool:

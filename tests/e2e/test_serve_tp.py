@@ -1,7 +1,8 @@
 """Serving with --tp on the CPU (gloo ranks, one engine process per rank): through `Engine`
 and through `m3serve serve`, --tp 2 (with and without --ep 2) gives the greedy tokens of
 --tp 1; a killed rank, follower or rank 0, fails the in-flight request within 5 s, the other
-ranks exit, and nothing (process, shared-memory segment) is left."""
+ranks exit (an idle rank 0 too: the engine stops it), and nothing (process, shared-memory
+segment) is left."""
 
 from __future__ import annotations
 
@@ -81,6 +82,21 @@ def test_tp_2_gives_tp_1_greedy_tokens_and_a_dead_follower_fails_requests(
             engine.shutdown()
         assert not any(alive(pid) for pid in pids.values())
         assert list_session_segments(session) == []
+
+
+def test_an_idle_rank_0_is_stopped_when_a_follower_dies(model_path: Path) -> None:
+    """With no request in flight rank 0 runs no collective and would not notice the loss: the
+    engine stops it, and the next request fails at once."""
+    engine = Engine(str(model_path), tp_size=2)
+    pids = dict(engine.async_engine.processes)
+    try:
+        os.kill(pids["rank1"], signal.SIGKILL)
+        wait_until(lambda: not alive(pids["engine"]), 10, "rank 0 gone")
+        with pytest.raises(EngineDeadError, match="rank1 process exited unexpectedly"):
+            engine.generate("x", GREEDY)
+    finally:
+        engine.shutdown()
+    assert not any(alive(pid) for pid in pids.values())
 
 
 def completion_text(url: str, prompt: str) -> str:
