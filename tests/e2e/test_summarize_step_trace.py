@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 from summarize_step_trace import (
@@ -138,12 +139,12 @@ def test_the_slowest_steps_are_listed_longest_gap_first(
     assert "(idle 0.00, lag 0.00)" in slowest[0]
 
 
-def _traced(tmp_path: Path, entries: list[tuple[int, bool, float, float]], rows: int = 1) -> Path:
-    """A log of steps (number, mixed, run ms, lag ms) with 0.5 ms idle each, one line per ms,
-    `rows` decode rows each (or the entry's fifth field)."""
+def _traced(tmp_path: Path, entries: list[tuple[Any, ...]]) -> Path:
+    """A log of steps (number, mixed, run ms, lag ms[, decode rows: 1]) with 0.5 ms idle each,
+    one line per ms."""
     records = []
     for i, (step, mixed, run_ms, lag_ms, *own) in enumerate(entries):
-        seqs = [SeqStep(None, 10, [0], slot=r) for r in range(own[0] if own else rows)]
+        seqs = [SeqStep(None, 10, [0], slot=r) for r in range(own[0] if own else 1)]
         if mixed:
             seqs.append(SeqStep([1, 2, 3], 0, [1], slot=1))
         record = StepRecord(

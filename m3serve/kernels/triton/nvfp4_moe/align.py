@@ -74,9 +74,10 @@ def _place_kernel(
         part = tl.load(ptrs, mask=(rows < num_chunks)[:, None], other=0)
         counts += tl.sum(part, 0)
         before += tl.sum(tl.where((rows < pid)[:, None], part, 0), 0)
-    # Blocks an expert takes; the pairs its blocks before the last one hold.
+    # Blocks an expert takes (BLOCK_M pairs in each but the last, which takes the rest), and
+    # the index of its last.
     n_blocks = tl.where(counts > 0, tl.maximum((counts - TAIL_M + BLOCK_M - 1) // BLOCK_M, 1), 0)
-    full = tl.maximum(n_blocks - 1, 0) * BLOCK_M
+    last = tl.maximum(n_blocks - 1, 0)
     padded = n_blocks * STRIDE
     pad_end = tl.cumsum(padded, 0)
     pad_start = pad_end - padded
@@ -88,10 +89,9 @@ def _place_kernel(
         ones = hit.to(tl.int32)
         # Earlier pairs of the same expert, in earlier chunks and in this one.
         rank = before[None, :] + tl.cumsum(ones, 0) - ones
-        # Blocks before the last: BLOCK_M pairs each; the last block: the rest, its tail too.
-        last = full[None, :]
-        local = tl.where(rank < last, rank // BLOCK_M * STRIDE + rank % BLOCK_M,
-                         (last // BLOCK_M) * STRIDE + rank - last)  # fmt: skip
+        # The pair's block and its place there (past BLOCK_M only in the last: its tail).
+        block = tl.minimum(rank // BLOCK_M, last[None, :])
+        local = block * STRIDE + rank - block * BLOCK_M
         dest = tl.sum(tl.where(hit, pad_start[None, :] + local, 0), 1)
         tl.store(sorted_ptr + dest, pair, mask=tl.sum(ones, 1) > 0)
 
@@ -102,10 +102,11 @@ def _place_kernel(
     owner = tl.sum((pad_end[None, :] <= q[:, None]).to(tl.int32), 1)
     mine = owner[:, None] == experts[None, :]
     local = q - tl.sum(tl.where(mine, pad_start[None, :], 0), 1)
-    last = tl.sum(tl.where(mine, full[None, :], 0), 1) // BLOCK_M  # the owner's last block
-    in_last = tl.sum(tl.where(mine, counts[None, :] - full[None, :], 0), 1)
+    owner_last = tl.sum(tl.where(mine, last[None, :], 0), 1)
+    in_last = tl.sum(tl.where(mine, (counts - last * BLOCK_M)[None, :], 0), 1)
     block, at = local // STRIDE, local % STRIDE
-    held = ((block < last) & (at < BLOCK_M)) | ((block == last) & (at < in_last))
+    # Pairs fill the first BLOCK_M places of each block before the owner's last, `in_last` of it.
+    held = at < tl.where(block < owner_last, BLOCK_M, in_last)
     inside = q < blocks * STRIDE
     tl.store(sorted_ptr + q, tl.full([CHUNK], -1, tl.int32), mask=inside & ~held)
     owner = tl.where(owner < num_experts, owner, -1)
