@@ -99,8 +99,9 @@ batch N, `ideal_tok_s` = N / step, and the closed-loop level at concurrency N ge
 
 Output: a table per level as it finishes and a summary; JSON at `--out` (default
 perf/results/bench_serving.json, or $OUT/bench_serving.json when $OUT is set) with every level's
-metrics and per-request records; a PNG next to it (output tokens/s and ITL p50/p99 against
-concurrency; open-loop levels at their mean in-flight count) when matplotlib is installed.
+metrics, per-request records and wall-clock window (`clock`; the probe's too); a PNG next to it
+(output tokens/s and ITL p50/p99 against concurrency; open-loop levels at their mean in-flight
+count) when matplotlib is installed.
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ import shlex
 import sys
 import time
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any
 
 import httpx
@@ -161,20 +163,31 @@ async def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
     results = []
     for level, warm, prompts, arrivals in plans:
         level |= {"num_requests": len(prompts), "output_len": args.output_len}
+        since = clock()
         result = await run_level(
             url, headers, timeout, target, level, warm, prompts, arrivals, args.client_procs
         )
+        result["clock"] = [since, clock()]
         print_level(result)
         results.append(result)
     report = {"model": model, "prompt_tokens_source": maker.source, "levels": results}
     if probe_prompts:
+        since = clock()
         probe = await decode_probe(
             url, headers, timeout, target, probe_prompts, args.decode_probe_output_len
         )
+        probe["clock"] = [since, clock()]
         add_efficiency(probe, results, args.prefill_us_per_token)
         print_probe(probe)
         report["decode_probe"] = probe
     return report
+
+
+def clock() -> str:
+    """The wall clock as HH:MM:SS.mmm, as the server's log lines stamp it: a level's `clock`
+    window (its warm-up requests included) and the probe's let `summarize_step_trace.py
+    --since/--until` take each one's steps alone."""
+    return datetime.now().strftime("%H:%M:%S.%f")[:-3]
 
 
 def main(argv: Sequence[str] | None = None) -> None:

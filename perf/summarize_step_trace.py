@@ -21,8 +21,10 @@ prints their percentiles with what the tail is made of: on the H200 slice at C =
 to 2.31 / 7.68 ms (p50 / p99) where the clients measured 2.37 / 7.71, so a log is enough to
 ask where an ITL tail comes from. A gap counts once per decode row that sees it (`itl_rows`),
 as a client's per-token percentiles do; counted once per step, the small batches of a level's
-drain (many steps, few tokens) weigh as much as full ones (H200, 12-05, C = 64: p50 / p99 2.50
-/ 7.48 ms a step, 2.68 / 7.60 a token; the clients measured 3.9 / 9.0, the rest being delivery).
+drain (many steps, few tokens) weigh as much as full ones. Take a level's window from its JSON
+(`clock`): a decode probe's pure decode steps inside it read as the level's (H200, 12-05,
+C = 64 in its own window: p50 / p99 4.70 / 7.94 ms, the clients 3.87 / 8.95; with the probe in
+it, 2.68 / 7.60).
 
 `--chunk-cost` tabulates what a prompt chunk costs beside the decode rows of a step: the median
 run of the mixed steps by decode rows (up to 16, 64, 256, more) and prompt tokens (bins of 64;

@@ -4,8 +4,10 @@ a temporary XDG cache), three levels of 8 requests, the JSON it writes checked l
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -240,10 +242,22 @@ def test_smoke_run_reports_every_level_with_sane_values(tmp_path: Path) -> None:
     assert probe["output_len"] == 4 * smoke["output_len"] and probe["window_gaps"] > 0
     assert probe["pure_decode_step_ms"] > 0 and probe["ideal_tok_s"] > 0
     assert probe["efficiency"] == levels[1]["efficiency"] > 0
+    # Wall-clock windows in the log's HH:MM:SS.mmm, one after another: the probe's steps stay
+    # out of every level's window.
+    stamps = [t for level in levels for t in level["clock"]] + probe["clock"]
+    assert all(re.fullmatch(r"\d\d:\d\d:\d\d\.\d{3}", t) for t in stamps), stamps
+    seconds = [_seconds_of_day(t) for t in stamps]
+    # Mod a day: a run may cross midnight.
+    assert all((b - a) % 86400 < 600 for a, b in itertools.pairwise(seconds)), stamps
 
     assert "concurrency 4" in run.stdout and "TTFT" in run.stdout
     png = out.with_suffix(".png")
     assert png.is_file() or "matplotlib is not installed" in run.stdout
+
+
+def _seconds_of_day(stamp: str) -> float:
+    hours, minutes, seconds = stamp.split(":")
+    return 3600 * int(hours) + 60 * int(minutes) + float(seconds)
 
 
 def test_smoke_over_two_client_processes_counts_as_one(
