@@ -27,8 +27,11 @@ RESERVED_TEMPLATE_ARGS = frozenset({"messages", "tools", "template", "add_genera
 # in any realistic tokenization, and refusing it spares the tokenizer (a 64 MB single word took
 # 86 s and 13 GB).
 PROMPT_CHARS_PER_TOKEN = 16
-# Shorter texts are encoded inline: a thread hop costs more than they take.
-THREAD_MIN_CHARS = 1 << 16
+# Texts this long are encoded on a thread, by the tokenizer's batch call, which releases the GIL:
+# this worker's event loop also detokenizes the outputs of every stream it owns, and an inline
+# encode (~1 ms for a 1K-token prompt on a slow core) holds all of them back that long. Shorter
+# texts are encoded inline: a thread hop costs about what they take.
+THREAD_MIN_CHARS = 1 << 11
 
 
 class RequestInvalid(ValueError):
