@@ -29,8 +29,9 @@ RESERVED_TEMPLATE_ARGS = frozenset({"messages", "tools", "template", "add_genera
 PROMPT_CHARS_PER_TOKEN = 16
 # Texts this long are encoded on a thread, by the tokenizer's batch call, which releases the GIL:
 # this worker's event loop also detokenizes the outputs of every stream it owns, and an inline
-# encode (~1 ms for a 1K-token prompt on a slow core) holds all of them back that long. Shorter
-# texts are encoded inline: a thread hop costs about what they take.
+# encode holds all of them back (a 1K-token chat prompt on a slow core: the loop stopped 1.21 ms
+# inline, 0.19 ms with the thread; perf/bench_tokenizer_stall.py). Shorter texts (~0.6 ms there)
+# are encoded inline, where a thread hop would be a good share of their time.
 THREAD_MIN_CHARS = 1 << 11
 
 
