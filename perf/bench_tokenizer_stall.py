@@ -29,6 +29,7 @@ from m3serve.actors import prompt
 from m3serve.actors.media import MediaPreprocessor
 from m3serve.actors.prompt import ModelFacts, PromptEncoder
 from m3serve.model.tiny.default import default_model_path
+from m3serve.model.vision.processor import DEFAULT_MAX_IMAGE_PIXELS
 from m3serve.runtime.messages import GenerateReq
 
 WORDS = [
@@ -57,9 +58,10 @@ WORDS = [
 
 
 def encoder() -> PromptEncoder:
+    """The encoder a tokenizer worker builds (`TokenizerActor`) with its default limits."""
     path = default_model_path()
-    facts = ModelFacts.read(path, None)
-    encoder = PromptEncoder(facts, MediaPreprocessor(path, 1 << 20), max_prompt_chars=1 << 24)
+    media = MediaPreprocessor(path, DEFAULT_MAX_IMAGE_PIXELS)
+    encoder = PromptEncoder(ModelFacts.read(path, None), media)
     encoder.load(path)
     return encoder
 

@@ -27,14 +27,18 @@ log = logging.getLogger(__name__)
 LOST_RANK_EXIT = 1
 
 
+_FOLLOWER = "rank"  # a follower's process name: this and its rank
+
+
 def follower_name(rank: int) -> str:
-    return f"rank{rank}"
+    return f"{_FOLLOWER}{rank}"
 
 
 def is_engine_rank(name: str) -> bool:
     """Whether a supervised process is a rank of the engine: rank 0's ("engine") or a
     follower's."""
-    return name == "engine" or (name.startswith("rank") and name[4:].isdigit())
+    rank = name.removeprefix(_FOLLOWER)
+    return name == "engine" or (rank != name and rank.isdigit())
 
 
 def rank_addresses(size: int) -> list[RankAddress]:
