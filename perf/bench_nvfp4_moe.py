@@ -237,7 +237,7 @@ PREFILL_ABLATIONS = {
     "tail32": NVFP4MoEConfig(tail_m=32),
     # 256 weight rows a program: at 16 warps one program an SM whose four warpgroups share one
     # activation tile, where the plan's two 128-row programs an SM each load their own (half
-    # the activations' L2 and shared-memory traffic per MMA). sm_90 compile, T 2048's block of
+    # the activations' L2 loads and shared memory per MMA). sm_90 compile, T 2048's block of
     # 64: 124 registers, no spill, 98 KB shared, the same 313-321 instructions a thread a K step.
     "rows256_w16": NVFP4MoEConfig(block_n=256, num_warps=16, max_registers=0),
     "rows256_w8": NVFP4MoEConfig(block_n=256, num_warps=8, max_registers=0),
