@@ -11,19 +11,23 @@ median and longest of each prompt's stall: the ticker's longest gap while it was
 stream's next token could wait on this worker).
 
     python perf/bench_tokenizer_stall.py [--tokens 1024] [--prompts 50] [--out PATH]
+
+Prints a table; writes JSON to $OUT/bench_tokenizer_stall.json when $OUT is set, else to
+perf/results/bench_tokenizer_stall.json (or --out).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import platform
 import random
 import statistics
 import time
 from pathlib import Path
 from typing import Any
+
+from result_json import write_result
 
 from m3serve.actors import prompt
 from m3serve.actors.media import MediaPreprocessor
@@ -32,6 +36,7 @@ from m3serve.model.tiny.default import default_model_path
 from m3serve.model.vision.processor import DEFAULT_MAX_IMAGE_PIXELS
 from m3serve.runtime.messages import GenerateReq
 
+INLINE = 1 << 40  # a threshold no prompt reaches: every prompt encoded on the loop's thread
 WORDS = [
     "the",
     "of",
@@ -107,7 +112,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(0)
     texts = [" ".join(rng.choices(WORDS, k=args.tokens)) for _ in range(args.prompts)]
     served = prompt.THREAD_MIN_CHARS
-    rows = [await level(enc, texts, mode) for mode in (1 << 40, served)]
+    rows = [await level(enc, texts, mode) for mode in (INLINE, served)]
     prompt.THREAD_MIN_CHARS = served
     return {
         "benchmark": "bench_tokenizer_stall",
@@ -127,13 +132,12 @@ def main() -> None:
     print(f"chat prompts of {report['prompt_chars']:.0f} chars")
     print("encoded         encode ms   stall median ms   max ms")
     for row in report["rows"]:
-        where = "inline" if row["thread_min_chars"] >= 1 << 40 else "as served"
+        where = "inline" if row["thread_min_chars"] == INLINE else "as served"
         print(
             f"{where:<14} {row['encode_ms_mean']:9.2f} {row['stall_ms_median']:17.2f} "
             f"{row['stall_ms_max']:8.2f}"
         )
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_result(report, "bench_tokenizer_stall.json", args.out)
 
 
 if __name__ == "__main__":
