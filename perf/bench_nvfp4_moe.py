@@ -217,10 +217,15 @@ ABLATIONS = {
     "block_n128_w8": NVFP4MoEConfig(block_n=128, num_warps=8),
     "warps8": NVFP4MoEConfig(num_warps=8),
     # Each projection's K over 2 or 4 programs (more programs per weight column at few tokens;
-    # gate_up's splits summed by the reduce kernel, down's by the combine).
+    # gate_up's splits summed by the last to arrive, down's by the combine).
     "split2": NVFP4MoEConfig(split_k=2),
     "split2_k1": NVFP4MoEConfig(split_k=2, k_tiles=1),
     "split4_k1": NVFP4MoEConfig(split_k=4, k_tiles=1),
+    # Split with registers capped so that the doubled grid is one wave (T = 1: 768 programs of
+    # 4 warps; 96 registers give 5 programs an SM, 80 give 6): twice the warps in flight for a
+    # latency-bound loop (sm_90 compile: no spill inside the K loop at either cap).
+    "split2_k1_r96": NVFP4MoEConfig(split_k=2, k_tiles=1, max_registers=96),
+    "split2_k1_r80": NVFP4MoEConfig(split_k=2, k_tiles=1, max_registers=80),
 }
 
 
