@@ -124,7 +124,9 @@ _COUNTERS: dict[torch.device, Tensor] = {}
 def _split_counters(device: torch.device, count: int) -> Tensor:
     held = _COUNTERS.get(device)
     if held is None or held.numel() < count:
-        held = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+        # 256 KB is room for the small-batch grids a split serves (T = 8 at M3.1's widths takes
+        # 48 x 32 x 2 x 2), so that the buffer is made once, at warm-up, before graph capture.
+        held = torch.zeros(max(count, 1 << 16), dtype=torch.int32, device=device)
         _COUNTERS[device] = held
     return held
 
@@ -246,7 +248,7 @@ def nvfp4_moe(
     y = torch.empty(split * num_pairs, hidden, dtype=torch.float32, device=x.device)
     # Split gate_up: each split's pre-activations (gate and up columns), summed by the last split
     # of each tile to arrive, which its counter tells (two a block: the block's pairs, its tail).
-    pre, counters = act, flat_ids
+    pre, counters = act, flat_ids  # unsplit, neither is read as such
     grid_n = triton.cdiv(inter, plan.gate_up_n // 2)
     if split > 1:
         pre = torch.empty(split * num_pairs, 2 * inter, dtype=torch.float32, device=x.device)
