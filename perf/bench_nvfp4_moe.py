@@ -217,13 +217,15 @@ ABLATIONS = {
     "block_n128_w8": NVFP4MoEConfig(block_n=128, num_warps=8),
     "warps8": NVFP4MoEConfig(num_warps=8),
     # Each projection's K over 2 or 4 programs (more programs per weight column at few tokens;
-    # gate_up's splits summed by the last to arrive, down's by the combine).
+    # gate_up's splits summed by the reduce kernel, down's by the combine).
     "split2": NVFP4MoEConfig(split_k=2),
     "split2_k1": NVFP4MoEConfig(split_k=2, k_tiles=1),
     "split4_k1": NVFP4MoEConfig(split_k=4, k_tiles=1),
     # Split with registers capped so that the doubled grid is one wave (T = 1: 768 programs of
-    # 4 warps; 96 registers give 5 programs an SM, 80 give 6): twice the warps in flight for a
-    # latency-bound loop (sm_90 compile: no spill inside the K loop at either cap).
+    # 4 warps; 96 registers give 5 programs an SM, 80 give 6, with no spill in the K loop): twice
+    # the warps in flight. H100 2026-12-06 (the last split summing in-kernel instead of the
+    # reduce): T = 1 75-80 µs against the plan's 57.8, T = 8 464-496 against 357; more warps do
+    # not hide what a shorter K per program adds (perf/results/h100_2026-12-06_split_wide_serve).
     "split2_k1_r96": NVFP4MoEConfig(split_k=2, k_tiles=1, max_registers=96),
     "split2_k1_r80": NVFP4MoEConfig(split_k=2, k_tiles=1, max_registers=80),
 }
@@ -244,6 +246,8 @@ PREFILL_ABLATIONS = {
     # activation tile, where the plan's two 128-row programs an SM each load their own (half
     # the activations' L2 loads and shared memory per MMA). sm_90 compile, T 2048's block of
     # 64: 124 registers, no spill, 98 KB shared, the same 313-321 instructions a thread a K step.
+    # Measured (H100 2026-12-06, E 128): T 2048 2877.6 µs against the plan's 2813.5, T 4096
+    # 5337.2 against 5109.9; E 8, T 272: 530.4 against 371.5. Not taken.
     "rows256_w16": NVFP4MoEConfig(block_n=256, num_warps=16, max_registers=0),
     "rows256_w8": NVFP4MoEConfig(block_n=256, num_warps=8, max_registers=0),
 }

@@ -49,7 +49,7 @@ VARIANTS = [
 GATE_UP_TYPES = {
     "alpha": "fp32", "limit": "fp32", "x_ptr": "*bf16", "ids_ptr": "*i32", "sorted_ptr": "*i32",
     "block_expert_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32",
-    "act_ptr": "*bf16", "pre_ptr": "*fp32", "counter_ptr": "*i32",
+    "act_ptr": "*bf16", "pre_ptr": "*fp32",
 }  # fmt: skip
 DOWN_TYPES = {
     "act_ptr": "*bf16", "ids_ptr": "*i32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32",
@@ -134,6 +134,17 @@ def nvfp4_moe(args: argparse.Namespace) -> None:
         combine = {"TOP_K": 4, "SPLIT_K": split, "BLOCK": 2048, "SKIPS": False, "PDL": True}
         types = {"y_ptr": "*fp32", "ids_ptr": "*i32", "out_ptr": "*bf16"}
         report(f"combine split {split}", kernels.combine_kernel, types, combine, 4, args)
+        if split > 1:
+            reduce = {"SPLIT_K": split, "BLOCK_P": 16, "BLOCK_N": 256, "ACT_TILE_K": 128}
+            types = {"alpha": "fp32", "limit": "fp32", "pre_ptr": "*fp32", "act_ptr": "*bf16"}
+            report(
+                f"swiglu_reduce split {split}",
+                kernels.swiglu_reduce_kernel,
+                types,
+                {**reduce, "PDL": True},
+                4,
+                args,
+            )
 
 
 def report(

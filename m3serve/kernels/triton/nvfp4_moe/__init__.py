@@ -99,6 +99,7 @@ from m3serve.kernels.triton.nvfp4_moe.kernels import (
     down_kernel,
     gate_up_kernel,
     permute_k_kernel,
+    swiglu_reduce_kernel,
 )
 from m3serve.kernels.triton.nvfp4_moe.plan import (
     DEFAULT_CONFIG,
@@ -113,22 +114,6 @@ __all__ = ["SLOTS_MAX_PAIRS", "NVFP4MoEConfig", "nvfp4_moe"]
 
 # bf16 is the model's; fp32 (split into three bf16 terms for the GPU's MMA) is exact.
 _X_DTYPES = (torch.bfloat16, torch.float32)
-
-# Split gate_up's arrival counters, one zeroed buffer a device: each call leaves them at 0 (the
-# last split of a tile resets its counter), so no call pays a memset, also under CUDA graphs.
-# Calls on one device run one after another on its stream; concurrent split calls on two
-# streams would share counters.
-_COUNTERS: dict[torch.device, Tensor] = {}
-
-
-def _split_counters(device: torch.device, count: int) -> Tensor:
-    held = _COUNTERS.get(device)
-    if held is None or held.numel() < count:
-        # 256 KB is room for the small-batch grids a split serves (T = 8 at M3.1's widths takes
-        # 48 x 32 x 2 x 2), so that the buffer is made once, at warm-up, before graph capture.
-        held = torch.zeros(max(count, 1 << 16), dtype=torch.int32, device=device)
-        _COUNTERS[device] = held
-    return held
 
 
 def _check(
@@ -246,14 +231,10 @@ def nvfp4_moe(
     k_tiles = math.gcd(plan.k_tiles, hidden // tk_h, inter // tk_i)
     split = math.gcd(plan.split_k, hidden // tk_h // k_tiles, inter // tk_i // k_tiles)
     y = torch.empty(split * num_pairs, hidden, dtype=torch.float32, device=x.device)
-    # Split gate_up: each split's pre-activations (gate and up columns), summed by the last split
-    # of each tile to arrive, which its counter tells (two a block: the block's pairs, its tail).
-    pre, counters = act, flat_ids  # unsplit, neither is read as such
-    grid_n = triton.cdiv(inter, plan.gate_up_n // 2)
+    # Split gate_up: each split's pre-activations (gate and up columns), summed by the reduce.
+    pre = act
     if split > 1:
         pre = torch.empty(split * num_pairs, 2 * inter, dtype=torch.float32, device=x.device)
-        blocks = plan.p_pad // plan.block_m if plan.route == ROUTE_SLOTS else 1
-        counters = _split_counters(x.device, grid_n * grid_r * blocks * 2)
     common = {
         "P_PAD": plan.p_pad,
         "E_PAD": triton.next_power_of_2(num_experts),
@@ -270,15 +251,21 @@ def nvfp4_moe(
     }
     if plan.max_registers and on_gpu:
         common["maxnreg"] = plan.max_registers
-    gate_up_kernel[(grid_n, grid_r, split)](
+    gate_up_kernel[(triton.cdiv(inter, plan.gate_up_n // 2), grid_r, split)](
         x_k, x_k.stride(0), flat_ids, sorted_pairs, block_expert,
         w13, w13.stride(0), w13_scale, w13_scale.stride(0), w13_global, act, act.stride(0),
-        pre, pre.stride(0), counters, num_pairs, num_experts, hidden, inter, float(alpha),
-        float(limit),
+        pre, pre.stride(0), num_pairs, num_experts, hidden, inter, float(alpha), float(limit),
         TOP_K=top_k, ROUTE=plan.route, BLOCK_N=plan.gate_up_n, BLOCK_K=tk_h, ACT_TILE_K=tk_i,
         **common,
     )  # fmt: skip
     launch_pdl = {"launch_pdl": True} if pdl else {}
+    if split > 1:
+        block_p, block_n = 16, 256
+        swiglu_reduce_kernel[(triton.cdiv(inter, block_n), triton.cdiv(num_pairs, block_p))](
+            pre, pre.stride(0), act, act.stride(0), num_pairs, inter, float(alpha), float(limit),
+            SPLIT_K=split, BLOCK_P=block_p, BLOCK_N=block_n, ACT_TILE_K=tk_i, PDL=pdl,
+            num_warps=4, **launch_pdl,
+        )  # fmt: skip
     down_kernel[(triton.cdiv(hidden, plan.down_n), grid_r, split)](
         act, act.stride(0), flat_ids, sorted_pairs, block_expert,
         w2, w2.stride(0), w2_scale, w2_scale.stride(0), w2_global, mix, y, y.stride(0),

@@ -3,11 +3,9 @@ epilogue, down with the top-k weight, and the fixed-order combine; pairs found p
 in-kernel (slots) or from sorted blocks.
 
 With SPLIT_K > 1 (more programs per weight tile column, for few tokens) each projection's K is
-split over grid axis 2: gate_up's programs write their fp32 pre-activations per split and count
-themselves in on the tile's counter; the last to arrive sums the splits in order and applies the
-epilogue (no reduction launch), then sets the counter back to 0 for the next call. Down writes
-one y row per (split, pair), which the combine adds in a fixed order with the top-k rows. Sums
-never depend on which program arrives last: results are bitwise deterministic.
+split over grid axis 2: gate_up then writes its fp32 pre-activations per split and
+`swiglu_reduce_kernel` sums the splits in order and applies the epilogue; down writes one y row
+per (split, pair), which the combine adds in a fixed order with the top-k rows. No atomics.
 """
 
 from __future__ import annotations
@@ -108,7 +106,6 @@ def _gate_up_tile(
     pre_ptr,
     stride_pp,
     num_pairs,
-    counter_ptr,
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -121,8 +118,7 @@ def _gate_up_tile(
     DOT: tl.constexpr,
 ):
     """gate_up of BLOCK_M pairs and, where `has_tail`, the TAIL_M pairs after them (a block's
-    tail: see `nvfp4_mma`) with the same weight tiles. Split, the block's pairs count in on
-    counter_ptr[0] and its tail's on counter_ptr[1]."""
+    tail: see `nvfp4_mma`) with the same weight tiles."""
     HALF_N: tl.constexpr = BLOCK_N // 2
     r = tl.arange(0, BLOCK_N)
     j = tl.program_id(0) * HALF_N + (r % HALF_N)
@@ -146,16 +142,16 @@ def _gate_up_tile(
             k_lo, k_lo + span, BLOCK_N, BLOCK_M, TAIL_M, BLOCK_K, K_TILES, DEQUANT, DOT,
         )  # fmt: skip
         _gate_up_out(tail, g_ptr, act_ptr, stride_ap, expert, tail_pair, tail_ok, is_up, w_rows,
-                     j, inter, alpha, limit, pre_ptr, stride_pp, num_pairs, counter_ptr + 1,
-                     BLOCK_N, TAIL_M, SPLIT_K, ACT_TILE_K)  # fmt: skip
+                     j, inter, alpha, limit, pre_ptr, stride_pp, num_pairs, BLOCK_N, TAIL_M,
+                     SPLIT_K, ACT_TILE_K)  # fmt: skip
     else:
         acc, _ = nvfp4_mma(
             x_ptr, a_rows, pair_ok, a_rows, pair_ok, w_ptr, s_ptr, w_rows, w_ok, hidden,
             k_lo, k_lo + span, BLOCK_N, BLOCK_M, 0, BLOCK_K, K_TILES, DEQUANT, DOT,
         )  # fmt: skip
     _gate_up_out(acc, g_ptr, act_ptr, stride_ap, expert, pair, pair_ok, is_up, w_rows, j, inter,
-                 alpha, limit, pre_ptr, stride_pp, num_pairs, counter_ptr, BLOCK_N, BLOCK_M,
-                 SPLIT_K, ACT_TILE_K)  # fmt: skip
+                 alpha, limit, pre_ptr, stride_pp, num_pairs, BLOCK_N, BLOCK_M, SPLIT_K,
+                 ACT_TILE_K)  # fmt: skip
 
 
 @triton.jit
@@ -176,59 +172,25 @@ def _gate_up_out(
     pre_ptr,
     stride_pp,
     num_pairs,
-    counter_ptr,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
     ACT_TILE_K: tl.constexpr,
 ):
-    """The global scales on gate_up's [BLOCK_N, BLOCK_M] tile, then its activations stored;
-    split, this split's pre-activations, and the activations by the split that arrives last."""
+    """The global scales on gate_up's [BLOCK_N, BLOCK_M] tile, then its activations stored (or
+    this split's pre-activations, which the reduce kernel ends)."""
+    HALF_N: tl.constexpr = BLOCK_N // 2
     g_gate = tl.load(g_ptr + expert * 2)
     g_up = tl.load(g_ptr + expert * 2 + 1)
     acc = acc * (tl.where(is_up, g_up, g_gate) * ACC_SCALE)[:, None]
     if SPLIT_K > 1:  # this split's share of the pre-activations
-        ok = (j < inter)[:, None] & pair_ok[None, :]
-        rows = (tl.program_id(2) * num_pairs + pair).to(tl.int64)
-        tl.store(pre_ptr + rows[None, :] * stride_pp + w_rows[:, None], acc, mask=ok)
-        # Every thread's share is written before the count goes up (release), and the last
-        # program reads the others' shares after its count (acquire) from L2, past its own L1.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            acc = tl.zeros_like(acc)
-            for s in tl.static_range(SPLIT_K):  # in split order, whichever arrived last
-                rows = (s * num_pairs + pair).to(tl.int64)
-                ptrs = pre_ptr + rows[None, :] * stride_pp + w_rows[:, None]
-                acc += tl.load(ptrs, mask=ok, other=0.0, cache_modifier=".cg")
-            _act_out(acc, act_ptr, stride_ap, pair, pair_ok, inter, alpha, limit, BLOCK_N,
-                     BLOCK_M, ACT_TILE_K)  # fmt: skip
-            tl.atomic_xchg(counter_ptr, 0)  # the next call's count starts from 0
+        row = (tl.program_id(2) * num_pairs + pair).to(tl.int64)
+        ptrs = pre_ptr + row[None, :] * stride_pp + w_rows[:, None]
+        tl.store(ptrs, acc, mask=(j < inter)[:, None] & pair_ok[None, :])
     else:
-        _act_out(acc, act_ptr, stride_ap, pair, pair_ok, inter, alpha, limit, BLOCK_N, BLOCK_M,
-                 ACT_TILE_K)  # fmt: skip
-
-
-@triton.jit
-def _act_out(
-    acc,
-    act_ptr,
-    stride_ap,
-    pair,
-    pair_ok,
-    inter,
-    alpha,
-    limit,
-    BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    ACT_TILE_K: tl.constexpr,
-):
-    """gate_up's whole pre-activation tile [BLOCK_N, BLOCK_M] (gate rows, then up rows) to
-    activations."""
-    HALF_N: tl.constexpr = BLOCK_N // 2
-    gate, up = tl.split(tl.permute(tl.reshape(acc, [2, HALF_N, BLOCK_M]), (1, 2, 0)))
-    n = tl.program_id(0) * HALF_N + tl.arange(0, HALF_N)
-    _store_act(act_ptr, stride_ap, pair, pair_ok, n, inter, gate, up, alpha, limit, ACT_TILE_K)
+        gate, up = tl.split(tl.permute(tl.reshape(acc, [2, HALF_N, BLOCK_M]), (1, 2, 0)))
+        n = tl.program_id(0) * HALF_N + tl.arange(0, HALF_N)
+        _store_act(act_ptr, stride_ap, pair, pair_ok, n, inter, gate, up, alpha, limit, ACT_TILE_K)
 
 
 @triton.jit
@@ -243,6 +205,40 @@ def _store_act(act_ptr, stride_ap, pair, pair_ok, n, inter, gate, up, alpha, lim
     cols = mma_k_position(n, ACT_TILE_K)
     ptrs = act_ptr + pair.to(tl.int64)[None, :] * stride_ap + cols[:, None]
     tl.store(ptrs, h.to(act_ptr.dtype.element_ty), mask=(n < inter)[:, None] & pair_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def swiglu_reduce_kernel(
+    pre_ptr,
+    stride_pp,
+    act_ptr,
+    stride_ap,
+    num_pairs,
+    inter,
+    alpha,
+    limit,
+    SPLIT_K: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ACT_TILE_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """act = SwiGLU-OAI(sum over the splits of gate_up's pre-activations), the splits added in
+    order (deterministic); [BLOCK_N columns, BLOCK_P pairs] a program."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pair = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    pair_ok = pair < num_pairs
+    ok = (n < inter)[:, None] & pair_ok[None, :]
+    gate = tl.zeros([BLOCK_N, BLOCK_P], dtype=tl.float32)
+    up = tl.zeros([BLOCK_N, BLOCK_P], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        rows = pre_ptr + (s * num_pairs + pair).to(tl.int64)[None, :] * stride_pp
+        gate += tl.load(rows + n[:, None], mask=ok, other=0.0)
+        up += tl.load(rows + (inter + n)[:, None], mask=ok, other=0.0)
+    _store_act(act_ptr, stride_ap, pair, pair_ok, n, inter, gate, up, alpha, limit, ACT_TILE_K)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_experts"])
@@ -261,7 +257,6 @@ def gate_up_kernel(
     stride_ap,
     pre_ptr,
     stride_pp,
-    counter_ptr,
     num_pairs,
     num_experts,
     hidden,
@@ -295,13 +290,11 @@ def gate_up_kernel(
         for first in range(0, count, BLOCK_M):
             pair = _slot_rows(ids_ptr, num_pairs, expert, first, P_PAD, BLOCK_M)
             pair_ok = first + tl.arange(0, BLOCK_M) < count
-            block = tl.program_id(1) * (P_PAD // BLOCK_M) + first // BLOCK_M
-            counter = counter_ptr + (block * tl.num_programs(0) + tl.program_id(0)) * 2
             _gate_up_tile(
                 x_ptr, stride_xt, w_base, s_base, g_ptr, act_ptr, stride_ap, expert, pair,
                 pair_ok, pair, pair_ok, False, hidden, inter, alpha, limit, pre_ptr, stride_pp,
-                num_pairs, counter, TOP_K, BLOCK_N, BLOCK_M, 0, BLOCK_K, K_TILES, SPLIT_K,
-                ACT_TILE_K, DEQUANT, DOT,
+                num_pairs, TOP_K, BLOCK_N, BLOCK_M, 0, BLOCK_K, K_TILES, SPLIT_K, ACT_TILE_K,
+                DEQUANT, DOT,
             )  # fmt: skip
     else:
         expert = tl.load(block_expert_ptr + tl.program_id(1))
@@ -309,11 +302,10 @@ def gate_up_kernel(
             pair, pair_ok, tail, tail_ok, has_tail = _block_pairs(sorted_ptr, BLOCK_M, TAIL_M)
             w_base = w_ptr + expert.to(tl.int64) * stride_we
             s_base = s_ptr + expert.to(tl.int64) * stride_se
-            counter = counter_ptr + (tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)) * 2
             _gate_up_tile(
                 x_ptr, stride_xt, w_base, s_base, g_ptr, act_ptr, stride_ap, expert, pair,
                 pair_ok, tail, tail_ok, has_tail, hidden, inter, alpha, limit, pre_ptr,
-                stride_pp, num_pairs, counter, TOP_K, BLOCK_N, BLOCK_M, TAIL_M, BLOCK_K, K_TILES,
+                stride_pp, num_pairs, TOP_K, BLOCK_N, BLOCK_M, TAIL_M, BLOCK_K, K_TILES,
                 SPLIT_K, ACT_TILE_K, DEQUANT, DOT,
             )  # fmt: skip
 

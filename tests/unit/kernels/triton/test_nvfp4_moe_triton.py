@@ -16,7 +16,6 @@ import pytest
 import torch
 from helpers.devices import DEVICE, ON_GPU
 
-import m3serve.kernels.triton.nvfp4_moe as moe_package
 from m3serve.kernels.moe import local_expert_ids, moe_experts
 from m3serve.kernels.nvfp4_tiles import tile_experts
 from m3serve.kernels.quant import dequant_nvfp4, quant_nvfp4
@@ -175,8 +174,8 @@ def test_several_k_tiles_per_row(route: str, k_tiles: int) -> None:
 @pytest.mark.parametrize("route", ROUTES)
 def test_k_split_over_programs(route: str, split_k: int, k_tiles: int) -> None:
     """Each projection's K over 2 or 4 programs (4 becomes 2 for down, whose K has 2 tiles):
-    gate_up's partial pre-activations summed by the tile's last split to arrive before SwiGLU,
-    down's partial rows summed by the combine; with EP's skipped pairs too."""
+    gate_up's partial pre-activations summed by the reduce kernel before SwiGLU, down's partial
+    rows summed by the combine; with EP's skipped pairs too."""
     ex = Experts(num_experts=4, inter=256, seed=27, hidden=512)
     x = activations(5, seed=28, hidden=512)
     weights, ids = routing(5, 4, seed=29)
@@ -185,20 +184,6 @@ def test_k_split_over_programs(route: str, split_k: int, k_tiles: int) -> None:
     local = local_expert_ids(ids.long(), 2, 2)  # this rank holds experts 2 and 3
     got = run(ex, x, weights, local.to(ids.dtype), route, skips=True, split_k=split_k)
     assert_exact(got, reference(ex, x, weights, local))
-
-
-def test_split_counters_are_left_at_zero_for_the_next_call() -> None:
-    """The last split of each tile sets its arrival counter back to 0, also where a slots
-    program runs an expert's pairs in several blocks (20 pairs an expert, blocks of 16) and
-    where a sorted block has a tail: the next call counts from 0 and gives the same output."""
-    ex = Experts(num_experts=4, inter=256, seed=31, hidden=512)
-    x = activations(20, seed=32, hidden=512)
-    weights, ids = routing(20, 4, seed=33)
-    want = reference(ex, x, weights, ids)
-    for route, extra in (("slots", {}), ("sorted", {"block_m": 16, "tail_m": 16})):
-        for _ in range(2):
-            assert_exact(run(ex, x, weights, ids, route, split_k=2, **extra), want)
-            assert not moe_package._COUNTERS[x.to(DEVICE).device].any()
 
 
 @pytest.mark.parametrize("block_n", [128, 256])
@@ -347,7 +332,7 @@ def test_swiglu_clamp_engaged() -> None:
     assert (gate > limit).any() and (up > limit).any() and (up < -limit).any()
     got = run(ex, x, weights, ids, limit=limit)
     assert_exact(got, reference(ex, x, weights, ids, limit=limit))
-    # The same clamps in the last split's epilogue (K split over two programs).
+    # The same clamps in the reduce kernel's epilogue (K split over two programs).
     assert_exact(run(ex, x, weights, ids, limit=limit, split_k=2), got)
     unclamped = reference(ex, x, weights, ids, limit=1e4)
     assert not torch.allclose(got, unclamped, rtol=1e-2)
