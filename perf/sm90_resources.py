@@ -42,7 +42,7 @@ VARIANTS = [
     ("T512 sorted", 1, 0, 128, 16, 16, 1, 4, 0),
     ("T1024 sorted", 1, 0, 64, 32, 16, 1, 4, 0),
     ("T2048 sorted", 1, 0, 128, 64, 16, 1, 8, 128),
-    ("T2048 sorted, 256 rows", 1, 0, 256, 64, 16, 1, 16, 0),  # bench_nvfp4_moe's rows256_w16
+    ("T2048 sorted, 256 rows", 1, 0, 256, 64, 16, 1, 16, 0),  # rows256_w16: measured, not taken
     ("prefill sorted", 1, 0, 128, 128, 32, 1, 8, 0),
     ("prefill sorted, no tail", 1, 0, 128, 128, 0, 1, 8, 0),
 ]
