@@ -14,7 +14,8 @@ the token count. So a step of T tokens is padded to a bucket of B >= T tokens an
     piece L      the last layer's second half and the final norm
 
 What an eager step pays per layer in Python and launch overhead (tens of kernels) shrinks to a
-replay and the few attention launches.
+replay and the few attention launches; and from the second layer on, those are the first
+layer's launches repeated with the layer's tensors (`HopperBackend.layer_loop`).
 
 Pieces pass tensors through static buffers sized for the largest bucket, shared by every bucket
 and layer, so memory does not grow with the layer count. Padding rows are token 0 at position 0,
@@ -147,12 +148,13 @@ class PiecewiseGraphs:
         buf.out_slots[:tokens].copy_(batch.out_slots)
         self._pad(tokens, size)
         pieces = self.replays[size] if self.capture_graphs else self._pieces(size)
-        for i, layer in enumerate(self.model.layers):
-            pieces[i]()
-            if before_layer is not None:
-                before_layer(i)
-            index_q = buf.index_q[:tokens] if layer.self_attn.sparse else None
-            buf.attn[:tokens].copy_(layer.attend(buf.q[:tokens], index_q, batch, self.kv))
+        with self.model.backend.layer_loop(batch):
+            for i, layer in enumerate(self.model.layers):
+                pieces[i]()
+                if before_layer is not None:
+                    before_layer(i)
+                index_q = buf.index_q[:tokens] if layer.self_attn.sparse else None
+                buf.attn[:tokens].copy_(layer.attend(buf.q[:tokens], index_q, batch, self.kv))
         pieces[-1]()
         return buf.hidden[:tokens]
 

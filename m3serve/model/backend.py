@@ -7,6 +7,7 @@ implements it (the exact torch reference, Triton kernels on Hopper) and is chose
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -95,6 +96,11 @@ class Backend(Protocol):
         init_blocks: int,
     ) -> torch.Tensor:
         """Block ids [T, H_idx, topk] per new token; -1 padded, no duplicates."""
+        ...
+
+    def layer_loop(self, batch: ForwardBatch) -> AbstractContextManager[None]:
+        """Around one step's loop over the layers with `batch`: inside it a backend may keep
+        what the first layer worked out from the batch alone for the layers after it."""
         ...
 
     def attention(

@@ -189,12 +189,13 @@ def target_pass(
     taken: list[torch.Tensor | None] = [None] * len(layer_ids)
     hidden, residual = target.input_embeds(batch), None
     run = None if only is None else set(only)
-    for layer in target.layers:
-        if run is None or layer.index in run:
-            if before_layer is not None:
-                before_layer(layer.index)
-            hidden, residual = layer(hidden, residual, batch, kv, target.inv_freq)
-        if layer.index in wanted:
-            taken[wanted[layer.index]] = hidden if residual is None else hidden + residual
+    with target.backend.layer_loop(batch):
+        for layer in target.layers:
+            if run is None or layer.index in run:
+                if before_layer is not None:
+                    before_layer(layer.index)
+                hidden, residual = layer(hidden, residual, batch, kv, target.inv_freq)
+            if layer.index in wanted:
+                taken[wanted[layer.index]] = hidden if residual is None else hidden + residual
     features = torch.cat(taken, dim=-1)  # type: ignore[arg-type]
     return target.final_norm(hidden, residual), features

@@ -175,10 +175,11 @@ class M3ForCausalLM(nn.Module):
         hidden = self.input_embeds(batch)
         residual: torch.Tensor | None = None
         chosen = self.model.layers if layers is None else [self.model.layers[i] for i in layers]
-        for layer in chosen:
-            if before_layer is not None:
-                before_layer(layer.index)
-            hidden, residual = layer(hidden, residual, batch, kv, self.inv_freq)
+        with self.backend.layer_loop(batch):
+            for layer in chosen:
+                if before_layer is not None:
+                    before_layer(layer.index)
+                hidden, residual = layer(hidden, residual, batch, kv, self.inv_freq)
         return self.final_norm(hidden, residual)
 
     @property

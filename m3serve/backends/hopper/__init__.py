@@ -12,6 +12,7 @@ decode steps in CUDA graphs (`capturable`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import TypeVar
 
 import torch
@@ -24,6 +25,7 @@ from m3serve.backends.hopper.moe import (
 )
 from m3serve.backends.reference import ReferenceBackend
 from m3serve.kernels.moe import local_expert_ids
+from m3serve.kernels.triton.launches import LayerCalls
 from m3serve.model.backend import HeadInputs
 from m3serve.model.batch import ForwardBatch
 from m3serve.model.ffn import Experts
@@ -89,6 +91,7 @@ class HopperBackend(ReferenceBackend):
         experts = {"NVFP4"} if moe_runner in ("auto", "triton") else set()
         self.weight_formats = frozenset({"MXFP8", *experts})
         self._side = None if interpreter else torch.cuda.Stream(device)
+        self._layer_calls = LayerCalls()
 
     def prepare_weights(self, model: torch.nn.Module) -> None:
         """NVFP4 experts are held row-tiled (`m3serve.kernels.nvfp4_tiles`): a K step of the MoE
@@ -160,6 +163,11 @@ class HopperBackend(ReferenceBackend):
             inv_freq, batch.out_slots, layer.k, layer.v, index,
         )  # fmt: skip
 
+    def layer_loop(self, batch: ForwardBatch) -> AbstractContextManager[None]:
+        # The first layer's attention launches are replayed for the others (kernels/triton/
+        # launches.py): the batch, so the kernel variants, grids and scratch, stay the same.
+        return self._layer_calls.scope(batch)
+
     def index_topk(
         self,
         index_q: torch.Tensor,
@@ -169,20 +177,26 @@ class HopperBackend(ReferenceBackend):
         local_blocks: int,
         init_blocks: int,
     ) -> torch.Tensor:
-        assert layer.index_k is not None and batch.seq_lens_t is not None
-        return self._indexer.index_topk(
-            index_q,
-            layer.index_k,
-            batch.page_table,
-            batch.seq_lens_t,
-            batch.extend_starts,
-            batch.positions,
-            batch.page_size,
-            topk,
-            local_blocks,
-            init_blocks,
-            batch.page_table.shape[1],
-        )
+        index_k = layer.index_k
+        assert index_k is not None and batch.seq_lens_t is not None
+
+        def call() -> torch.Tensor:
+            return self._indexer.index_topk(
+                index_q,
+                index_k,
+                batch.page_table,
+                batch.seq_lens_t,
+                batch.extend_starts,
+                batch.positions,
+                batch.page_size,
+                topk,
+                local_blocks,
+                init_blocks,
+                batch.page_table.shape[1],
+            )
+
+        key = ("index_topk", topk, local_blocks, init_blocks)
+        return self._layer_calls.run(batch, key, (index_q, index_k), call)
 
     def attention(
         self,
@@ -193,20 +207,30 @@ class HopperBackend(ReferenceBackend):
         block_ids: torch.Tensor | None,
     ) -> torch.Tensor:
         assert batch.seq_lens_t is not None
-        return self._attention.paged_attention(
-            q,
-            layer.k,
-            layer.v,
-            batch.page_table,
-            batch.seq_lens_t,
-            batch.extend_starts,
-            batch.positions,
-            batch.page_size,
-            scale,
-            block_ids,
-            batch.max_extend,
-            decode_rows=batch.decode_rows,
-        )
+        out = torch.empty_like(q)
+
+        def call() -> torch.Tensor:
+            return self._attention.paged_attention(
+                q,
+                layer.k,
+                layer.v,
+                batch.page_table,
+                batch.seq_lens_t,
+                batch.extend_starts,
+                batch.positions,
+                batch.page_size,
+                scale,
+                block_ids,
+                batch.max_extend,
+                out,
+                decode_rows=batch.decode_rows,
+            )
+
+        # What differs from layer to layer; all else the call reads is the batch's.
+        mine = (q, layer.k, layer.v, out)
+        inputs = mine if block_ids is None else (*mine, block_ids)
+        key = ("attention", scale, block_ids is None)
+        return self._layer_calls.run(batch, key, inputs, call)
 
     def draft_attention(
         self,

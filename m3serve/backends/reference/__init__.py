@@ -8,6 +8,7 @@ dequantizes them exactly, which gives the same values.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -135,6 +136,9 @@ class ReferenceBackend:
             local_blocks,
             init_blocks,
         )
+
+    def layer_loop(self, batch: ForwardBatch) -> AbstractContextManager[None]:
+        return nullcontext()  # nothing here is worth keeping between layers
 
     def attention(
         self,

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from m3serve.kernels.triton.launches import launch
+
 # A program streams at least this many pages: amortizes its prologue (tile lookup, q load).
 _MIN_PAGES_PER_PROGRAM = 2
 # Score programs to aim for: several per SM (132 on an H200), so that enough page loads are in
@@ -349,7 +351,9 @@ def block_scores(
     grid = (num_tiles, triton.cdiv(max_blocks, pages_per_prog))
     rows = block_t * block_h
     dot_dtype = _dot_dtype(q, index_k_cache)
-    _block_scores_kernel[grid](
+    launch(
+        _block_scores_kernel,
+        grid,
         q,
         index_k_cache,
         page_table,
@@ -417,7 +421,9 @@ def select_blocks(
     num_rows = num_tokens * num_heads
     block_n = max(triton.next_power_of_2(num_blocks), 16)
     rows = _rows_per_program(num_rows, block_n, scores.device)
-    _select_blocks_kernel[(triton.cdiv(num_rows, rows),)](
+    launch(
+        _select_blocks_kernel,
+        (triton.cdiv(num_rows, rows),),
         scores,
         positions,
         out,

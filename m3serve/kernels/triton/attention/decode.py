@@ -15,6 +15,7 @@ from m3serve.kernels.triton.attention.config import (
     pdl_supported,
     sm_count,
 )
+from m3serve.kernels.triton.launches import launch
 
 # The online-softmax step is written out in both attention kernels rather than shared through a
 # @triton.jit helper: Triton's interpreter re-patches triton.language on every helper call
@@ -247,7 +248,8 @@ def launch_decode(
         part_lse = torch.empty(
             num_tokens, num_q_heads, splits, device=q.device, dtype=torch.float32
         )
-    _decode_split_kernel[(num_tokens, num_kv_heads, splits)](
+    launch(
+        _decode_split_kernel, (num_tokens, num_kv_heads, splits),
         q, k_cache, v_cache, table, seq_lens, extend_starts, positions, ids, out,
         part_o, part_lse, num_reqs, num_q_heads, splits, topk, heads_per_idx,
         G=group, BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n, CPP=chunks_per_page,
@@ -255,7 +257,8 @@ def launch_decode(
         num_stages=cfg.decode_num_stages, **common,
     )  # fmt: skip
     if not direct:
-        _decode_merge_kernel[(num_tokens, num_q_heads)](
+        launch(
+            _decode_merge_kernel, (num_tokens, num_q_heads),
             part_o, part_lse, out, num_q_heads, splits, out.stride(0), out.stride(1),
             D=head_dim, BLOCK_S=max(2, next_pow2(splits)), PDL=pdl, num_warps=4,
             **({"launch_pdl": True} if pdl else {}),

@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from m3serve.kernels.triton.attention.config import AttentionConfig, next_pow2, page_chunk
+from m3serve.kernels.triton.launches import launch
 
 # The online-softmax step is written out in both attention kernels rather than shared through a
 # @triton.jit helper: Triton's interpreter re-patches triton.language on every helper call
@@ -261,14 +262,16 @@ def launch_prefill(
             max_tiles, num_idx_heads, block_t * k_pad, device=q.device, dtype=torch.int32
         )
         counts = torch.empty(max_tiles, num_idx_heads, device=q.device, dtype=torch.int32)
-        _prefill_plan_kernel[(max_tiles, num_idx_heads)](
+        launch(
+            _prefill_plan_kernel, (max_tiles, num_idx_heads),
             ids, extend_starts, plan, counts, first_req, num_reqs, topk, ids.stride(0),
             ids.stride(1),
             BLOCK_T=block_t, K_PAD=k_pad, BLOCK_B=common["BLOCK_B"], num_warps=4,
         )  # fmt: skip
     else:
         plan = counts = table  # unused in dense mode
-    _prefill_kernel[(max_tiles, num_kv_heads)](
+    launch(
+        _prefill_kernel, (max_tiles, num_kv_heads),
         q, k_cache, v_cache, table, seq_lens, extend_starts, positions, ids, plan, counts, out,
         first_req, num_reqs, num_idx_heads, topk, heads_per_idx,
         G=group, G_PAD=group_pad, BLOCK_T=block_t, BLOCK_N=block_n,
