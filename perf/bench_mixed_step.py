@@ -8,7 +8,9 @@ are all queued, from an idle device: where it nears the wall, the host sets the 
 device-busy ms (the sum of its kernels' times, torch profiler; GPU only) and kernel launches.
 The summary line fits mixed(B, P) = decode(B) + fixed + P x per-token, which is the model the
 mixed-step budget uses (`core/step_cost.py`), and says whether the fixed part is host-bound
-(wall above device-busy).
+(wall above device-busy). On a backend that replays the first layer's attention launches for
+the other layers (hopper, `kernels/triton/launches.py`), mixed steps are also timed with every
+layer launched through Triton (`no-replay host ms`): the replay's saving, in the same run.
 
     python perf/bench_mixed_step.py --model-path DIR [--batches 1 16 64] [--chunks 128 512 1024]
         [--context 1024] [--top 12]
@@ -107,6 +109,21 @@ def host_ms(run: Callable[[], None], sync: Callable[[], None], repeats: int = 3)
     return best
 
 
+def host_ms_without_replay(
+    runner: StepRunner, run: Callable[[], None], sync: Callable[[], None]
+) -> float | None:
+    """`host_ms` with every layer's attention launched through Triton; None where the
+    backend replays nothing."""
+    calls = getattr(runner.model.backend, "layer_calls", None)
+    if calls is None:
+        return None
+    calls.replay = False
+    try:
+        return host_ms(run, sync)
+    finally:
+        calls.replay = True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-path", required=True)
@@ -132,11 +149,16 @@ def main() -> None:
                 seqs = step(batch, chunk, page, args.context, vocab)
                 wall = best_ms(lambda seqs=seqs: runner.time_step(seqs), sync)
                 host = host_ms(lambda seqs=seqs: runner.time_step(seqs), sync)
+                plain = None
+                if chunk:
+                    plain = host_ms_without_replay(
+                        runner, lambda seqs=seqs: runner.time_step(seqs), sync
+                    )
                 busy, launches, prof = profiled(runner, seqs, sync)
                 profiles[(batch, chunk)] = prof
                 rows.append(
                     {"batch": batch, "chunk": chunk, "wall_ms": wall, "host_ms": host,
-                     "device_busy_ms": busy, "launches": launches}
+                     "host_ms_no_replay": plain, "device_busy_ms": busy, "launches": launches}
                 )  # fmt: skip
         prefill = {
             c: best_ms(lambda c=c: runner.time_step(step(0, c, page, 0, vocab)), sync)
@@ -148,14 +170,16 @@ def main() -> None:
         if r["chunk"]:
             r["fixed_ms"] = r["wall_ms"] - decode[r["batch"]] - per_token * r["chunk"]
     print(
-        f"{'batch':>5} {'chunk':>6} {'wall ms':>8} {'host ms':>8} {'busy ms':>8} {'launches':>8} "
-        f"{'fixed ms':>9}"
+        f"{'batch':>5} {'chunk':>6} {'wall ms':>8} {'host ms':>8} {'no-replay host ms':>17} "
+        f"{'busy ms':>8} {'launches':>8} {'fixed ms':>9}"
     )
     for r in rows:
         fixed = f"{r['fixed_ms']:9.2f}" if "fixed_ms" in r else f"{'-':>9}"
+        plain = r["host_ms_no_replay"]
+        plain_text = f"{plain:17.2f}" if plain is not None else f"{'-':>17}"
         print(
             f"{r['batch']:5d} {r['chunk']:6d} {r['wall_ms']:8.2f} {r['host_ms']:8.2f} "
-            f"{r['device_busy_ms']:8.2f} {r['launches']:8d} {fixed}"
+            f"{plain_text} {r['device_busy_ms']:8.2f} {r['launches']:8d} {fixed}"
         )
     mixed = [r for r in rows if r["chunk"]]
     fixed = sorted(r["fixed_ms"] for r in mixed)[len(mixed) // 2]
@@ -168,6 +192,10 @@ def main() -> None:
         f"prefill {1e3 * per_token:.1f} us/token; fixed cost per mixed step (median) "
         f"{fixed:.2f} ms; {bound}"
     )
+    replayed = [r for r in mixed if r["host_ms_no_replay"] is not None]
+    if replayed:
+        ratio = sorted(r["host_ms"] / r["host_ms_no_replay"] for r in replayed)[len(replayed) // 2]
+        print(f"layer replay: a mixed step's host ms {ratio:.2f}x launching every layer (median)")
     if args.top:
         key = (args.batches[len(args.batches) // 2], min(args.chunks))
         sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"

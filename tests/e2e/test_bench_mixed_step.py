@@ -7,7 +7,11 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
+from bench_mixed_step import host_ms_without_replay
+
+from m3serve.kernels.triton.launches import LayerCalls
 from m3serve.model.tiny.default import default_model_path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,4 +35,15 @@ def test_a_cpu_run_writes_a_row_per_batch_and_chunk(tmp_path: Path) -> None:
     assert all(r["wall_ms"] > 0 and r["host_ms"] > 0 for r in report["rows"])
     assert all("fixed_ms" in r for r in report["rows"] if r["chunk"])
     assert report["prefill_ms_per_token"] > 0
+    # The reference backend replays no layer launches: no ablation column to fill.
+    assert all(r["host_ms_no_replay"] is None for r in report["rows"])
     assert "fixed cost per mixed step" in run.stdout and "top ops" in run.stdout
+
+
+def test_the_no_replay_ablation_launches_every_layer_then_replays_again() -> None:
+    calls = LayerCalls()
+    runner = SimpleNamespace(model=SimpleNamespace(backend=SimpleNamespace(layer_calls=calls)))
+    seen: list[bool] = []
+    ms = host_ms_without_replay(runner, lambda: seen.append(calls.replay), lambda: None)  # type: ignore[arg-type]
+    assert ms is not None and ms >= 0
+    assert seen and not any(seen) and calls.replay

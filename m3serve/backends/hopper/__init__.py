@@ -91,7 +91,7 @@ class HopperBackend(ReferenceBackend):
         experts = {"NVFP4"} if moe_runner in ("auto", "triton") else set()
         self.weight_formats = frozenset({"MXFP8", *experts})
         self._side = None if interpreter else torch.cuda.Stream(device)
-        self._layer_calls = LayerCalls()
+        self.layer_calls = LayerCalls()
 
     def prepare_weights(self, model: torch.nn.Module) -> None:
         """NVFP4 experts are held row-tiled (`m3serve.kernels.nvfp4_tiles`): a K step of the MoE
@@ -166,7 +166,7 @@ class HopperBackend(ReferenceBackend):
     def layer_loop(self, batch: ForwardBatch) -> AbstractContextManager[None]:
         # The first layer's attention launches are replayed for the others (kernels/triton/
         # launches.py): the batch, so the kernel variants, grids and scratch, stay the same.
-        return self._layer_calls.scope(batch)
+        return self.layer_calls.scope(batch)
 
     def index_topk(
         self,
@@ -196,7 +196,7 @@ class HopperBackend(ReferenceBackend):
             )
 
         key = ("index_topk", topk, local_blocks, init_blocks)
-        return self._layer_calls.run(batch, key, (index_q, index_k), call)
+        return self.layer_calls.run(batch, key, (index_q, index_k), call)
 
     def attention(
         self,
@@ -230,7 +230,7 @@ class HopperBackend(ReferenceBackend):
         mine = (q, layer.k, layer.v, out)
         inputs = mine if block_ids is None else (*mine, block_ids)
         key = ("attention", scale, block_ids is None)
-        return self._layer_calls.run(batch, key, inputs, call)
+        return self.layer_calls.run(batch, key, inputs, call)
 
     def draft_attention(
         self,

@@ -180,6 +180,8 @@ class LayerCalls:
     outside a scope, or for another batch or thread, every call runs as it is."""
 
     def __init__(self) -> None:
+        # False: every call runs as it is, in scopes too (a benchmark's ablation of the replay).
+        self.replay = True
         self._batch: object = None
         self._calls: dict[Any, Recorded | None] = {}
         self._thread = 0
@@ -204,7 +206,12 @@ class LayerCalls:
     ) -> R:
         """`call()`, or the launches of the scope's first call with `key` replayed with
         `inputs` (the per-layer tensors `call` passes to its kernels) in place of its."""
-        if batch is not self._batch or batch is None or self._thread != threading.get_ident():
+        if (
+            batch is not self._batch
+            or batch is None
+            or not self.replay
+            or self._thread != threading.get_ident()
+        ):
             return call()
         recorded = self._calls.get(key)
         if recorded is not None and recorded.fits(inputs):

@@ -129,3 +129,10 @@ def test_outside_the_scope_or_for_another_batch_every_call_runs() -> None:
         assert [_runs(calls, object()) for _ in range(2)] == [1, 1]
         assert [_runs(calls, batch) for _ in range(2)] == [1, 0]
     assert _runs(calls, batch) == 1
+
+
+def test_with_the_replay_off_every_call_in_the_scope_runs() -> None:
+    calls, batch = LayerCalls(), object()
+    calls.replay = False
+    with calls.scope(batch):
+        assert [_runs(calls, batch) for _ in range(2)] == [1, 1]
