@@ -32,6 +32,15 @@ def axpy(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _vectors(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x, y and an output of n elements."""
+    return (
+        torch.randn(n, device=DEVICE),
+        torch.zeros(n, device=DEVICE),
+        torch.empty(n, device=DEVICE),
+    )
+
+
 def _counted(fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], torch.Tensor], list[int]]:
     calls = [0]
 
@@ -59,11 +68,7 @@ def test_a_replay_launches_the_first_calls_kernels_with_the_next_layers_tensors(
 
 
 def test_a_recorded_launch_keeps_every_parameter_in_order_with_defaults_and_options() -> None:
-    x, y, out = (
-        torch.ones(8, device=DEVICE),
-        torch.zeros(8, device=DEVICE),
-        torch.empty(8, device=DEVICE),
-    )
+    x, y, out = _vectors(8)
     with recording() as launches:
         launch(_axpy_kernel, (1,), x, y, out, 8, A=3, num_warps=1)
     [one] = launches
@@ -80,11 +85,7 @@ def test_a_call_that_passes_an_input_on_as_a_view_is_not_replayed() -> None:
 
 
 def test_a_call_whose_input_reaches_no_kernel_is_not_replayed() -> None:
-    x, y, out = (
-        torch.randn(16, device=DEVICE),
-        torch.zeros(16, device=DEVICE),
-        torch.empty(16, device=DEVICE),
-    )
+    x, y, out = _vectors(16)
     with recording() as launches:
         axpy(x.clone(), y, out)
     assert Recorded.make(launches, (x, out), out) is None
