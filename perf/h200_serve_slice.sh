@@ -5,8 +5,8 @@
 # eight): results.tgz (each level's JSON and console table, windows.txt, vmstat.txt, top.txt:
 # each server thread's CPU a second at a time), trace.txt (per level `summarize_step_trace.py
 # --since/--until --slowest 20 --itl --chunk-cost`), serve.log.gz, the Triton cache
-# (tcache.tgz.part*, under 16 MiB each) when none was carried in, for the next call's start-up
-# (~50 s instead of ~240). Each level draws fresh prompts (a seed per level).
+# (tcache.tgz.part*, under 16 MiB each) when none was carried in or it grew, for the next
+# call's start-up (~50 s instead of ~240). Each level draws fresh prompts (a seed per level).
 #
 #   carry [".whl"] (plus ".scratch" holding tcache.tgz.part*, if any):
 #   bash perf/h200_serve_slice.sh [--experts N] [--tag T] [--client-procs P] [--serve-arg ARG]...
