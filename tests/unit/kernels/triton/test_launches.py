@@ -1,6 +1,6 @@
 """LayerCalls: a call's launches replayed with the next layer's tensors give what the call gives,
-and a call the replay could get wrong is run as it is (in Triton's interpreter here; on the GPU
-the replay goes through the compiled kernel, tests/gpu/test_attention_gpu.py)."""
+and a call the replay could get wrong is run as it is (on the GPU when there is one, where the
+replay launches the compiled kernel; else in Triton's interpreter)."""
 
 from __future__ import annotations
 
