@@ -238,8 +238,12 @@ class EngineCore(StepLoop):
         if self.spec is not None:
             self.scheduler.spec_draft = self.spec.settings.block_size
         # ------------------------------------------------------------------ executor
-        self.executor = Executor(self.run, self.prepare, hold=self.device.type != "cpu")
+        ahead = args.sched.launch_ahead
+        self.executor = Executor(
+            self.run, self.prepare, hold=self.device.type != "cpu", wait_for_plans=ahead
+        )
         self.runner.while_device_runs = self.executor.while_device_runs
+        self.runner.launch_ahead = ahead
         self._in_flight = None
         self._ready_compiles = self.trace.compiles.count
         if self.device.type == "cuda":

@@ -11,10 +11,16 @@ While a step's kernels run, this thread does what the next step needs before its
   processes it while the device works and this thread waits without the GIL (handed over at
   once, the loop's work ran while this thread built and launched the next step: both need the
   GIL, and the device sat idle meanwhile). Not on a CPU (`hold`), whose launch is the forward;
-- once the event loop has queued the next step, its batch is built (`prepare`), so that after
-  this step's tokens arrive only the launch is left; under --tp its plan also goes to the
-  follower ranks there, so a step handed to `prepare` runs even if its caller gives up on it
-  (the other ranks will run it, and wait for this one at its collectives).
+- once the event loop has queued the next step, its batch is built (`prepare`), and with
+  --launch-ahead the step is launched there too where it can be (core/step_runner.py), so that
+  after this step's tokens arrive little or nothing is left; under --tp its plan also goes to
+  the follower ranks there, so a step handed to `prepare` runs even if its caller gives up on
+  it (the other ranks will run it, and wait for this one at its collectives). With steps
+  launched ahead (`wait_for_plans`), a result handed over here is what the event loop plans
+  the step after next from, so that plan is waited for even once the device is done (launching
+  it then costs what finishing this step first would, and it is then launched ahead of the
+  step after it: otherwise, where planning takes longer than a step, every other step launched
+  late), until the loop says it planned nothing (`nothing_planned`) or `_PLAN_WAIT_S` passes.
 
 Where launches are asynchronous, the process's GIL switch interval drops from Python's 5 ms to
 `SWITCH_INTERVAL_S`: each kernel launch lets go of the GIL, and when the event loop took it
@@ -30,6 +36,7 @@ import logging
 import queue
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -44,23 +51,37 @@ Prepare = Callable[[StepPlan], None]
 Job = tuple[Callable[[], Any], "concurrent.futures.Future[Any]", str, StepPlan | None]
 # How long to wait at a time for the next step to be queued while the device runs.
 _POLL_S = 0.0002
+# How long a handed-over result's next plan is waited for once the device is done (a bound only:
+# the event loop plans right after taking the result, or says it planned nothing).
+_PLAN_WAIT_S = 0.005
 SWITCH_INTERVAL_S = 0.0005  # the GIL switch interval where launches are asynchronous (above)
 
 
 class Executor:
-    def __init__(self, run: Run, prepare: Prepare | None = None, hold: bool = True) -> None:
+    def __init__(
+        self,
+        run: Run,
+        prepare: Prepare | None = None,
+        hold: bool = True,
+        wait_for_plans: bool = False,
+    ) -> None:
         """`hold`: whether a step's result waits for the next step's launch (above). Only
         where launches are asynchronous: a CPU computes a step's forward in its launch, so a
-        held result would wait a whole step (the built-in tiny model, 2 cores: 6 ms a token)."""
+        held result would wait a whole step (the built-in tiny model, 2 cores: 6 ms a token).
+        `wait_for_plans`: whether the plan made from a result handed over is waited for once
+        the device is done (above; with steps launched ahead, --launch-ahead)."""
         self._run = run
         self._prepare = prepare
         self._hold = hold
+        self._wait_for_plans = wait_for_plans
         if hold and sys.getswitchinterval() > SWITCH_INTERVAL_S:
             sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._queue: queue.Queue[Job | None] = queue.Queue()
         # A finished step's result, held until the step after it has launched.
         self._pending: tuple[concurrent.futures.Future[Any], Any] | None = None
         self._prepared: StepPlan | None = None  # the last plan handed to `prepare`
+        # Set by the event loop when it planned nothing after the last result handed over.
+        self._nothing_planned = threading.Event()
         self._thread = threading.Thread(target=self._work, name="m3serve-executor", daemon=True)
         self._thread.start()
 
@@ -74,12 +95,16 @@ class Executor:
 
     def while_device_runs(self, done: Callable[[], bool]) -> None:
         """Executor thread, from a step whose kernels are queued (`done`: whether the device has
-        finished them): hand over the previous step's result, then, if the device is still
-        busy, wait for the next step to be queued and build its batch."""
-        self._publish_pending()
+        finished them): hand over the previous step's result, then wait for the next step to be
+        queued and build (or launch) it, while the device is busy or, after a result went out,
+        until the event loop has planned from it (above)."""
+        handed_over = self._publish_pending() and self._wait_for_plans
         if self._prepare is None:
             return
-        while not done():
+        deadline = time.monotonic() + _PLAN_WAIT_S
+        while not done() or (
+            handed_over and not self._nothing_planned.is_set() and time.monotonic() < deadline
+        ):
             plan = self._next_step()
             if plan is not None:
                 self._prepared = plan
@@ -92,6 +117,10 @@ class Executor:
                 if not self._queue.queue:
                     self._queue.not_empty.wait(_POLL_S)
 
+    def nothing_planned(self) -> None:
+        """Event loop: it planned no step after taking the last result (see above)."""
+        self._nothing_planned.set()
+
     def _put(
         self, fn: Callable[[], T], what: str, plan: StepPlan | None
     ) -> concurrent.futures.Future[T]:
@@ -99,11 +128,15 @@ class Executor:
         self._queue.put((fn, future, what, plan))
         return future
 
-    def _publish_pending(self) -> None:
-        if self._pending is not None:
-            future, result = self._pending
-            self._pending = None
-            future.set_result(result)
+    def _publish_pending(self) -> bool:
+        """Hand over the held result, if any; whether there was one."""
+        if self._pending is None:
+            return False
+        future, result = self._pending
+        self._pending = None
+        self._nothing_planned.clear()  # the event loop plans again from this result
+        future.set_result(result)
+        return True
 
     def _work(self) -> None:
         while (item := self._queue.get()) is not None:

@@ -45,6 +45,10 @@ class GrammarMatchers:
         if grammar.narrow is not None:
             self._narrow[slot] = grammar.narrow
 
+    def constrains(self, slot: int) -> bool:
+        """Whether a grammar constrains the request in `slot`."""
+        return slot in self._matchers
+
     def fill(self, slots: Sequence[int]) -> torch.Tensor | None:
         """The allowed-token bitmask [len(slots), ceil(V/32)] (int32, on the CPU) for a step's
         sampled rows; unconstrained rows allow everything. None when no row is constrained."""

@@ -132,6 +132,11 @@ class Sampler:
         self._params[slot] = None
         self._generators[slot] = None
 
+    def params(self, slot: int) -> SamplingParams | None:
+        """The settings of the request in `slot` (None: no request started there)."""
+        self._check_slot(slot)
+        return self._params[slot]
+
     def _check_slot(self, slot: int) -> None:
         # Python lists accept negative indices; a negative slot is a caller bug, not row -1.
         if not 0 <= slot < self.max_slots:

@@ -76,6 +76,8 @@ class StepLoop:
         plan = self._schedule()
         previous = self._in_flight
         self._in_flight = self._launch(plan) if plan is not None else None
+        if plan is None:  # the executor may be waiting for this plan (core/executor.py)
+            self.executor.nothing_planned()
         if previous is None:
             return self.scheduler.take_errors() if plan is None else Outputs()
         return await self._process(previous)

@@ -14,6 +14,15 @@ built ahead stays valid, and under --tp the followers, which may already be runn
 run the same rows. A step whose rows are all dead runs no forward on a lone rank. Speculative
 steps drop dead rows instead (their verify rows' lengths move with the drafts accepted).
 
+With --launch-ahead a step is also *launched ahead* where it can be (`prepare`,
+`_launches_ahead`): its kernels are queued while the step before it still runs, before that
+step's tokens reach the host, so the device goes from one step to the next without waiting for
+the host to launch it (at batch 1 on the 4-layer slice the launch was 0.6 ms of a 1.5 ms step;
+served, it paid at concurrency 64 and cost a little at 1 and 16: the README's Notes). Its rows
+whose requests end on the step before are then found dead only once those tokens are in
+(`_note_ended`). Each step's tokens come back through a copy queued right behind its draw
+(`Download`), not behind a step launched after it.
+
 With tensor parallelism every rank runs the same plans through its own StepRunner, and `share`
 makes each sampled step's tokens rank 0's on every rank (core/ranks.py `TokenShare`): a follower
 takes them on the device as its next decode inputs and draws none itself, so it never waits for
@@ -23,6 +32,7 @@ its device and its steps queue behind rank 0's plans alone; only rank 0 encodes 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -38,7 +48,7 @@ from m3serve.core.piecewise import PiecewiseGraphs
 from m3serve.core.ranks import MediaShare, TokenShare
 from m3serve.core.sampler import Sampler
 from m3serve.model.batch import ForwardBatch
-from m3serve.model.host_copy import upload, upload_many
+from m3serve.model.host_copy import Download, upload, upload_many
 from m3serve.model.kv_cache import KVCache
 from m3serve.model.m3 import M3ForCausalLM
 from m3serve.model.slot_pages import SlotPages
@@ -102,6 +112,10 @@ class StepRunner:
         self.while_device_runs: Callable[[Callable[[], bool]], None] | None = None
         # A batch built by `prepare` before its step ran: (step, the slots of its rows, batch).
         self._prepared: tuple[int, list[int], ForwardBatch] | None = None
+        # Whether `prepare` launches the steps it can (--launch-ahead; set by the engine core),
+        # and the step it launched, until its run takes its tokens.
+        self.launch_ahead = False
+        self._ahead: _Ahead | None = None
         # perf_counter() when the last sampled step's kernels were all queued (0: none since
         # the caller reset it): the step trace's launch time.
         self.launched_at = 0.0
@@ -114,6 +128,10 @@ class StepRunner:
     def run(self, plan: StepPlan, layers: Sequence[int] | None = None) -> StepResult:
         """One forward over the plan's tokens (only `layers`, for the warm-up), and a sampled
         token for each seq that asks."""
+        ahead = self._ahead
+        if ahead is not None and ahead.plan is plan and layers is None:
+            self._ahead = None
+            return self._finish_ahead(ahead)
         if plan.backups and self.host is not None:  # a follower rank: rank 0's backups
             self.host.mirror_backups(plan.backups)
         self._start_new_requests(plan)
@@ -208,15 +226,67 @@ class StepRunner:
         self.last_tokens[index] = self.share.share_ids(mine)
 
     def prepare(self, plan: StepPlan) -> None:
-        """Build `plan`'s batch ahead, while the step before it still runs on the device; its
-        run takes it whatever that step's tokens are (a request that ended on one keeps its row,
-        dead). Speculative steps are not built ahead; with tensor parallelism only rank 0 has
-        an executor that does."""
+        """Build `plan`'s batch ahead, while the step before it still runs on the device, and
+        with --launch-ahead launch it there too where nothing in it needs that step's tokens on
+        the host (`_launches_ahead`); its run takes it whatever those tokens are (a request that
+        ended on one keeps its row, dead). Speculative steps are not built ahead; with tensor
+        parallelism only rank 0 has an executor that does."""
         if self.spec is not None:
             return
         seqs, _ = self._rows(plan.seqs)
         if seqs:
             self._prepared = (plan.step, [s.slot for s in seqs], self._build(seqs))
+            if self._launches_ahead(plan):
+                self._launch_ahead(plan)
+
+    def _launches_ahead(self, plan: StepPlan) -> bool:
+        """Whether `plan`'s kernels can be queued before the CPU has the tokens of the step in
+        flight: nothing they need comes from the host's view of those tokens (no grammar mask,
+        whose state takes them; penalty counts are kept on the device), and nothing in the step
+        waits for the device (logprobs are read back as they are drawn). Plain steps of one
+        rank only: no speculation, no page loads, no images."""
+        if not self.launch_ahead or self.spec is not None or self.share is not None:
+            return False
+        if (
+            self.media_share is not None
+            or plan.loads
+            or plan.backups
+            or plan.media_rows
+            or plan.step in self.step_media
+        ):
+            return False
+        grammars = self.step_grammars.get(plan.step, {})
+        sampled = [seq for seq in plan.seqs if seq.sample]
+        for seq in sampled:
+            slot = seq.slot
+            params = plan.sampling.get(slot) if seq.new_request else self.sampler.params(slot)
+            constrained = slot in grammars if seq.new_request else self.matchers.constrains(slot)
+            if params is None or params.logprobs or constrained:
+                return False
+        return bool(sampled)
+
+    def _launch_ahead(self, plan: StepPlan) -> None:
+        """Queue `plan`'s forward and draw behind the step in flight (its batch just built)."""
+        self._start_new_requests(plan)
+        seqs, dead = self._rows(plan.seqs)
+        batch = self._take_prepared(plan.step, seqs)
+        if batch is None:
+            batch = self._build(seqs)
+        sampled = [seq.slot for seq in plan.seqs if seq.sample]
+        slots = [seq.slot for seq in seqs if seq.sample]
+        logits = self.logits(self._with_media(plan, seqs, batch), len(slots) == len(seqs))
+        tokens, logprobs = self._queue_draw(logits, slots)
+        decoding = {seq.slot for seq in seqs if seq.input_ids is None}
+        self._ahead = _Ahead(plan, sampled, slots, decoding, set(dead), Download(tokens), logprobs)
+
+    def _finish_ahead(self, ahead: _Ahead) -> StepResult:
+        """The run of a step launched ahead: its tokens, once they are in."""
+        self.build_seconds = 0.0
+        self.launched()
+        ids = self._take_tokens(ahead.slots, ahead.tokens, frozenset(ahead.dead))
+        ended = self.matchers.accept(ahead.slots, ids)
+        self._note_ended(ahead.slots, ids, ended)
+        return _result(ahead.plan.step, ahead.sampled, ahead.slots, ids, ahead.logprobs, ended)
 
     def _build(self, seqs: list[SeqStep]) -> ForwardBatch:
         batch = ForwardBatch.build(seqs, self.page_size, self.device, slot_pages=self.slot_pages)
@@ -238,6 +308,24 @@ class StepRunner:
         ended; the slots' device-side last tokens are set to them. The `dead` slots' requests
         have ended: their rows are drawn (under --tp rank 0 shares every row's token) and come
         back as SKIPPED_TOKEN."""
+        tokens, logprobs = self._queue_draw(logits, slots)
+        download = Download(tokens)
+        self.launched()
+        ids = self._take_tokens(slots, download, dead)
+        ended = self.matchers.accept(slots, ids)
+        share = self.share
+        if share is not None and self.spec is not None:
+            # Speculation: every rank goes on with rank 0's tokens, on the host.
+            ids, ended = share.share(ids, ended)
+            index = upload(slots, torch.int64, self.device)
+            self.last_tokens[index] = upload(ids, torch.int64, self.device)
+        self._note_ended(slots, ids, ended)
+        return ids, logprobs, ended
+
+    def _queue_draw(
+        self, logits: torch.Tensor, slots: list[int]
+    ) -> tuple[torch.Tensor, list[TokenLogprob | None]]:
+        """The rows' draw, queued: the tokens on the device, also as the slots' next inputs."""
         # After the launch, before the draw: on a GPU this host work overlaps the forward.
         allowed = self.matchers.fill(slots)
         index = upload(slots, torch.int64, self.device)
@@ -246,22 +334,21 @@ class StepRunner:
         if share is not None and self.spec is None:  # rank 0: the followers' next inputs
             share.share_ids(tokens)
         self.last_tokens[index] = tokens
-        self.launched()
-        ids = tokens.tolist()
+        return tokens, logprobs
+
+    @staticmethod
+    def _take_tokens(slots: list[int], download: Download, dead: frozenset[int]) -> list[int]:
+        """The drawn tokens on the host; the dead rows' as SKIPPED_TOKEN."""
+        ids: list[int] = download.tolist()
         if dead:
             ids = [SKIPPED_TOKEN if s in dead else t for s, t in zip(slots, ids, strict=True)]
-        ended = self.matchers.accept(slots, ids)
-        if share is not None and self.spec is not None:
-            # Speculation: every rank goes on with rank 0's tokens, on the host.
-            ids, ended = share.share(ids, ended)
-            self.last_tokens[index] = upload(ids, torch.int64, self.device)
-        self._note_ended(slots, ids, ended)
-        return ids, logprobs, ended
+        return ids
 
     def launched(self) -> None:
         """A sampled step's kernels are all queued and its host is about to wait for its
         tokens: the executor hands over the previous step's result and builds the next
-        step's batch meanwhile. Every step with a sampled row calls this once."""
+        step's batch meanwhile, and launches it where it can (`prepare`). Every step with a
+        sampled row calls this once."""
         self.launched_at = time.perf_counter()
         self.launched_cpu = time.thread_time()
         if self.while_device_runs is not None:
@@ -322,6 +409,8 @@ class StepRunner:
                 continue
             if token in self._stops.get(slot, ()) or (grammar_ended and grammar_ended[row]):
                 self._ended.add(slot)
+                if self._ahead is not None and slot in self._ahead.decoding:
+                    self._ahead.dead.add(slot)  # its row there was launched live
             else:
                 self._ended.discard(slot)
 
@@ -369,3 +458,16 @@ def _result(
         logprobs=[None if r is None else logprobs[r] for r in rows] if logprobs else [],
         grammar_ended=[r is not None and ended[r] for r in rows] if ended else [],
     )
+
+
+@dataclasses.dataclass
+class _Ahead:
+    """A step launched ahead: what its run needs to take its tokens."""
+
+    plan: StepPlan
+    sampled: list[int]  # the plan's sampled slots (the result's rows)
+    slots: list[int]  # the sampled rows that ran
+    decoding: set[int]  # slots of its decode rows: dead if their request ends on the step before
+    dead: set[int]
+    tokens: Download
+    logprobs: list[TokenLogprob | None]

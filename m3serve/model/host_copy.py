@@ -1,5 +1,6 @@
 """Small host arrays (a step's token ids, positions, page changes, sampling knobs) onto the
-device without waiting for the kernels already queued there.
+device without waiting for the kernels already queued there, and a step's sampled tokens back
+(`Download`) without waiting for the kernels queued after them.
 
 A plain `.to(cuda)` from pageable memory synchronizes with the stream, so every kernel queued
 before it must finish first. A copy from pinned memory is queued behind them instead. Pinning a
@@ -11,7 +12,8 @@ and `upload_many` sends a step's several arrays in a single copy.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -50,17 +52,28 @@ def upload_many(
 
 
 _STAGING: dict[torch.device, _Staging] = {}
-_STAGING_LOCK = threading.Lock()
+_RETURNS: dict[torch.device, _Returns] = {}
+_TABLES_LOCK = threading.Lock()
+T = TypeVar("T")
 
 
 def _staging(device: torch.device) -> _Staging:
+    return _per_device(_STAGING, device, _Staging)
+
+
+def _returns(device: torch.device) -> _Returns:
+    return _per_device(_RETURNS, device, lambda _: _Returns())
+
+
+def _per_device(table: dict[torch.device, T], device: torch.device, make: Callable[..., T]) -> T:
+    """`table`'s entry for a CUDA device (the current one for a bare "cuda"), made on first use."""
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    with _STAGING_LOCK:
-        staging = _STAGING.get(device)
-        if staging is None:
-            staging = _STAGING[device] = _Staging(device)
-        return staging
+    with _TABLES_LOCK:
+        entry = table.get(device)
+        if entry is None:
+            entry = table[device] = make(device)
+        return entry
 
 
 def _aligned(n: int) -> int:
@@ -122,3 +135,57 @@ class _Staging:
         for event in self.fences[self.chunk]:  # queued long ago: almost always done already
             event.synchronize()
         self.fences[self.chunk] = []
+
+
+class Download:
+    """A small device tensor's values on their way to the host, copied behind the work queued
+    before it and not behind what is queued after: with a step launched ahead of this one's
+    tokens (core/step_runner.py), a plain `.tolist()` would wait for that step too. The copy
+    goes through a ring of pinned buffers (`_Returns`)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._event: torch.cuda.Event | None = None
+        if tensor.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            self._values = tensor.tolist()
+            return
+        self._shape = tensor.shape
+        self._event = torch.cuda.Event()
+        self._host = _returns(tensor.device).copy(tensor, self._event)
+
+    def tolist(self) -> list:  # type: ignore[type-arg]
+        """The values (as `Tensor.tolist` gives them), once the copy is done."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._values = self._host.view(self._shape).tolist()
+            self._event = None
+        return self._values
+
+
+class _Returns:
+    """Pinned buffers for `Download`, used in turn: one is written again only after the event
+    of its last copy (long done: two steps at most are in flight)."""
+
+    def __init__(self, buffers: int = 4) -> None:
+        self.buffers: list[torch.Tensor | None] = [None] * buffers
+        self.fences: list[torch.cuda.Event | None] = [None] * buffers
+        self.turn = 0
+        self.lock = threading.Lock()
+
+    def copy(self, tensor: torch.Tensor, done: torch.cuda.Event) -> torch.Tensor:
+        """`tensor`'s bytes into the next buffer, queued on the current stream; `done` is
+        recorded behind the copy. Returns the host view they arrive in."""
+        nbytes = tensor.numel() * tensor.element_size()
+        with self.lock:
+            turn = self.turn
+            self.turn = (turn + 1) % len(self.buffers)
+            fence, buffer = self.fences[turn], self.buffers[turn]
+            if fence is not None:
+                fence.synchronize()
+            if buffer is None or buffer.numel() < nbytes:
+                buffer = torch.empty(max(nbytes, 4096), dtype=torch.uint8, pin_memory=True)
+                self.buffers[turn] = buffer
+            host = buffer[:nbytes].view(tensor.dtype)
+            host.copy_(tensor.reshape(-1), non_blocking=True)
+            done.record()
+            self.fences[turn] = done
+        return host

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from m3serve.model.batch import ForwardBatch
-from m3serve.model.host_copy import upload, upload_many
+from m3serve.model.host_copy import Download, upload, upload_many
 from m3serve.model.slot_pages import SlotPages
 from m3serve.runtime.messages import SeqStep
 
@@ -48,3 +48,25 @@ def test_staging_wraps_around_without_overwriting_queued_copies() -> None:
     torch.cuda.synchronize()
     for values, (a, b) in zip(sent, got, strict=True):
         assert a.tolist() == values.tolist() and b.tolist() == values[:3].tolist()
+
+
+def test_a_download_waits_for_its_own_tokens_not_for_work_queued_after() -> None:
+    """A step's tokens come back through a copy queued right behind them: a step launched
+    after them (here a long chain of matmuls) still runs when they are in."""
+    device = torch.device("cuda")
+    busy = torch.randn(8192, 8192, device=device)
+    torch.cuda.synchronize()
+    for turn in range(6):  # past the ring's four buffers: each reused only once read
+        tokens = torch.arange(turn, turn + 33, device=device)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            download = Download(tokens)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        for _ in range(8):
+            busy = busy @ busy / 8192
+        after = torch.cuda.Event()
+        after.record()
+        assert download.tolist() == list(range(turn, turn + 33))
+        assert not after.query()  # the work queued after the copy was still running
+    torch.cuda.synchronize()

@@ -1,13 +1,19 @@
 """Overlap in the engine core: a step planned before the CPU saw a request's stop token runs that
 request's row dead (its draw discarded), so its output is the one without overlap, and a batch
 built ahead, before the stop token was sampled, is still the one that runs; a step of dead rows
-alone runs no forward."""
+alone runs no forward. With --launch-ahead a step launched ahead (queued before the step in
+flight gave its tokens back) gives the same tokens, also when a row in it turns dead after its
+launch and its slot goes to a new request; steps whose rows need the host's view of those
+tokens (a grammar) or read the device back (logprobs) are not launched ahead."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
+from conftest import M31_SPEC
 from helpers.core_runs import run_to_end
 
 from m3serve.core import step_runner
@@ -15,14 +21,54 @@ from m3serve.core.engine_core import EngineCore
 from m3serve.core.req import Req
 from m3serve.core.step_runner import StepRunner
 from m3serve.model.batch import ForwardBatch
-from m3serve.runtime.messages import SamplingParams
+from m3serve.model.tiny.checkpoint import TinySpec
+from m3serve.runtime.config import ServerArgs
+from m3serve.runtime.messages import SKIPPED_TOKEN, SamplingParams, StepResult
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 
 
-def _req(rid: str, stop_ids: frozenset[int], max_new: int = 12) -> Req:
-    sampling = SamplingParams(max_new_tokens=max_new, temperature=0.0)
+@pytest.fixture(scope="module")
+def two_slots(tiny_checkpoint: Callable[[TinySpec], Path]) -> Iterator[EngineCore]:
+    """A core with two request slots (a third request waits for one to free) that launches
+    steps ahead."""
+    path = tiny_checkpoint(M31_SPEC)
+    args = ServerArgs.from_kwargs(
+        model_path=str(path), device="cpu", dtype="float32", max_total_tokens=2048,
+        max_running_requests=2, launch_ahead=True,
+    )  # fmt: skip
+    engine = EngineCore(args, path)
+    yield engine
+    engine.close()
+
+
+def _req(rid: str, stop_ids: frozenset[int], max_new: int = 12, logprobs: bool = False) -> Req:
+    sampling = SamplingParams(max_new_tokens=max_new, temperature=0.0, logprobs=logprobs)
     return Req(rid=rid, prompt=list(PROMPT), sampling=sampling, stop_ids=stop_ids, worker=0)
+
+
+def _busy_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each step's "device" stays busy for a while after its launch, so the executor builds
+    (and where it can, launches) the next step before this one's tokens are known."""
+
+    def busy_for_a_while(device: object) -> object:
+        until = time.monotonic() + 0.05
+        return lambda: time.monotonic() > until
+
+    monkeypatch.setattr(step_runner, "_device_done", busy_for_a_while)
+
+
+def _launched_ahead(monkeypatch: pytest.MonkeyPatch) -> list[StepResult]:
+    """The results of the steps whose run took the tokens of a launch ahead, in order."""
+    steps: list[StepResult] = []
+    finish = StepRunner._finish_ahead
+
+    def spy(self, ahead):  # type: ignore[no-untyped-def]
+        steps.append(finish(self, ahead))
+        return steps[-1]
+
+    monkeypatch.setattr(StepRunner, "_finish_ahead", spy)
+    return steps
 
 
 def _generate(core: EngineCore, reqs: list[Req], overlap: bool) -> dict[str, list[int]]:
@@ -92,11 +138,8 @@ def test_a_batch_built_ahead_runs_although_a_request_in_it_ended_meanwhile(
     still runs, the ended request's row in it dead."""
     greedy, stop, ends_at = _stop_token(core, 3)
 
-    def busy_for_a_while(device: object) -> object:
-        until = time.monotonic() + 0.05
-        return lambda: time.monotonic() > until
-
-    monkeypatch.setattr(step_runner, "_device_done", busy_for_a_while)
+    _busy_device(monkeypatch)
+    ahead = _launched_ahead(monkeypatch)  # none: --launch-ahead is off by default
     ran: list[list[int]] = []  # the slots of the decode rows of each forward that ran
     used_ahead: list[bool] = []
     with_media, take = StepRunner._with_media, StepRunner._take_prepared
@@ -133,4 +176,50 @@ def test_a_batch_built_ahead_runs_although_a_request_in_it_ended_meanwhile(
         step: built_in_run[step] for step in ahead_by_step
     }
     assert len(built) == len(ran)  # and none was built again: not the one "stopping" ended in
+    assert ahead == []
     core.scheduler.idle_check()
+
+
+def test_steps_launched_ahead_give_the_serial_tokens(
+    two_slots: EngineCore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three requests through two slots under a busy device: "stopping" ends on a stop token
+    while the step after is already launched (its row there runs dead, the draw discarded),
+    then "third" takes its slot; each gets its serial greedy tokens."""
+    greedy, stop, ends_at = _stop_token(two_slots, 3)
+    _busy_device(monkeypatch)
+    ahead = _launched_ahead(monkeypatch)
+    reqs = [_req("stopping", frozenset({stop})), _req("running", frozenset()),
+            _req("third", frozenset(), 8)]  # fmt: skip
+    ran: list[int] = []
+    run = StepRunner.run
+
+    def spy_run(self, plan, layers=None):  # type: ignore[no-untyped-def]
+        ran.append(plan.step)
+        return run(self, plan, layers)
+
+    monkeypatch.setattr(StepRunner, "run", spy_run)
+    out = _generate(two_slots, reqs, overlap=True)
+
+    assert out == {"stopping": greedy[:ends_at], "running": greedy, "third": greedy[:8]}
+    assert [r.step for r in ahead] == ran[1:]  # all but the first: none in flight before it
+    # The row "stopping" ran after its stop token came back dead, though launched live.
+    rows = [(slot, t) for r in ahead for slot, t in zip(r.slots, r.tokens, strict=True)]
+    skipped = [slot for slot, token in rows if token == SKIPPED_TOKEN]
+    assert skipped == [0]
+    two_slots.scheduler.idle_check()
+
+
+def test_a_step_with_a_logprobs_row_is_not_launched_ahead(
+    two_slots: EngineCore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Logprobs are read back as they are drawn: launched ahead, the step would wait for its
+    own tokens inside the step before it."""
+    greedy, _, _ = _stop_token(two_slots, 3)
+    _busy_device(monkeypatch)
+    ahead = _launched_ahead(monkeypatch)
+    out = _generate(two_slots, [_req("logprobs", frozenset(), logprobs=True)], overlap=True)
+
+    assert out["logprobs"] == greedy
+    assert ahead == []
+    two_slots.scheduler.idle_check()

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from m3serve.core import executor
 from m3serve.core.executor import SWITCH_INTERVAL_S, Executor
 from m3serve.runtime.messages import SeqStep, StepPlan, StepResult
 
@@ -27,10 +28,13 @@ class Steps:
     """Runs a plan by calling the hook registered for its step number, then returns its result;
     records the plans the executor asks it to build ahead."""
 
-    def __init__(self, hold: bool = True) -> None:
+    def __init__(self, hold: bool = True, wait_for_plans: bool = False) -> None:
         self.hooks: dict[int, Callable[[], None]] = {}
         self.prepared: list[int] = []
-        self.executor = Executor(self.run, lambda p: self.prepared.append(p.step), hold=hold)
+        prepare = self.prepared.append
+        self.executor = Executor(
+            self.run, lambda p: prepare(p.step), hold=hold, wait_for_plans=wait_for_plans
+        )
 
     def run(self, plan: StepPlan) -> StepResult:
         hook = self.hooks.get(plan.step)
@@ -143,14 +147,59 @@ def test_the_next_step_is_built_while_the_device_runs(steps: Steps) -> None:
     assert steps.prepared == [1]
 
 
-def test_nothing_is_built_ahead_once_the_device_is_done(steps: Steps) -> None:
-    release = threading.Event()
-    steps.hooks[0] = lambda: release.wait(TIMEOUT)
-    steps.hooks[1] = lambda: steps.executor.while_device_runs(lambda: True)
-    futures = [steps.executor.submit(plan(i)) for i in range(3)]
-    release.set()
-    assert [f.result(TIMEOUT).step for f in futures] == [0, 1, 2]
-    assert steps.prepared == []
+@pytest.mark.parametrize("hold", [True, False], ids=["gpu", "cpu"])
+def test_nothing_is_built_ahead_once_the_device_is_done(hold: bool) -> None:
+    """Without --launch-ahead, and on a CPU (whose steps hold no result to hand over), a step
+    whose device is done returns at once, a next step queued or not."""
+    steps = Steps(hold=hold, wait_for_plans=not hold)
+    try:
+        release = threading.Event()
+        steps.hooks[0] = lambda: release.wait(TIMEOUT)
+        steps.hooks[1] = lambda: steps.executor.while_device_runs(lambda: True)
+        futures = [steps.executor.submit(plan(i)) for i in range(3)]
+        release.set()
+        assert [f.result(TIMEOUT).step for f in futures] == [0, 1, 2]
+        assert steps.prepared == []
+    finally:
+        steps.executor.close()
+
+
+def test_with_launches_ahead_the_plan_from_a_handed_over_result_is_waited_for() -> None:
+    """After handing a result over, a step waits for the plan the event loop makes from it,
+    device done or not, and builds it."""
+    gpu = Steps(wait_for_plans=True)
+    try:
+        release = threading.Event()
+        gpu.hooks[0] = lambda: release.wait(TIMEOUT)
+        first = gpu.executor.submit(plan(0))
+        # Step 1 hands step 0's result over; "the loop" queues step 2 once it has it.
+        gpu.hooks[1] = lambda: gpu.executor.while_device_runs(lambda: True)
+        second = gpu.executor.submit(plan(1))
+        first.add_done_callback(lambda _: gpu.executor.submit(plan(2)))
+        release.set()
+        assert second.result(TIMEOUT).step == 1
+        assert gpu.prepared == [2]
+    finally:
+        gpu.executor.close()
+
+
+def test_a_loop_that_planned_nothing_ends_the_wait_for_its_plan(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(executor, "_PLAN_WAIT_S", 10 * TIMEOUT)  # only the loop's word ends it
+    steps = Steps(wait_for_plans=True)
+    try:
+        release = threading.Event()
+        steps.hooks[0] = lambda: release.wait(TIMEOUT)
+        first = steps.executor.submit(plan(0))
+        first.add_done_callback(lambda _: steps.executor.nothing_planned())
+        steps.hooks[1] = lambda: steps.executor.while_device_runs(lambda: True)
+        second = steps.executor.submit(plan(1))
+        release.set()
+        assert second.result(TIMEOUT).step == 1
+        assert steps.prepared == [] and first.done()
+    finally:
+        steps.executor.close()
 
 
 def test_a_step_built_ahead_runs_although_its_caller_gave_up_on_it(steps: Steps) -> None:

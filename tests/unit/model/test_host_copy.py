@@ -1,11 +1,12 @@
-"""`upload` and `upload_many`: a step's small host arrays onto the device, values and dtype kept."""
+"""`upload` and `upload_many`: a step's small host arrays onto the device, values and dtype kept;
+`Download`: device values back."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from m3serve.model.host_copy import upload, upload_many
+from m3serve.model.host_copy import Download, _per_device, upload, upload_many
 
 
 def test_upload_keeps_values_and_takes_the_asked_dtype() -> None:
@@ -31,3 +32,17 @@ def test_upload_many_returns_each_array_with_its_dtype_and_shape() -> None:
     assert knobs.dtype == torch.float32
     assert torch.equal(knobs, torch.tensor([[1.0, 0.95], [0.7, 1.0]]))
     assert table.dtype == torch.int32 and table.tolist() == [[5, -1]]
+
+
+def test_a_download_of_a_host_tensor_gives_its_values() -> None:
+    tokens = torch.tensor([[3, 1], [4, 1]])
+    assert Download(tokens).tolist() == [[3, 1], [4, 1]]
+
+
+def test_each_device_gets_one_staging_entry_made_on_first_use() -> None:
+    made: list[torch.device] = []
+    table: dict[torch.device, object] = {}
+    device = torch.device("cuda", 1)  # an explicit index: no CUDA call needed
+    first = _per_device(table, device, lambda d: made.append(d) or object())
+    assert _per_device(table, device, lambda d: made.append(d) or object()) is first
+    assert made == [device]
