@@ -9,12 +9,14 @@
 # call's start-up (~50 s instead of ~240). Each level draws fresh prompts (a seed per level).
 #
 #   carry [".whl"] (plus ".scratch" holding tcache.tgz.part*, if any):
-#   bash perf/h200_serve_slice.sh [--experts N] [--tag T] [--client-procs P] [--serve-arg ARG]...
+#   bash perf/h200_serve_slice.sh [--experts N] [--layers L] [--tag T] [--client-procs P]
+#       [--serve-arg ARG]...
 #       [LEVEL...]
 #
 # `--experts N`: routed experts per layer of the slice (default 8; issue 11 allows 8-32). With
 # more experts a decode step reads more expert weights, as the real model's 128 do, and a mixed
-# step's experts are less compute-bound. `--tag T` prefixes the files under $OUT with `T_`, so
+# step's experts are less compute-bound. `--layers L`: the slice's layers (default 4; the real
+# model's 60 make every step long beside its launch and planning). `--tag T` prefixes the files under $OUT with `T_`, so
 # that one call can serve twice (the second start reuses the slice and the Triton cache);
 # `--serve-arg ARG` passes ARG on to `m3serve serve` (e.g. `--serve-arg --mixed-step-stretch
 # --serve-arg 2.2`); `--client-procs P`: the load generator's processes (default 4); the
@@ -24,12 +26,14 @@
 # README's Notes list (the server dies at import without xgrammar's).
 set -u
 experts=8
+layers=4
 tag=""
 client_procs=4
 serve_args=()
 while [ $# -gt 0 ]; do
   case $1 in
     --experts) experts=$2; shift 2 ;;
+    --layers) layers=$2; shift 2 ;;
     --tag) tag="$2_"; shift 2 ;;
     --client-procs) client_procs=$2; shift 2 ;;
     --serve-arg) serve_args+=("$2"); shift 2 ;;
@@ -42,12 +46,15 @@ levels=("$@")
 # Fail in seconds, not after the health wait, when a wheel is missing.
 python3 -c "import m3serve.api.server, m3serve.core.engine_core, xgrammar" || exit 1
 t0=$(date +%s)
-[ -f /tmp/slice/config.json ] || python3 -m m3serve make-tiny /tmp/slice --vocab-size 32768 \
-  --hidden-size 6144 --num-layers 4 --num-heads 64 --num-kv-heads 4 --head-dim 128 \
+# One slice per shape, made once per machine (the default shape at /tmp/slice, as before).
+slice=/tmp/slice
+[ "$layers/$experts" = 4/8 ] || slice="/tmp/slice_l${layers}_e${experts}"
+[ -f "$slice/config.json" ] || python3 -m m3serve make-tiny "$slice" --vocab-size 32768 \
+  --hidden-size 6144 --num-layers "$layers" --num-heads 64 --num-kv-heads 4 --head-dim 128 \
   --rotary-dim 64 --dense-layers 0 --intermediate-size 3072 --num-experts "$experts" \
   --num-experts-per-tok 4 --index-head-dim 128 --index-block-size 128 --index-topk-blocks 16 \
   --shards 4 --quant modelopt-mixed --device cuda > /tmp/make.log 2>&1 || { tail -20 /tmp/make.log; exit 1; }
-python3 -m m3serve serve --model-path /tmp/slice --max-running-requests 256 \
+python3 -m m3serve serve --model-path "$slice" --max-running-requests 256 \
   --context-length 4096 --enable-step-trace "${serve_args[@]}" > /tmp/serve.log 2>&1 &
 server=$!
 until curl -sf http://127.0.0.1:30000/health > /dev/null; do
