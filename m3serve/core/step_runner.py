@@ -20,8 +20,8 @@ step's tokens reach the host, so the device goes from one step to the next witho
 the host to launch it (at batch 1 on the 4-layer slice the launch was 0.6 ms of a 1.5 ms step;
 served, it paid at concurrency 64 and cost a little at 1 and 16: the README's Notes). Its rows
 whose requests end on the step before are then found dead only once those tokens are in
-(`_note_ended`). Each step's tokens come back through a copy queued right behind its draw
-(`Download`), not behind a step launched after it.
+(`_note_ended`). Each step's tokens then come back through a copy queued right behind its
+draw (`Download`), not behind a step launched after it.
 
 With tensor parallelism every rank runs the same plans through its own StepRunner, and `share`
 makes each sampled step's tokens rank 0's on every rank (core/ranks.py `TokenShare`): a follower
@@ -309,9 +309,11 @@ class StepRunner:
         have ended: their rows are drawn (under --tp rank 0 shares every row's token) and come
         back as SKIPPED_TOKEN."""
         tokens, logprobs = self._queue_draw(logits, slots)
-        download = Download(tokens)
+        # A step launched ahead in `launched` queues behind this one: only a copy queued now
+        # leaves these tokens ahead of it (without that, `tolist` waits for nothing more).
+        copy = Download(tokens) if self.launch_ahead else tokens
         self.launched()
-        ids = self._take_tokens(slots, download, dead)
+        ids = self._take_tokens(slots, copy, dead)
         ended = self.matchers.accept(slots, ids)
         share = self.share
         if share is not None and self.spec is not None:
@@ -337,9 +339,11 @@ class StepRunner:
         return tokens, logprobs
 
     @staticmethod
-    def _take_tokens(slots: list[int], download: Download, dead: frozenset[int]) -> list[int]:
+    def _take_tokens(
+        slots: list[int], tokens: Download | torch.Tensor, dead: frozenset[int]
+    ) -> list[int]:
         """The drawn tokens on the host; the dead rows' as SKIPPED_TOKEN."""
-        ids: list[int] = download.tolist()
+        ids: list[int] = tokens.tolist()
         if dead:
             ids = [SKIPPED_TOKEN if s in dead else t for s, t in zip(slots, ids, strict=True)]
         return ids
