@@ -23,7 +23,7 @@ from m3serve.core.step_runner import StepRunner
 from m3serve.model.batch import ForwardBatch
 from m3serve.model.tiny.checkpoint import TinySpec
 from m3serve.runtime.config import ServerArgs
-from m3serve.runtime.messages import SKIPPED_TOKEN, SamplingParams, StepResult
+from m3serve.runtime.messages import SKIPPED_TOKEN, Constraint, SamplingParams, StepResult
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 
@@ -221,5 +221,27 @@ def test_a_step_with_a_logprobs_row_is_not_launched_ahead(
     out = _generate(two_slots, [_req("logprobs", frozenset(), logprobs=True)], overlap=True)
 
     assert out["logprobs"] == greedy
+    assert ahead == []
+    two_slots.scheduler.idle_check()
+
+
+def test_a_step_with_a_grammar_row_is_not_launched_ahead(
+    two_slots: EngineCore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A grammar's mask for a step takes the tokens of the step before, on the host: launched
+    ahead, the step would draw under a stale mask."""
+
+    def constrained(rid: str) -> Req:
+        req = _req(rid, frozenset(), max_new=8)
+        req.sampling.constraint = Constraint("json_object")
+        return req
+
+    serial = _generate(two_slots, [constrained("serial")], overlap=False)["serial"]
+    two_slots.scheduler.cache.reset()
+    _busy_device(monkeypatch)
+    ahead = _launched_ahead(monkeypatch)
+    out = _generate(two_slots, [constrained("overlap")], overlap=True)
+
+    assert out["overlap"] == serial and serial
     assert ahead == []
     two_slots.scheduler.idle_check()
