@@ -32,6 +32,9 @@ class _Captured:
     graph: torch.cuda.CUDAGraph
     batch: ForwardBatch  # the static input buffers
     logits: torch.Tensor  # [bs, vocab] fp32, written by replay
+    # Rows from here on hold padding (all of them at capture): a step resets only the rows a
+    # bigger step before it left, so a steady batch queues no padding writes at all.
+    padded_from: int = 0
 
 
 class DecodeGraphs:
@@ -87,7 +90,7 @@ class DecodeGraphs:
         rows = len(batch.seq_lens)
         bs = next(size for size in self.sizes if size >= rows)
         captured = self.graphs[bs]
-        self._load(captured.batch, batch, rows)
+        self._load(captured, batch, rows)
         captured.graph.replay()
         return captured.logits[:rows]
 
@@ -112,23 +115,32 @@ class DecodeGraphs:
             extend_starts=torch.arange(bs + 1, dtype=torch.int32, device=device),
             max_extend=1,
         )
-        batch.page_table[:, 0] = self.scratch_page
+        self._pad(batch, 0, bs)
         return batch
 
-    def _load(self, static: ForwardBatch, batch: ForwardBatch, rows: int) -> None:
+    def _load(self, captured: _Captured, batch: ForwardBatch, rows: int) -> None:
         """Copy a step into the static buffers; rows past `rows` become scratch-page padding."""
+        static = captured.batch
         width = batch.page_table.shape[1]
         static.input_ids[:rows].copy_(batch.input_ids)
         static.positions[:rows].copy_(batch.positions)
         static.out_slots[:rows].copy_(batch.out_slots)
         static.page_table[:rows, :width].copy_(batch.page_table)
-        static.page_table[:rows, width:].fill_(-1)
+        if width < self.max_pages:
+            static.page_table[:rows, width:].fill_(-1)
         assert batch.seq_lens_t is not None
         static.seq_lens_t[:rows].copy_(batch.seq_lens_t)
-        # Padding rows: one token at position 0 of the scratch page.
-        static.input_ids[rows:].zero_()
-        static.positions[rows:].zero_()
-        static.out_slots[rows:].fill_(self.scratch_page * self.kv.page_size)
-        static.page_table[rows:].fill_(-1)
-        static.page_table[rows:, 0] = self.scratch_page
-        static.seq_lens_t[rows:].fill_(1)
+        if rows < captured.padded_from:
+            self._pad(static, rows, captured.padded_from)
+        captured.padded_from = rows
+
+    def _pad(self, static: ForwardBatch, start: int, end: int) -> None:
+        """Rows [start, end) become padding: one token at position 0 of the scratch page (its
+        KV write lands there, never in a request's page)."""
+        static.input_ids[start:end].zero_()
+        static.positions[start:end].zero_()
+        static.out_slots[start:end].fill_(self.scratch_page * self.kv.page_size)
+        static.page_table[start:end].fill_(-1)
+        static.page_table[start:end, 0] = self.scratch_page
+        assert static.seq_lens_t is not None
+        static.seq_lens_t[start:end].fill_(1)
