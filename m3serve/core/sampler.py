@@ -266,29 +266,23 @@ class Sampler:
         self, logits: torch.Tensor, slots: list[int], params: list[SamplingParams]
     ) -> torch.Tensor:
         assert self._device_draw is not None
-        floats, ints = upload_many(
+        # One copy up, each knob its own contiguous view in the dtype the kernel takes (no
+        # column copies or casts on the device: each was a kernel launch a step).
+        temperature, top_k, top_p, min_p, seeds, steps = upload_many(
             [
-                ([[p.temperature, p.top_p, p.min_p] for p in params], torch.float32),
-                (
-                    [
-                        [p.top_k if p.top_k > 0 else 0, self._seeds[s], self._steps[s]]
-                        for p, s in zip(params, slots, strict=True)
-                    ],
-                    torch.int64,
-                ),
+                ([p.temperature for p in params], torch.float32),
+                ([max(p.top_k, 0) for p in params], torch.int32),
+                ([p.top_p for p in params], torch.float32),
+                ([p.min_p for p in params], torch.float32),
+                ([self._seeds[s] for s in slots], torch.int64),
+                ([self._steps[s] for s in slots], torch.int64),
             ],
             self.device,
         )
         for slot in slots:
             self._steps[slot] += 1
         return self._device_draw(
-            logits.contiguous(),
-            floats[:, 0].contiguous(),
-            ints[:, 0].to(torch.int32),
-            floats[:, 1].contiguous(),
-            floats[:, 2].contiguous(),
-            ints[:, 1].contiguous(),
-            ints[:, 2].contiguous(),
+            logits.contiguous(), temperature, top_k, top_p, min_p, seeds, steps
         )
 
     def _race_noise(self, probs: torch.Tensor, slots: list[int]) -> torch.Tensor:

@@ -230,6 +230,33 @@ def test_empty_batch() -> None:
 # ------------------------------------------------------------------------------------ CUDA
 
 
+def test_the_device_draw_gets_each_knob_in_its_own_dtype_and_offsets_that_advance() -> None:
+    """The kernel's contract (kernels/triton/sampling.py `sample`): temperature, top_p, min_p
+    float32, top_k int32 (0: off), seeds and offsets int64, each [B] contiguous; a row's offset
+    is its draw count. Recorded here from a CPU sampler with the kernel swapped for a probe."""
+    sampler = new_sampler()
+    calls: list[tuple[torch.Tensor, ...]] = []
+
+    def probe(logits: torch.Tensor, *knobs: torch.Tensor) -> torch.Tensor:
+        calls.append(knobs)
+        return torch.zeros(logits.shape[0], dtype=torch.int64)
+
+    sampler._device_draw = probe
+    sampler.start(0, params(temperature=0.7, top_k=-1, top_p=0.9, min_p=0.05, seed=5), [1])
+    sampler.start(3, params(temperature=1.2, top_k=40, seed=6), [1])
+    for _ in range(2):
+        sampler.sample(torch.zeros(2, VOCAB), [3, 0])
+    temperature, top_k, top_p, min_p, seeds, offsets = calls[-1]
+    dtypes = [t.dtype for t in calls[-1]]
+    assert dtypes == [torch.float32, torch.int32, torch.float32, torch.float32] + [torch.int64] * 2
+    assert all(t.is_contiguous() and t.shape == (2,) for t in calls[-1])
+    assert temperature.tolist() == pytest.approx([1.2, 0.7])
+    assert top_k.tolist() == [40, 0] and top_p.tolist() == pytest.approx([1.0, 0.9])
+    assert min_p.tolist() == pytest.approx([0.0, 0.05])
+    assert calls[0][4].tolist() == seeds.tolist()  # a request's stream: the same seed
+    assert calls[0][5].tolist() == [0, 0] and offsets.tolist() == [1, 1]
+
+
 @CUDA_ONLY
 def test_cuda_matches_the_contract_without_syncs() -> None:
     device = torch.device("cuda")
