@@ -233,11 +233,14 @@ class StepRunner:
         parallelism only rank 0 has an executor that does."""
         if self.spec is not None:
             return
-        seqs, _ = self._rows(plan.seqs)
-        if seqs:
-            self._prepared = (plan.step, [s.slot for s in seqs], self._build(seqs))
-            if self._launches_ahead(plan):
-                self._launch_ahead(plan)
+        seqs, dead = self._rows(plan.seqs)
+        if not seqs:
+            return
+        batch = self._build(seqs)
+        if self._launches_ahead(plan):
+            self._launch_ahead(plan, seqs, dead, batch)
+        else:
+            self._prepared = (plan.step, [s.slot for s in seqs], batch)
 
     def _launches_ahead(self, plan: StepPlan) -> bool:
         """Whether `plan`'s kernels can be queued before the CPU has the tokens of the step in
@@ -265,16 +268,15 @@ class StepRunner:
                 return False
         return bool(sampled)
 
-    def _launch_ahead(self, plan: StepPlan) -> None:
-        """Queue `plan`'s forward and draw behind the step in flight (its batch just built)."""
+    def _launch_ahead(
+        self, plan: StepPlan, seqs: list[SeqStep], dead: frozenset[int], batch: ForwardBatch
+    ) -> None:
+        """Queue `plan`'s forward and draw behind the step in flight (`seqs`, `dead`: its rows
+        as `_rows` gives them; `batch`: built from them). No images: `_launches_ahead`."""
         self._start_new_requests(plan)
-        seqs, dead = self._rows(plan.seqs)
-        batch = self._take_prepared(plan.step, seqs)
-        if batch is None:
-            batch = self._build(seqs)
         sampled = [seq.slot for seq in plan.seqs if seq.sample]
         slots = [seq.slot for seq in seqs if seq.sample]
-        logits = self.logits(self._with_media(plan, seqs, batch), len(slots) == len(seqs))
+        logits = self.logits(batch, len(slots) == len(seqs))
         tokens, logprobs = self._queue_draw(logits, slots)
         decoding = {seq.slot for seq in seqs if seq.input_ids is None}
         self._ahead = _Ahead(plan, sampled, slots, decoding, set(dead), Download(tokens), logprobs)
@@ -284,8 +286,7 @@ class StepRunner:
         self.build_seconds = 0.0
         self.launched()
         ids = self._take_tokens(ahead.slots, ahead.tokens, frozenset(ahead.dead))
-        ended = self.matchers.accept(ahead.slots, ids)
-        self._note_ended(ahead.slots, ids, ended)
+        ids, ended = self._settle(ahead.slots, ids)
         return _result(ahead.plan.step, ahead.sampled, ahead.slots, ids, ahead.logprobs, ended)
 
     def _build(self, seqs: list[SeqStep]) -> ForwardBatch:
@@ -313,7 +314,12 @@ class StepRunner:
         # leaves these tokens ahead of it (without that, `tolist` waits for nothing more).
         copy = Download(tokens) if self.launch_ahead else tokens
         self.launched()
-        ids = self._take_tokens(slots, copy, dead)
+        ids, ended = self._settle(slots, self._take_tokens(slots, copy, dead))
+        return ids, logprobs, ended
+
+    def _settle(self, slots: list[int], ids: list[int]) -> tuple[list[int], list[bool]]:
+        """The rows' tokens, on the host, taken by their grammars and stop ids: the tokens
+        (rank 0's under --tp with speculation) and whether each row's grammar ended."""
         ended = self.matchers.accept(slots, ids)
         share = self.share
         if share is not None and self.spec is not None:
@@ -322,7 +328,7 @@ class StepRunner:
             index = upload(slots, torch.int64, self.device)
             self.last_tokens[index] = upload(ids, torch.int64, self.device)
         self._note_ended(slots, ids, ended)
-        return ids, logprobs, ended
+        return ids, ended
 
     def _queue_draw(
         self, logits: torch.Tensor, slots: list[int]
