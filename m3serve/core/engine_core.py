@@ -56,7 +56,7 @@ from m3serve.core.engine_start import (
     storage_tier,
     warm_up,
 )
-from m3serve.core.executor import Executor
+from m3serve.core.executor import Executor, launches_ahead
 from m3serve.core.hicache.storage_tier import ActorLink
 from m3serve.core.hicache.tier import HostTier, rank_pool_opener
 from m3serve.core.matchers import GrammarMatchers
@@ -238,10 +238,9 @@ class EngineCore(StepLoop):
         if self.spec is not None:
             self.scheduler.spec_draft = self.spec.settings.block_size
         # ------------------------------------------------------------------ executor
-        ahead = args.sched.launch_ahead
-        self.executor = Executor(
-            self.run, self.prepare, hold=self.device.type != "cpu", wait_for_plans=ahead
-        )
+        hold = self.device.type != "cpu"  # launches are asynchronous
+        ahead = launches_ahead(args.sched.launch_ahead, hold)
+        self.executor = Executor(self.run, self.prepare, hold=hold, wait_for_plans=ahead)
         self.runner.while_device_runs = self.executor.while_device_runs
         self.runner.launch_ahead = ahead
         self._in_flight = None

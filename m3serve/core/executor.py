@@ -11,8 +11,9 @@ While a step's kernels run, this thread does what the next step needs before its
   processes it while the device works and this thread waits without the GIL (handed over at
   once, the loop's work ran while this thread built and launched the next step: both need the
   GIL, and the device sat idle meanwhile). Not on a CPU (`hold`), whose launch is the forward;
-- once the event loop has queued the next step, its batch is built (`prepare`), and with
-  --launch-ahead the step is launched there too where it can be (core/step_runner.py), so that
+- once the event loop has queued the next step, its batch is built (`prepare`), and where
+  steps are launched ahead (`launches_ahead`: by default where launches are asynchronous) the
+  step is launched there too where it can be (core/step_runner.py), so that
   after this step's tokens arrive little or nothing is left; under --tp its plan also goes to
   the follower ranks there, so a step handed to `prepare` runs even if its caller gives up on
   it (the other ranks will run it, and wait for this one at its collectives). With steps
@@ -55,6 +56,14 @@ _POLL_S = 0.0002
 # the event loop plans right after taking the result, or says it planned nothing).
 _PLAN_WAIT_S = 0.005
 SWITCH_INTERVAL_S = 0.0005  # the GIL switch interval where launches are asynchronous (above)
+
+
+def launches_ahead(setting: str, asynchronous: bool) -> bool:
+    """Whether steps are launched ahead (--launch-ahead `setting`: auto, on or off), where
+    launches are `asynchronous` or not. auto: only where they are; a CPU computes a step's
+    forward in its launch, so a step launched ahead there would hold back the result of the
+    step before it by a whole forward."""
+    return setting == "on" or (setting == "auto" and asynchronous)
 
 
 class Executor:

@@ -68,14 +68,13 @@ class SchedArgs:
     max_prefill_tokens: int = option(16384, "token budget of one prefill step")
     max_queued_requests: int = option(4096, "waiting-queue length beyond which requests get 503")
     disable_overlap_schedule: bool = option(False, "run steps strictly one after another")
-    launch_ahead: bool = option(
-        False,
+    launch_ahead: Literal["auto", "on", "off"] = option(
+        "auto",
         "under overlap, queue a step's kernels behind the step in flight before that step's "
         "tokens reach the host, where nothing in the step needs them there (no grammar, "
         "logprobs, images, page loads, speculation or --tp): steps follow each other on the "
-        "device without waiting for a launch, which raises throughput where steps are long "
-        "(large batches), while short steps lose the overlap of the launch with the planning "
-        "(README, Notes: launching ahead)",
+        "device without waiting for a launch. auto: where launches are asynchronous (a GPU; a "
+        "CPU computes a step in its launch) (README, Notes: launching ahead)",
     )
     schedule_policy: Literal["fcfs", "lpm"] = option(
         "fcfs",

@@ -14,7 +14,9 @@ from m3serve.api.sse import event, named_event
 SPLITTERS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
 
 
-@given(st.text(alphabet=st.characters() | st.sampled_from(SPLITTERS)))
+# Text comes from decoding UTF-8 (the detokenizer, request bodies), so it never holds a lone
+# surrogate, which orjson refuses.
+@given(st.text(alphabet=st.characters(codec="utf-8") | st.sampled_from(SPLITTERS)))
 def test_any_text_makes_one_data_line_whose_json_is_the_payload(text: str) -> None:
     payload = {"choices": [{"delta": {"content": text}}]}
     frame = event(payload).decode()

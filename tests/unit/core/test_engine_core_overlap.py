@@ -1,10 +1,11 @@
 """Overlap in the engine core: a step planned before the CPU saw a request's stop token runs that
 request's row dead (its draw discarded), so its output is the one without overlap, and a batch
 built ahead, before the stop token was sampled, is still the one that runs; a step of dead rows
-alone runs no forward. With --launch-ahead a step launched ahead (queued before the step in
-flight gave its tokens back) gives the same tokens, also when a row in it turns dead after its
-launch and its slot goes to a new request; steps whose rows need the host's view of those
-tokens (a grammar) or read the device back (logprobs) are not launched ahead."""
+alone runs no forward. With --launch-ahead on (auto leaves a CPU off) a step launched ahead
+(queued before the step in flight gave its tokens back) gives the same tokens, also when a row
+in it turns dead after its launch and its slot goes to a new request; steps whose rows need the
+host's view of those tokens (a grammar) or read the device back (logprobs) are not launched
+ahead."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def two_slots(tiny_checkpoint: Callable[[TinySpec], Path]) -> Iterator[EngineCor
     path = tiny_checkpoint(M31_SPEC)
     args = ServerArgs.from_kwargs(
         model_path=str(path), device="cpu", dtype="float32", max_total_tokens=2048,
-        max_running_requests=2, launch_ahead=True,
+        max_running_requests=2, launch_ahead="on",
     )  # fmt: skip
     engine = EngineCore(args, path)
     yield engine
@@ -139,7 +140,7 @@ def test_a_batch_built_ahead_runs_although_a_request_in_it_ended_meanwhile(
     greedy, stop, ends_at = _stop_token(core, 3)
 
     _busy_device(monkeypatch)
-    ahead = _launched_ahead(monkeypatch)  # none: --launch-ahead is off by default
+    ahead = _launched_ahead(monkeypatch)  # none: auto launches nothing ahead on a CPU
     ran: list[list[int]] = []  # the slots of the decode rows of each forward that ran
     used_ahead: list[bool] = []
     with_media, take = StepRunner._with_media, StepRunner._take_prepared

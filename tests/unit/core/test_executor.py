@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from m3serve.core import executor
-from m3serve.core.executor import SWITCH_INTERVAL_S, Executor
+from m3serve.core.executor import SWITCH_INTERVAL_S, Executor, launches_ahead
 from m3serve.runtime.messages import SeqStep, StepPlan, StepResult
 
 TIMEOUT = 10.0
@@ -226,3 +226,20 @@ def test_a_step_built_ahead_runs_although_its_caller_gave_up_on_it(steps: Steps)
     futures[0].result(TIMEOUT)
     steps.executor.close()
     assert steps.prepared == [1] and ran == [1]
+
+
+@pytest.mark.parametrize(
+    ("setting", "asynchronous", "expected"),
+    [
+        ("auto", True, True),
+        ("auto", False, False),
+        ("on", False, True),
+        ("on", True, True),
+        ("off", True, False),
+        ("off", False, False),
+    ],
+)
+def test_auto_launches_ahead_only_where_launches_are_asynchronous(
+    setting: str, asynchronous: bool, expected: bool
+) -> None:
+    assert launches_ahead(setting, asynchronous) is expected
