@@ -56,7 +56,7 @@ LINE = re.compile(
     r"\(plan ([\d.]+) \+ process ([\d.]+)\) run=([\d.]+)ms"
     r"(?: idle=([\d.]+)ms lag=([\d.]+)ms)?(?: launch=([\d.]+)ms)?"
     r"(?: gc=([\d.]+)ms(?:\(full ([\d.]+)\))?)?(?: budget=(\d+))?(?: build=([\d.]+)ms)?"
-    r"(?: cpu=([\d.]+)ms)?(?: preempted=(\d+))?"
+    r"(?: cpu=([\d.]+)ms)?(?: preempted=(\d+))?(?: device=([\d.]+)ms)?"
 )
 
 
@@ -85,6 +85,7 @@ class Step(NamedTuple):
     build_ms: float = 0.0  # the launch's share building the batch (`build=`; 0: built ahead)
     launch_cpu_ms: float = 0.0  # the executor thread's CPU time in the launch (`cpu=`)
     preempted: int = 0  # the OS's involuntary switches away from it in the run (`preempted=`)
+    device_ms: float = 0.0  # its kernels' device time (`device=`; 0: not logged)
 
 
 class Pause(NamedTuple):
@@ -119,8 +120,10 @@ def read_trace(path: Path) -> tuple[list[Step], list[Pause]]:
         idle, lag, launch, gc_ms, full, build, cpu = optional
         budget = int(m[15]) if m[15] else 0
         preempted = int(m[18]) if m[18] else 0
+        device = float(m[19]) if m[19] else 0.0
         head = (_stamp(m[1]), int(m[2]), m[3], int(m[4]), int(m[5]), *numbers)
-        rows.append(Step(*head, gc_ms, budget, idle, lag, launch, full, build, cpu, preempted))
+        tail = (gc_ms, budget, idle, lag, launch, full, build, cpu, preempted, device)
+        rows.append(Step(*head, *tail))
     return rows, pauses
 
 
@@ -223,11 +226,14 @@ def chunk_costs(rows: list[Step]) -> dict[tuple[int, int], list[Step]]:
 
 
 def _cost_cell(label: str, group: list[Step]) -> str:
-    """Median run ms and count, and the median launch where the trace logged it."""
+    """Median run ms and count, and the median launch and device ms where the trace logged
+    them."""
     run = statistics.median(r.run_ms for r in group)
     launches = [r.launch_ms for r in group if r.launch_ms]
     launch = f", launch {statistics.median(launches):.2f}" if launches else ""
-    return f"{label}{run:.2f} (n {len(group)}{launch})"
+    devices = [r.device_ms for r in group if r.device_ms]
+    device = f", device {statistics.median(devices):.2f}" if devices else ""
+    return f"{label}{run:.2f} (n {len(group)}{launch}{device})"
 
 
 def _print_chunk_costs(rows: list[Step]) -> None:
@@ -295,6 +301,7 @@ def main() -> None:
             f"process {med['process_ms']:4.2f})  run {med['run_ms']:6.2f} ms (p99 {p99:6.2f})  "
             f"idle {med['idle_ms']:4.2f} lag {med['lag_ms']:4.2f}"
             + (f" launch {med['launch_ms']:4.2f}" if med["launch_ms"] else "")
+            + (f" device {med['device_ms']:5.2f}" if med["device_ms"] else "")
             + (f" (built in it: n {len(built)}, {statistics.median(built):.2f})" if built else "")
             + (f"  gc {paused:.1f} ms in all" if paused else "")
             + (f" ({full:.1f} in full collections)" if full else "")
@@ -315,6 +322,7 @@ def main() -> None:
                 + (f"  budget {step.budget}" if step.budget else "")
                 + (launch if step.launch_ms else "")
                 + (f"  preempted {step.preempted}" if step.preempted else "")
+                + (f"  device {step.device_ms:.2f}" if step.device_ms else "")
             )
     if args.itl:
         _print_token_gaps(rows)

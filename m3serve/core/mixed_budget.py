@@ -6,7 +6,8 @@ without the overlap loop; served steps differ (contexts of every length, the che
 sampling, the next batch built while the device runs). On the H200 a 4-layer slice's start-up
 measure gave a decode step of 16 rows 2.21 ms where served ones ran 1.99 ms, and so a budget of
 384 prompt tokens whose mixed steps ran 2.76 decode steps, not 2.5: the inter-token p99 went to
-3.3x its median. So each served step's run time is fed back:
+3.3x its median. So each served step's time is fed back (on a GPU its kernels' device time,
+core/device_clock.py: the run's wall time reads a step launched ahead short):
 * pure decode steps keep a running mean of the decode step per batch bucket (from the start-up
   measure on; a slow step counts as at most 1.2x the mean), and a bucket's decode step is the
   least of its own and bigger buckets' (a bucket decoding alone rarely keeps its start-up time);

@@ -37,7 +37,7 @@ class StepLoop:
     runner: StepRunner
     executor: Executor
     trace: StepTrace
-    served_budget: MixedBudget | None = None  # the mixed-step budget, fed each run time
+    served_budget: MixedBudget | None = None  # the mixed-step budget, fed each step's time
     plans: PlanChannel | None  # rank 0 of a tensor-parallel group: the followers' plans
     _sent: int | None = None  # the step whose plan went to the followers last
     _in_flight: Launched | None  # the step launched and not yet processed (overlap)
@@ -138,11 +138,21 @@ class StepLoop:
         launch = launched - started if launched else 0.0
         launch_cpu = self.runner.launched_cpu - cpu if launched else 0.0
         preempted = thread_usage()[1] - switches
+        device = self.runner.device_seconds
         self.trace.ran(
-            plan.step, seconds, compiles, launch, self.runner.build_seconds, launch_cpu, preempted
+            plan.step,
+            seconds,
+            compiles,
+            launch,
+            self.runner.build_seconds,
+            launch_cpu,
+            preempted,
+            device or 0.0,
         )
         if self.served_budget is not None:
-            _feed(self.served_budget, plan, seconds)
+            # The step's device time where known: a step launched ahead may have run in part
+            # before its run began (core/device_clock.py).
+            _feed(self.served_budget, plan, seconds if device is None else device)
         return result
 
     def _send(self, plan: StepPlan) -> None:

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from m3serve.core.device_clock import DeviceSpan, start_span
 from m3serve.core.graphs import DecodeGraphs
 from m3serve.core.hicache.copier import LayerLoad
 from m3serve.core.hicache.tier import HostTier
@@ -123,11 +124,16 @@ class StepRunner:
         # Seconds the last step spent building its batch itself (0: `prepare` had built it
         # ahead, while the step before ran): part of its launch, the step trace's `build=`.
         self.build_seconds = 0.0
+        # The device time of the last sampled step's kernels, from its first to its draw
+        # (core/device_clock.py; None: a CPU, or not known), and the span of the step running.
+        self.device_seconds: float | None = None
+        self._span: DeviceSpan | None = None
 
     @torch.inference_mode()
     def run(self, plan: StepPlan, layers: Sequence[int] | None = None) -> StepResult:
         """One forward over the plan's tokens (only `layers`, for the warm-up), and a sampled
         token for each seq that asks."""
+        self.device_seconds, self._span = None, None
         ahead = self._ahead
         if ahead is not None and ahead.plan is plan and layers is None:
             self._ahead = None
@@ -198,6 +204,7 @@ class StepRunner:
             started = time.perf_counter()
             batch = self._build(seqs)
             self.build_seconds = time.perf_counter() - started
+        self._span = start_span(self.device)
         batch = self._with_media(plan, seqs, batch)
         if spec is not None:
             return spec.run(plan.step, seqs, batch, self, sampled, load, layers)
@@ -276,16 +283,21 @@ class StepRunner:
         self._start_new_requests(plan)
         sampled = [seq.slot for seq in plan.seqs if seq.sample]
         slots = [seq.slot for seq in seqs if seq.sample]
+        span = start_span(self.device)
         logits = self.logits(batch, len(slots) == len(seqs))
         tokens, logprobs = self._queue_draw(logits, slots)
+        if span is not None:
+            span.stop()
         decoding = {seq.slot for seq in seqs if seq.input_ids is None}
-        self._ahead = _Ahead(plan, sampled, slots, decoding, set(dead), Download(tokens), logprobs)
+        download = Download(tokens)
+        self._ahead = _Ahead(plan, sampled, slots, decoding, set(dead), download, logprobs, span)
 
     def _finish_ahead(self, ahead: _Ahead) -> StepResult:
         """The run of a step launched ahead: its tokens, once they are in."""
         self.build_seconds = 0.0
         self.launched()
         ids = self._take_tokens(ahead.slots, ahead.tokens, frozenset(ahead.dead))
+        self.device_seconds = ahead.span.seconds() if ahead.span is not None else None
         ids, ended = self._settle(ahead.slots, ids)
         return _result(ahead.plan.step, ahead.sampled, ahead.slots, ids, ahead.logprobs, ended)
 
@@ -310,11 +322,15 @@ class StepRunner:
         have ended: their rows are drawn (under --tp rank 0 shares every row's token) and come
         back as SKIPPED_TOKEN."""
         tokens, logprobs = self._queue_draw(logits, slots)
+        span = self._span
+        if span is not None:
+            span.stop()
         # A step launched ahead in `launched` queues behind this one: only a copy queued now
         # leaves these tokens ahead of it (without that, `tolist` waits for nothing more).
         copy = Download(tokens) if self.launch_ahead else tokens
         self.launched()
         ids, ended = self._settle(slots, self._take_tokens(slots, copy, dead))
+        self.device_seconds = span.seconds() if span is not None else None
         return ids, logprobs, ended
 
     def _settle(self, slots: list[int], ids: list[int]) -> tuple[list[int], list[bool]]:
@@ -481,3 +497,4 @@ class _Ahead:
     dead: set[int]
     tokens: Download
     logprobs: list[TokenLogprob | None]
+    span: DeviceSpan | None  # its kernels' device time (core/device_clock.py)

@@ -12,7 +12,8 @@ device; and `build=`, the part of that launch spent building the step's batch, w
 built ahead while the step before ran; `cpu=`, the executor thread's CPU time in that launch (far
 below `launch=`: the thread could not run, waiting for the GIL or for a CPU), and `preempted=`,
 how often the OS took the CPU from it during the run while it could have gone on (a CPU-starved
-engine, not a GIL-bound one).
+engine, not a GIL-bound one); on a GPU, `device=`, its kernels' device time from the first to the
+draw (core/device_clock.py: a step launched ahead may have run in part before its run began).
 `CompileCounter` sees those compilations through Triton's post-compile hook; a step that compiled
 anything is logged as a warning whether or not the trace is on, since that stall is what a
 server must never do after it reported ready. With the trace on, `GcPauses` adds the garbage
@@ -213,6 +214,9 @@ class StepRecord:
     # The executor thread's CPU time in the launch, and the times the OS preempted it in the run.
     launch_cpu_ms: float = 0.0
     preempted: int = 0
+    # Its kernels' device time, from the first to the draw (core/device_clock.py; 0: not known,
+    # a CPU): with steps launched ahead, part of a step may run before its run began.
+    device_ms: float = 0.0
     finished_at: float = 0.0  # perf_counter() when the run ended
 
     @property
@@ -234,11 +238,13 @@ class StepRecord:
         build = f" build={self.build_ms:.2f}ms" if self.build_ms >= 0.005 else ""
         cpu = f" cpu={self.launch_cpu_ms:.2f}ms" if self.launch_ms else ""
         preempted = f" preempted={self.preempted}" if self.preempted else ""
+        device = f" device={self.device_ms:.2f}ms" if self.device_ms else ""
         return (
             f"step {self.plan.step} {kind} batch={len(self.plan.seqs)} "
             f"tokens={self.tokens}{loads} host={host:.2f}ms (plan {self.schedule_ms:.2f} + "
             f"process {self.process_ms:.2f}) run={self.run_ms:.2f}ms idle={self.idle_ms:.2f}ms "
-            f"lag={self.lag_ms:.2f}ms{launch}{paused}{budget}{build}{cpu}{preempted}{compiled}"
+            f"lag={self.lag_ms:.2f}ms{launch}{paused}{budget}{build}{cpu}{preempted}{device}"
+            f"{compiled}"
         )
 
 
@@ -284,11 +290,13 @@ class StepTrace:
         build_seconds: float = 0.0,
         launch_cpu_seconds: float = 0.0,
         preempted: int = 0,
+        device_seconds: float = 0.0,
     ) -> None:
         """Called by the executor thread as a run of `seconds` ends, `launch_seconds` of it
         until its kernels were queued (0: not known), `build_seconds` of that building its
         batch (0: built ahead), `launch_cpu_seconds` the thread's CPU time in the launch;
-        `preempted`: the OS's involuntary switches away from the thread during the run."""
+        `preempted`: the OS's involuntary switches away from the thread during the run;
+        `device_seconds`: its kernels' device time (0: not known)."""
         now = time.perf_counter()
         idle = now - seconds - self._last_run_end if self._last_run_end is not None else 0.0
         self._last_run_end = now
@@ -299,6 +307,7 @@ class StepTrace:
             record.build_ms = build_seconds * 1e3
             record.launch_cpu_ms = launch_cpu_seconds * 1e3
             record.preempted = preempted
+            record.device_ms = device_seconds * 1e3
             record.idle_ms = max(idle, 0.0) * 1e3
             record.finished_at = now
             record.compiled = self.compiles.since(compiles_before)

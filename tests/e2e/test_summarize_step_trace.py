@@ -291,10 +291,10 @@ def test_the_slowest_steps_show_their_launch_beside_its_cpu_time_and_preemptions
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A step whose 22 ms launch got 1.5 ms of the executor thread's CPU and was preempted
-    twice: the slowest list says so, next to a normal step's."""
+    twice: the slowest list says so, next to a normal step's, with its device time."""
     records = []
-    for i, (run, launch, cpu, preempted) in enumerate(
-        ((2.0, 1.0, 0.9, 0), (2.0, 1.0, 0.9, 0), (24.0, 22.0, 1.5, 2))
+    for i, (run, launch, cpu, preempted, device) in enumerate(
+        ((2.0, 1.0, 0.9, 0, 1.9), (2.0, 1.0, 0.9, 0, 1.9), (24.0, 22.0, 1.5, 2, 21.5))
     ):
         record = StepRecord(
             StepPlan(step=i + 1, seqs=[SeqStep(None, 10, [0], slot=0)]),
@@ -304,12 +304,14 @@ def test_the_slowest_steps_show_their_launch_beside_its_cpu_time_and_preemptions
             launch_ms=launch,
             launch_cpu_ms=cpu,
             preempted=preempted,
+            device_ms=device,
         )
         records.append((f"16:00:00,{(0, 3, 33)[i]:03d}", record))
     log = _write_log(tmp_path, records)
-    assert [(r.launch_cpu_ms, r.preempted) for r in steps(log)] == [(0.9, 0), (0.9, 0), (1.5, 2)]
+    parsed = [(r.launch_cpu_ms, r.preempted, r.device_ms) for r in steps(log)]
+    assert parsed == [(0.9, 0, 1.9), (0.9, 0, 1.9), (1.5, 2, 21.5)]
     monkeypatch.setattr("sys.argv", ["summarize_step_trace.py", str(log), "--slowest", "1"])
     main()
     out = capsys.readouterr().out.splitlines()
     slowest = out[out.index("--- the 1 longest gaps from the step before") + 1]
-    assert slowest.endswith("launch 22.00 (cpu 1.50)  preempted 2")
+    assert slowest.endswith("launch 22.00 (cpu 1.50)  preempted 2  device 21.50")

@@ -246,3 +246,55 @@ def test_a_step_with_a_grammar_row_is_not_launched_ahead(
     assert out["overlap"] == serial and serial
     assert ahead == []
     two_slots.scheduler.idle_check()
+
+
+SPAN_S = 0.123  # what every fake device span took
+
+
+class _Span:
+    """A step's device span (core/device_clock.py) that took SPAN_S once stopped."""
+
+    def __init__(self) -> None:
+        self.stopped = False
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    def seconds(self) -> float | None:
+        return SPAN_S if self.stopped else None
+
+
+class _Budget:
+    """The mixed-step budget's feed: the ms of each step run."""
+
+    def __init__(self) -> None:
+        self.ms: list[float] = []
+
+    def observe(self, decodes: int, prompt_tokens: int, ms: float) -> None:
+        self.ms.append(ms)
+
+
+def _device_spans(core: EngineCore, monkeypatch: pytest.MonkeyPatch) -> _Budget:
+    """Every step gets a device span as on a GPU, and the budget's feed is recorded."""
+    monkeypatch.setattr(step_runner, "start_span", lambda device: _Span())
+    budget = _Budget()
+    monkeypatch.setattr(core, "served_budget", budget)
+    return budget
+
+
+@pytest.mark.parametrize("launched_ahead", [False, True], ids=["in-run", "ahead"])
+def test_the_mixed_step_budget_is_fed_each_steps_device_time(
+    core: EngineCore, two_slots: EngineCore, launched_ahead: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step launched ahead may have run in part before its run began, so the budget takes
+    its kernels' device span, not the run's wall time, whether launched ahead or in its run."""
+    engine = two_slots if launched_ahead else core
+    _busy_device(monkeypatch)
+    ahead = _launched_ahead(monkeypatch)
+    budget = _device_spans(engine, monkeypatch)
+    _generate(engine, [_req("a", frozenset(), max_new=6)], overlap=True)
+
+    assert bool(ahead) == launched_ahead
+    assert len(budget.ms) == 6  # the prefill, then five decode steps
+    assert budget.ms == [pytest.approx(SPAN_S * 1e3)] * 6
+    engine.scheduler.idle_check()
