@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import M31_SPEC
-from helpers.core_runs import run_to_end
+from helpers.core_runs import CoreRun, run_to_end
 
 from m3serve.core import step_runner
 from m3serve.core.engine_core import EngineCore
@@ -209,6 +209,33 @@ def test_steps_launched_ahead_give_the_serial_tokens(
     skipped = [slot for slot, token in rows if token == SKIPPED_TOKEN]
     assert skipped == [0]
     two_slots.scheduler.idle_check()
+
+
+def test_an_abort_beside_steps_launched_ahead_frees_its_pages_and_slot(
+    two_slots: EngineCore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request aborted while the step after it is already launched ahead (its row live
+    there): the others get their serial tokens, the third one in the freed slot too, and every
+    page comes back."""
+    greedy, _, _ = _stop_token(two_slots, 3)
+    _busy_device(monkeypatch)
+    ahead = _launched_ahead(monkeypatch)
+    reqs = [_req("aborted", frozenset()), _req("running", frozenset()),
+            _req("third", frozenset(), 8)]  # fmt: skip
+
+    def abort(run: CoreRun) -> None:
+        if len(run.outputs["aborted"]) >= 3:
+            two_slots.abort("aborted")
+
+    out = run_to_end(two_slots, reqs, overlap=True, after_step=abort).outputs
+
+    assert ahead
+    assert out["running"] == greedy and out["third"] == greedy[:8]
+    assert 3 <= len(out["aborted"]) < len(greedy)
+    assert out["aborted"] == greedy[: len(out["aborted"])]
+    two_slots.scheduler.idle_check()
+    two_slots.scheduler.cache.reset()
+    assert two_slots.scheduler.pool.num_free == two_slots.scheduler.pool.num_pages
 
 
 def test_a_step_with_a_logprobs_row_is_not_launched_ahead(
