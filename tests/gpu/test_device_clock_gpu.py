@@ -14,27 +14,26 @@ def _matmuls(x: torch.Tensor, n: int) -> None:
         x @ x
 
 
+def _span_of_matmuls(x: torch.Tensor, n: int) -> float:
+    """The device span of `n` matmuls queued now, read once they are done."""
+    span = start_span(x.device)
+    assert span is not None
+    _matmuls(x, n)
+    span.stop()
+    torch.cuda.synchronize()
+    seconds = span.seconds()
+    assert seconds is not None
+    return seconds
+
+
 def test_a_span_queued_behind_other_work_times_only_its_own_kernels() -> None:
-    device = torch.device("cuda")
-    x = torch.randn(4096, 4096, device=device)
+    x = torch.randn(4096, 4096, device="cuda")
     _matmuls(x, 3)
     torch.cuda.synchronize()
-    alone = start_span(device)
-    assert alone is not None
-    _matmuls(x, 10)
-    alone.stop()
-    torch.cuda.synchronize()
-    own = alone.seconds()
-    assert own is not None and own > 0
-
+    own = _span_of_matmuls(x, 10)  # from an idle device
+    assert own > 0
     _matmuls(x, 40)  # queued before the span: not its time
-    behind = start_span(device)
-    assert behind is not None
-    _matmuls(x, 10)
-    behind.stop()
-    torch.cuda.synchronize()
-    queued = behind.seconds()
-    assert queued is not None
+    queued = _span_of_matmuls(x, 10)
     assert queued < 2 * own  # 50 matmuls' time would be ~5x
 
 
