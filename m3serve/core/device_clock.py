@@ -45,3 +45,8 @@ def start_span(device: torch.device) -> DeviceSpan | None:
     if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return None
     return DeviceSpan()
+
+
+def seconds_of(span: DeviceSpan | None) -> float | None:
+    """`span.seconds()`, None without a span."""
+    return span.seconds() if span is not None else None

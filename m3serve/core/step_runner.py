@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from m3serve.core.device_clock import DeviceSpan, start_span
+from m3serve.core.device_clock import DeviceSpan, seconds_of, start_span
 from m3serve.core.graphs import DecodeGraphs
 from m3serve.core.hicache.copier import LayerLoad
 from m3serve.core.hicache.tier import HostTier
@@ -204,7 +204,7 @@ class StepRunner:
             started = time.perf_counter()
             batch = self._build(seqs)
             self.build_seconds = time.perf_counter() - started
-        self._span = start_span(self.device)
+        self._span = start_span(self.device) if sampled else None
         batch = self._with_media(plan, seqs, batch)
         if spec is not None:
             return spec.run(plan.step, seqs, batch, self, sampled, load, layers)
@@ -255,7 +255,7 @@ class StepRunner:
         whose state takes them; penalty counts are kept on the device), and nothing in the step
         waits for the device (logprobs are read back as they are drawn). Plain steps of one
         rank only: no speculation, no page loads, no images."""
-        if not self.launch_ahead or self.spec is not None or self.share is not None:
+        if not self.launch_ahead or self.share is not None:  # (`prepare`: no speculation)
             return False
         if (
             self.media_share is not None
@@ -285,9 +285,7 @@ class StepRunner:
         slots = [seq.slot for seq in seqs if seq.sample]
         span = start_span(self.device)
         logits = self.logits(batch, len(slots) == len(seqs))
-        tokens, logprobs = self._queue_draw(logits, slots)
-        if span is not None:
-            span.stop()
+        tokens, logprobs = self._queue_draw(logits, slots, span)
         decoding = {seq.slot for seq in seqs if seq.input_ids is None}
         download = Download(tokens)
         self._ahead = _Ahead(plan, sampled, slots, decoding, set(dead), download, logprobs, span)
@@ -297,7 +295,7 @@ class StepRunner:
         self.build_seconds = 0.0
         self.launched()
         ids = self._take_tokens(ahead.slots, ahead.tokens, frozenset(ahead.dead))
-        self.device_seconds = ahead.span.seconds() if ahead.span is not None else None
+        self.device_seconds = seconds_of(ahead.span)
         ids, ended = self._settle(ahead.slots, ids)
         return _result(ahead.plan.step, ahead.sampled, ahead.slots, ids, ahead.logprobs, ended)
 
@@ -321,16 +319,13 @@ class StepRunner:
         ended; the slots' device-side last tokens are set to them. The `dead` slots' requests
         have ended: their rows are drawn (under --tp rank 0 shares every row's token) and come
         back as SKIPPED_TOKEN."""
-        tokens, logprobs = self._queue_draw(logits, slots)
-        span = self._span
-        if span is not None:
-            span.stop()
+        tokens, logprobs = self._queue_draw(logits, slots, self._span)
         # A step launched ahead in `launched` queues behind this one: only a copy queued now
         # leaves these tokens ahead of it (without that, `tolist` waits for nothing more).
         copy = Download(tokens) if self.launch_ahead else tokens
         self.launched()
         ids, ended = self._settle(slots, self._take_tokens(slots, copy, dead))
-        self.device_seconds = span.seconds() if span is not None else None
+        self.device_seconds = seconds_of(self._span)
         return ids, logprobs, ended
 
     def _settle(self, slots: list[int], ids: list[int]) -> tuple[list[int], list[bool]]:
@@ -347,9 +342,10 @@ class StepRunner:
         return ids, ended
 
     def _queue_draw(
-        self, logits: torch.Tensor, slots: list[int]
+        self, logits: torch.Tensor, slots: list[int], span: DeviceSpan | None
     ) -> tuple[torch.Tensor, list[TokenLogprob | None]]:
-        """The rows' draw, queued: the tokens on the device, also as the slots' next inputs."""
+        """The rows' draw, queued: the tokens on the device, also as the slots' next inputs;
+        the step's device `span` ends behind it."""
         # After the launch, before the draw: on a GPU this host work overlaps the forward.
         allowed = self.matchers.fill(slots)
         index = upload(slots, torch.int64, self.device)
@@ -358,6 +354,8 @@ class StepRunner:
         if share is not None and self.spec is None:  # rank 0: the followers' next inputs
             share.share_ids(tokens)
         self.last_tokens[index] = tokens
+        if span is not None:
+            span.stop()
         return tokens, logprobs
 
     @staticmethod
