@@ -55,12 +55,14 @@ Paths, chosen from shapes only by `plan_mxfp8` (no autotuning, no runtime search
   tile 64 12-20 % faster (qkv 76.4 -> 61.3 µs), M tile 16 15-47 % slower (it keeps bytes).
   With words the 64-row tiles also won at M tile 64, where the 128-row ones had won with bytes
   (the same day's `--decode-sweep`, M 64: qkv 45.6 µs against 60.8, o_proj 34.9 against 44.4).
-* prefill, M > 64: BLOCK_M 128, BLOCK_N 128, BLOCK_K 64, 8 warps, 3 stages; tiles in groups of 16
-  M tiles (2048 tokens) so the programs running together share their weight tiles through L2.
-  Split-K applies too while the tiles leave SMs idle (e.g. M = 128 on a narrow N). A K step
-  of 64 gives a row 2 scale bytes, a synchronous load; loading them a step ahead into
-  registers (their wait then a whole step after the load) ran 4-10 % slower on the H200
-  (2026-12-05), so they load in the step that uses them.
+* prefill, M > 64: BLOCK_M 128, BLOCK_N 128, BLOCK_K 128, 8 warps, 3 stages, each row's 4
+  scales of a K step as one word; tiles in groups of 16 M tiles (2048 tokens) so the programs
+  running together share their weight tiles through L2. Split-K applies too while the tiles
+  leave SMs idle (e.g. M = 128 on a narrow N). A K step of 64 gave a row 2 scale bytes, a
+  synchronous load in every step (loading them a step ahead ran 4-10 % slower on the H200,
+  2026-12-05); at 128 with words the four projections of a layer took 200 µs instead of 245 at
+  M 80, 191 instead of 220 at M 128 (an H100, 2026-12-06, `--mid-sweep`: a mixed step's or a
+  decode batch's rows past one decode tile), and the tile was faster at every M up to 512.
 * dequantized, M >= DEQUANT_MIN_M and bf16 x (the served model's dtype): one memory-bound kernel
   writes W as bf16 into a scratch buffer (exact, as above), then cuBLAS multiplies. Converting
   in the MMA kernel's registers costs every M tile the whole conversion again and keeps that
@@ -209,15 +211,15 @@ def plan_mxfp8(
         chosen = DecodeTiles(*decode_tiles) if decode_tiles else _DECODE_TILES[block_m]
         block_n, block_k, warps, stages, per_sm, words = chosen
     else:
-        block_m, block_n, block_k, warps, stages = 128, 128, 64, 8, 3
-        per_sm = _PREFILL_PROGRAMS_PER_SM
+        block_m, block_n, block_k, warps, stages = 128, 128, 128, 8, 3
+        per_sm, words = _PREFILL_PROGRAMS_PER_SM, True
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    split = _split_for(tiles, triton.cdiv(k, block_k), per_sm * num_sms)
+    split = split_for(tiles, triton.cdiv(k, block_k), per_sm * num_sms)
     dequant = m >= dequant_min_m
     return Mxfp8Plan(block_m, block_n, block_k, split, warps, stages, False, dequant, words)
 
 
-def _split_for(tiles: int, k_steps: int, target: int) -> int:
+def split_for(tiles: int, k_steps: int, target: int) -> int:
     """Programs along K so that `tiles` output tiles make about `target` programs, each split
     streaming at least `_MIN_STEPS_PER_SPLIT` of the `k_steps` K steps (1: no split)."""
     if tiles >= target:

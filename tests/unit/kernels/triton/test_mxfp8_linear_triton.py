@@ -13,6 +13,8 @@ interpreter truncates fp32 -> bf16 instead of rounding) plus 1e-5 of the row's l
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from helpers.devices import DEVICE
@@ -179,6 +181,19 @@ def test_the_m_tile_32_plan_loads_scale_words_and_a_misaligned_scale_tensor_byte
     shifted.copy_(scales)
     got = mxfp8_linear(x.to(DEVICE), codes.to(DEVICE), shifted).cpu()
     assert_matches_reference(got, x, codes, scales)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_prefill_tile_loads_scale_words_at_k_steps_of_128(dtype: torch.dtype) -> None:
+    """Past one decode tile (70 rows) the 128-row tiles step K by 128 and load each row's four
+    scales as one word: two K steps, the second split off, match the reference."""
+    codes, scales = weight(96, 256, seed=25)
+    x = activations(70, 256, dtype, seed=26)
+    p = plan_mxfp8(70, 96, 256, 1)
+    assert (p.block_m, p.block_k, p.scale_words, p.dequant) == (128, 128, True, False)
+    assert_matches_reference(run(x, codes, scales, p), x, codes, scales)
+    split = dataclasses.replace(p, split_k=2)
+    assert_matches_reference(run(x, codes, scales, split), x, codes, scales)
 
 
 # ------------------------------------------------------------------------------ edge scales
