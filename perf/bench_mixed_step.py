@@ -13,11 +13,15 @@ the other layers (hopper, `kernels/triton/launches.py`), mixed steps are also ti
 layer launched through Triton (`no-replay host ms`): the replay's saving, in the same run.
 
     python perf/bench_mixed_step.py --model-path DIR [--batches 1 16 64] [--chunks 128 512 1024]
-        [--context 1024] [--top 12]
+        [--context 1024] [--top 12] [--traces]
 
 `--top N` prints the N ops with the most device time (CPU time on a CPU) of the mixed step of
-the middle batch and the smallest chunk, and on a GPU also the N with the most host time. JSON
-goes to $OUT/bench_mixed_step.json when $OUT is set, else perf/results/ (or --out).
+the middle batch and the smallest chunk, and on a GPU also the N with the most host time, then
+its kernels' device time beside the pure decode step's of that batch, by kernel name (where the
+mixed step's fixed part goes; kernels launched with programmatic dependent launch count the
+time they wait on their predecessor too). `--traces` writes both steps' profiler traces
+(chrome://tracing JSON) beside the JSON. JSON goes to $OUT/bench_mixed_step.json when $OUT is
+set, else perf/results/ (or --out).
 """
 
 from __future__ import annotations
@@ -95,6 +99,32 @@ def profiled(runner: StepRunner, seqs: list[SeqStep], sync: Any) -> tuple[float,
     return busy, len(kernels), prof
 
 
+def kernel_us(prof: Any) -> dict[str, tuple[float, int]]:
+    """Device µs and launches per kernel name of one profiled step."""
+    totals: dict[str, tuple[float, int]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            us, n = totals.get(e.name, (0.0, 0))
+            totals[e.name] = (us + e.time_range.elapsed_us(), n + 1)
+    return totals
+
+
+def print_kernel_diff(decode: Any, mixed: Any, top: int) -> None:
+    """The `top` kernels whose device time differs most between the two steps."""
+    a, b = kernel_us(decode), kernel_us(mixed)
+    names = sorted(
+        a.keys() | b.keys(), key=lambda n: -abs(b.get(n, (0, 0))[0] - a.get(n, (0, 0))[0])
+    )
+    print(f"{'kernel':<48} {'decode us':>10} {'n':>4} {'mixed us':>10} {'n':>4} {'delta':>9}")
+    for name in names[:top]:
+        (du, dn), (mu, mn) = a.get(name, (0.0, 0)), b.get(name, (0.0, 0))
+        print(f"{name[:48]:<48} {du:10.1f} {dn:4d} {mu:10.1f} {mn:4d} {mu - du:+9.1f}")
+    total_a = sum(us for us, _ in a.values())
+    total_b = sum(us for us, _ in b.values())
+    delta = total_b - total_a
+    print(f"{'all kernels':<48} {total_a:10.1f} {'':>4} {total_b:10.1f} {'':>4} {delta:+9.1f}")
+
+
 def host_ms(run: Callable[[], None], sync: Callable[[], None], repeats: int = 3) -> float:
     """The fastest of `repeats` times until `run` returns, each from an idle device: the host
     part of a step (a mixed step returns once its kernels are queued; a decode step waits for
@@ -132,7 +162,10 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--traces", action="store_true")
     args = parser.parse_args()
+    out = args.out or Path(os.environ.get("OUT") or Path(__file__).parent / "results")
+    out = out / "bench_mixed_step.json" if out.suffix != ".json" else out
     runner = runner_for(args.model_path, args.batches, max(args.chunks), args.context)
     page, vocab = runner.page_size, runner.model.cfg.vocab_size
     device = runner.device
@@ -143,6 +176,11 @@ def main() -> None:
 
     rows: list[dict[str, Any]] = []
     profiles = {}
+    key = (args.batches[len(args.batches) // 2], min(args.chunks))
+    # Exported as soon as each is profiled: exported after the later steps' profiles, every
+    # kernel came out at 0 µs (an H100, torch 2.11, 2026-12-06).
+    traced = {(key[0], 0): "decode", key: "mixed"} if args.traces else {}
+    out.parent.mkdir(parents=True, exist_ok=True)
     with torch.inference_mode():
         for batch in args.batches:
             for chunk in (0, *args.chunks):
@@ -156,6 +194,9 @@ def main() -> None:
                     )
                 busy, launches, prof = profiled(runner, seqs, sync)
                 profiles[(batch, chunk)] = prof
+                if (batch, chunk) in traced:
+                    trace = out.parent / f"trace_{traced[batch, chunk]}.json"
+                    prof.export_chrome_trace(str(trace))
                 rows.append(
                     {"batch": batch, "chunk": chunk, "wall_ms": wall, "host_ms": host,
                      "host_ms_no_replay": plain, "device_busy_ms": busy, "launches": launches}
@@ -197,7 +238,6 @@ def main() -> None:
         ratio = sorted(r["host_ms"] / r["host_ms_no_replay"] for r in replayed)[len(replayed) // 2]
         print(f"layer replay: a mixed step's host ms {ratio:.2f}x launching every layer (median)")
     if args.top:
-        key = (args.batches[len(args.batches) // 2], min(args.chunks))
         sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
         print(f"== top ops of the mixed step batch {key[0]} + chunk {key[1]}")
         averages = profiles[key].key_averages()
@@ -205,6 +245,8 @@ def main() -> None:
         if device.type == "cuda":  # and where its host time went
             print(f"== top host ops of the mixed step batch {key[0]} + chunk {key[1]}")
             print(averages.table(sort_by="self_cpu_time_total", row_limit=args.top))
+            print(f"== kernels of the mixed step beside the decode step of batch {key[0]}")
+            print_kernel_diff(profiles[(key[0], 0)], profiles[key], args.top)
     result = {
         "benchmark": "bench_mixed_step",
         "model_path": args.model_path,
@@ -214,9 +256,6 @@ def main() -> None:
         "fixed_ms_median": fixed,
         "rows": rows,
     }
-    out = args.out or Path(os.environ.get("OUT") or Path(__file__).parent / "results")
-    out = out / "bench_mixed_step.json" if out.suffix != ".json" else out
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
 

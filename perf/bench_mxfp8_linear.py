@@ -21,10 +21,14 @@ Shapes (N, K) are the model's MXFP8 projections: fused q/k/v/index-q/index-k (98
   measurement behind `_DECODE_TILES`.
 * the MMA tiles against the dequantized path (W to bf16, then cuBLAS), each forced, at the
   `--crossover-ms` sizes: the measurement behind `DEQUANT_MIN_M`.
+* `--mid-sweep`: at the `--mid-ms` sizes past one decode tile (a mixed step's rows: 16-64 decode
+  rows plus a prompt chunk of up to a few hundred tokens), the served plan, each `MID_SWEEP`
+  tile and the dequantized path, each forced; per M the fastest.
 
     python perf/bench_mxfp8_linear.py [--ms 1,8,32,64,128] [--prefill-m 2048]
         [--crossover-ms 64,96,128,...] [--shapes qkv_index,o_proj,...] [--gemv-sweep]
-        [--decode-sweep [--sweep-ms 4,8,16,32,64]] [--out PATH]
+        [--decode-sweep [--sweep-ms 4,8,16,32,64]] [--mid-sweep [--mid-ms 80,96,...]]
+        [--out PATH]
 
 (`--ms '' --prefill-m 0 --crossover-ms ''` leaves only the sweeps.)
 
@@ -50,7 +54,7 @@ from gpu_timing import graph_us, read_bandwidth
 from result_json import write_result
 
 from m3serve.kernels.quant import dequant_mxfp8, quant_mxfp8
-from m3serve.kernels.triton.mxfp8_linear import Mxfp8Plan, mxfp8_linear, plan_mxfp8
+from m3serve.kernels.triton.mxfp8_linear import Mxfp8Plan, mxfp8_linear, plan_mxfp8, split_for
 
 SHAPES = {
     "qkv_index": (9856, 6144),
@@ -213,6 +217,48 @@ def _sweep_plans(m: int, n: int, k: int, sms: int) -> list[Mxfp8Plan]:
     return plans
 
 
+# Tiles the mid sweep times: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, programs per SM below
+# which K is split, scales as one word a row).
+MID_SWEEP = (
+    (128, 128, 64, 8, 3, 1, False),  # the prefill tile before 2026-12-06
+    (128, 128, 64, 8, 4, 1, False),
+    (128, 128, 128, 8, 3, 1, True),  # the served prefill tile
+    (128, 64, 128, 4, 4, 2, True),
+    (128, 64, 128, 8, 4, 1, True),
+    (64, 64, 128, 4, 4, 2, True),  # the served decode tile at M 64, over several M tiles
+    (64, 128, 128, 8, 3, 1, True),
+    (64, 128, 64, 4, 4, 2, False),
+)
+MID_SWEEP_MS = (80, 96, 128, 160, 192, 256, 320, 384, 448, 512)
+
+
+def mid_sweep(name: str, ms: tuple[int, ...]) -> list[dict[str, float | int | str]]:
+    """The served plan, each `MID_SWEEP` tile and the dequantized path at each of `ms`."""
+    n, k = SHAPES[name]
+    weight = Weight(n, k, copies_for(n * k * 33 // 32), 1)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows: list[dict[str, float | int | str]] = []
+    print(f"\nmid-M tiles on {name} ({n} x {k}): µs")
+    for m in ms:
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        outs = [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for _ in weight.codes]
+        plans = {"served": plan_mxfp8(m, n, k, sms)}
+        plans["dequant"] = plan_mxfp8(m, n, k, sms, dequant_min_m=0)
+        for bm, bn, bk, warps, stages, per_sm, words in MID_SWEEP:
+            tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+            split = split_for(tiles, triton.cdiv(k, bk), per_sm * sms)
+            label = f"m{bm} n{bn} k{bk} w{warps} s{stages} p{per_sm}{' words' if words else ''}"
+            plans[label] = Mxfp8Plan(bm, bn, bk, split, warps, stages, scale_words=words)
+        timed = {label: graph_us(_calls(x, weight, outs, plan)) for label, plan in plans.items()}
+        best = min(timed, key=timed.__getitem__)
+        rows += [{"shape": name, "m": m, "plan": label, "us": us} for label, us in timed.items()]
+        print(
+            f"  M {m:4d} served {timed['served']:7.1f}  dequant {timed['dequant']:7.1f}  "
+            f"best {timed[best]:7.1f} ({best})"
+        )
+    return rows
+
+
 def crossover(name: str, weight: Weight, ms: list[int]) -> list[dict[str, float | int | str]]:
     """The MMA tiles and the dequantized path, each forced, at each M (graph replay)."""
     n, k = SHAPES[name]
@@ -251,6 +297,8 @@ def main() -> None:
     parser.add_argument("--gemv-sweep", action="store_true")
     parser.add_argument("--decode-sweep", action="store_true")
     parser.add_argument("--sweep-ms", default=",".join(map(str, DECODE_SWEEP_MS)))
+    parser.add_argument("--mid-sweep", action="store_true")
+    parser.add_argument("--mid-ms", default=",".join(map(str, MID_SWEEP_MS)))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     ms = [int(m) for m in args.ms.split(",") if m]
@@ -266,6 +314,10 @@ def main() -> None:
     if args.decode_sweep:
         sweep_ms = tuple(int(m) for m in args.sweep_ms.split(","))
         tiles = [r for name in shapes for r in decode_sweep(name, bandwidth, sweep_ms)]
+    mids = []
+    if args.mid_sweep:
+        mid_ms = tuple(int(m) for m in args.mid_ms.split(","))
+        mids = [r for name in shapes for r in mid_sweep(name, mid_ms)]
     print("\ndecode (CUDA-graph replay; GB/s of weight bytes = codes + scales)")
     print(
         f"{'shape':>15} {'N':>6} {'K':>6} {'M':>4} {'bm':>4} {'split':>5} {'µs':>8} {'GB/s':>7} "
@@ -324,6 +376,7 @@ def main() -> None:
         "prefill": prefill,
         "gemv_sweep": sweep,
         "decode_sweep": tiles,
+        "mid_sweep": mids,
         "crossover": cross,
     }
     write_result(result, "bench_mxfp8_linear.json", args.out)

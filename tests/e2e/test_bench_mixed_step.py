@@ -8,8 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
-from bench_mixed_step import host_ms_without_replay
+import torch
+from bench_mixed_step import host_ms_without_replay, kernel_us, print_kernel_diff
 
 from m3serve.kernels.triton.launches import LayerCalls
 from m3serve.model.tiny.default import default_model_path
@@ -22,7 +24,7 @@ def test_a_cpu_run_writes_a_row_per_batch_and_chunk(tmp_path: Path) -> None:
     command = [
         sys.executable, "perf/bench_mixed_step.py", "--model-path", str(default_model_path()),
         "--batches", "1", "3", "--chunks", "8", "16", "--context", "12", "--top", "3",
-        "--out", str(out),
+        "--out", str(out), "--traces",
     ]  # fmt: skip
     run = subprocess.run(
         command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False
@@ -38,6 +40,31 @@ def test_a_cpu_run_writes_a_row_per_batch_and_chunk(tmp_path: Path) -> None:
     # The reference backend replays no layer launches: no ablation column to fill.
     assert all(r["host_ms_no_replay"] is None for r in report["rows"])
     assert "fixed cost per mixed step" in run.stdout and "top ops" in run.stdout
+    for name in ("decode", "mixed"):  # the middle batch's two steps, for chrome://tracing
+        events = json.loads((tmp_path / f"trace_{name}.json").read_text())["traceEvents"]
+        assert any(e.get("dur", 0) > 0 for e in events)  # timed, not cleared by a later profile
+
+
+def test_the_kernel_diff_sums_each_kernels_time_per_step(capsys: Any) -> None:
+    def prof(*kernels: tuple[str, float]) -> SimpleNamespace:
+        cuda = torch.autograd.DeviceType.CUDA
+        events = [
+            SimpleNamespace(
+                name=name, device_type=cuda, time_range=SimpleNamespace(elapsed_us=lambda us=us: us)
+            )
+            for name, us in kernels
+        ]
+        cpu = SimpleNamespace(name="aten::mm", device_type=torch.autograd.DeviceType.CPU)
+        return SimpleNamespace(events=lambda: [*events, cpu])
+
+    decode = prof(("gemm", 10.0), ("gemm", 10.0), ("norm", 2.0))
+    mixed = prof(("gemm", 15.0), ("gemm", 15.0), ("norm", 2.0), ("attn_prefill", 7.0))
+    assert kernel_us(mixed) == {"gemm": (30.0, 2), "norm": (2.0, 1), "attn_prefill": (7.0, 1)}
+    print_kernel_diff(decode, mixed, top=2)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split() == ["gemm", "20.0", "2", "30.0", "2", "+10.0"]  # the biggest first
+    assert lines[2].split() == ["attn_prefill", "0.0", "0", "7.0", "1", "+7.0"]
+    assert lines[-1].split()[-1] == "+17.0"  # every kernel, not only the top ones
 
 
 def test_the_no_replay_ablation_launches_every_layer_then_replays_again() -> None:
