@@ -228,6 +228,13 @@ MID_SWEEP = (
     (64, 64, 128, 4, 4, 2, True),  # the served decode tile at M 64, over several M tiles
     (64, 128, 128, 8, 3, 1, True),
     (64, 128, 64, 4, 4, 2, False),
+    # 256 rows a program: each weight tile is dequantized in registers once per 256 rows, not
+    # per 128 (the 128-row tile's time grows with its M tiles: the conversion bounds it). On an
+    # H100 (2026-12-06) they lost to the dequantized path at every M from 160 to 512.
+    (256, 64, 128, 4, 2, 1, True),
+    (256, 64, 128, 8, 3, 1, True),
+    (256, 128, 64, 8, 3, 1, False),
+    (256, 128, 128, 8, 2, 1, True),
 )
 MID_SWEEP_MS = (80, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 
@@ -249,7 +256,18 @@ def mid_sweep(name: str, ms: tuple[int, ...]) -> list[dict[str, float | int | st
             split = split_for(tiles, triton.cdiv(k, bk), per_sm * sms)
             label = f"m{bm} n{bn} k{bk} w{warps} s{stages} p{per_sm}{' words' if words else ''}"
             plans[label] = Mxfp8Plan(bm, bn, bk, split, warps, stages, scale_words=words)
-        timed = {label: graph_us(_calls(x, weight, outs, plan)) for label, plan in plans.items()}
+        reference = mxfp8_linear(x, weight.codes[0], weight.scales[0], plan=plans["dequant"])
+        timed: dict[str, float] = {}
+        for label, plan in plans.items():
+            try:
+                got = mxfp8_linear(x, weight.codes[0], weight.scales[0], plan=plan)
+                diff = float((got.float() - reference.float()).norm() / reference.float().norm())
+                if diff > 1e-2:
+                    raise ValueError(f"relative difference {diff:.2e} from the dequantized path")
+                timed[label] = graph_us(_calls(x, weight, outs, plan))
+            except Exception as err:  # e.g. a tile past the SM's shared memory: not a choice
+                print(f"  M {m:4d} {label}: {type(err).__name__}: {str(err)[:80]}")
+                timed[label] = float("inf")
         best = min(timed, key=timed.__getitem__)
         rows += [{"shape": name, "m": m, "plan": label, "us": us} for label, us in timed.items()]
         print(
