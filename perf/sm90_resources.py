@@ -97,8 +97,8 @@ def mxfp8_decode(args: argparse.Namespace) -> None:
             scales = ("scale words" if words else "scale bytes") + (" (served)" * (words == served))
             label = f"mxfp8 decode M tile {block_m}, {scales}"
             report(label, mxfp8_mma_kernel, MXFP8_TYPES, consts, warps, args, stages)
-    # The prefill tiles (M 65-128 with bf16 x): their one synchronous load is the scales (2 bytes
-    # a row per K step of 64).
+    # The prefill tiles (M 65-128 with bf16 x): K steps of 128, each row's scales one word (at K
+    # steps of 64, 2 bytes a row were their one synchronous load).
     p = plan_mxfp8(128, 6144, 6144, 132)
     tile = {"BLOCK_M": p.block_m, "BLOCK_N": p.block_n, "BLOCK_K": p.block_k}
     consts = {**common, **tile, "SCALE_WORDS": p.scale_words}
