@@ -131,17 +131,29 @@ def point(
     return row
 
 
+def sweep_weight(name: str) -> tuple[int, int, Weight, int]:
+    """(N, K, the shape's weight copies, the SM count) for a sweep on one shape."""
+    n, k = SHAPES[name]
+    weight = Weight(n, k, copies_for(n * k * 33 // 32), 1)
+    return n, k, weight, torch.cuda.get_device_properties(0).multi_processor_count
+
+
+def operands(m: int, weight: Weight) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Random bf16 activations of `m` rows and an output per weight copy."""
+    n, k = weight.codes[0].shape
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    return x, [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for _ in weight.codes]
+
+
 def gemv_sweep(name: str, bandwidth: float) -> list[dict[str, float | int | str]]:
     """The GEMV kernel's tile choices on one shape at M 1 and 2 (graph replay). Narrow row
     tiles are in the grid because the programs' count against the SMs' slots matters: the
     model's N = 6144 projections give 768 programs of 8 rows."""
-    n, k = SHAPES[name]
-    weight = Weight(n, k, copies_for(n * k * 33 // 32), 1)
+    n, k, weight, _ = sweep_weight(name)
     rows: list[dict[str, float | int | str]] = []
     print(f"\nGEMV tiles on {name} ({n} x {k}): µs (% of read bandwidth)")
     for m in (1, 2):
-        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-        outs = [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for _ in weight.codes]
+        x, outs = operands(m, weight)
         for block_n, block_k, warps, stages in itertools.product((4, 8, 16), (512, 1024), (4, 8),
                                                                  (3, 4)):  # fmt: skip
             plan = Mxfp8Plan(m, block_n, block_k, 1, warps, stages, gemv=True)
@@ -178,14 +190,11 @@ def decode_sweep(
     name: str, bandwidth: float, ms: tuple[int, ...] = DECODE_SWEEP_MS
 ) -> list[dict[str, float | int | str]]:
     """The MMA decode tiles of `DECODE_SWEEP` on one shape at each of `ms` (graph replay)."""
-    n, k = SHAPES[name]
-    weight = Weight(n, k, copies_for(n * k * 33 // 32), 1)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    n, k, weight, sms = sweep_weight(name)
     rows: list[dict[str, float | int | str]] = []
     print(f"\nMMA decode tiles on {name} ({n} x {k}): µs (% of read bandwidth)")
     for m in ms:
-        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-        outs = [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for _ in weight.codes]
+        x, outs = operands(m, weight)
         for plan in _sweep_plans(m, n, k, sms):
             us = graph_us(_calls(x, weight, outs, plan))
             frac = weight.bytes / (us * 1e-6) / bandwidth
@@ -241,14 +250,11 @@ MID_SWEEP_MS = (80, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 
 def mid_sweep(name: str, ms: tuple[int, ...]) -> list[dict[str, float | int | str]]:
     """The served plan, each `MID_SWEEP` tile and the dequantized path at each of `ms`."""
-    n, k = SHAPES[name]
-    weight = Weight(n, k, copies_for(n * k * 33 // 32), 1)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    n, k, weight, sms = sweep_weight(name)
     rows: list[dict[str, float | int | str]] = []
     print(f"\nmid-M tiles on {name} ({n} x {k}): µs")
     for m in ms:
-        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-        outs = [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for _ in weight.codes]
+        x, outs = operands(m, weight)
         plans = {"served": plan_mxfp8(m, n, k, sms)}
         plans["dequant"] = plan_mxfp8(m, n, k, sms, dequant_min_m=0)
         for bm, bn, bk, warps, stages, per_sm, words in MID_SWEEP:
@@ -283,8 +289,7 @@ def crossover(name: str, weight: Weight, ms: list[int]) -> list[dict[str, float 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows: list[dict[str, float | int | str]] = []
     for m in ms:
-        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-        outs = [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for _ in weight.codes]
+        x, outs = operands(m, weight)
         mma = plan_mxfp8(m, n, k, sms, dequant_min_m=1 << 30)
         dq = plan_mxfp8(m, n, k, sms, dequant_min_m=0)
         mma_us = graph_us(_calls(x, weight, outs, mma))
