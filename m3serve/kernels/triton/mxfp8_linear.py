@@ -62,7 +62,8 @@ Paths, chosen from shapes only by `plan_mxfp8` (no autotuning, no runtime search
   synchronous load in every step (loading them a step ahead ran 4-10 % slower on the H200,
   2026-12-05); at 128 with words the four projections of a layer took 200 µs instead of 245 at
   M 80, 191 instead of 220 at M 128 (an H100, 2026-12-06, `--mid-sweep`: a mixed step's or a
-  decode batch's rows past one decode tile), and the tile was faster at every M up to 512.
+  decode batch's rows past one decode tile), and it beat the K-step-64 tile at every M up to
+  512 (bf16 x takes the dequantized path from DEQUANT_MIN_M on, as fast as any tile tried there).
 * dequantized, M >= DEQUANT_MIN_M and bf16 x (the served model's dtype): one memory-bound kernel
   writes W as bf16 into a scratch buffer (exact, as above), then cuBLAS multiplies. Converting
   in the MMA kernel's registers costs every M tile the whole conversion again and keeps that
