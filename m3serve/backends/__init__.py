@@ -27,16 +27,16 @@ MOE_RUNNERS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _reference(device: torch.device, moe_runner: str) -> Backend:
+def _reference(device: torch.device, moe_runner: str, mxfp8_bf16_copy: bool) -> Backend:
     from m3serve.backends.reference import ReferenceBackend
 
-    return ReferenceBackend(device)
+    return ReferenceBackend(device)  # its MXFP8 projections are bf16 already (dequantized at load)
 
 
-def _hopper(device: torch.device, moe_runner: str) -> Backend:
+def _hopper(device: torch.device, moe_runner: str, mxfp8_bf16_copy: bool) -> Backend:
     from m3serve.backends.hopper import HopperBackend
 
-    return HopperBackend(device, moe_runner)
+    return HopperBackend(device, moe_runner, mxfp8_bf16_copy=mxfp8_bf16_copy)
 
 
 def _check_hopper(device: torch.device) -> None:
@@ -46,7 +46,7 @@ def _check_hopper(device: torch.device) -> None:
 
 
 # Names accepted by --backend; those mapped to None are registered but not built in this release.
-_BACKENDS: dict[str, Callable[[torch.device, str], Backend] | None] = {
+_BACKENDS: dict[str, Callable[[torch.device, str, bool], Backend] | None] = {
     "reference": _reference,
     "hopper": _hopper,
     "blackwell": None,
@@ -81,11 +81,14 @@ def check_backend(name: str, device: torch.device, moe_runner: str = "auto") -> 
     return resolved
 
 
-def create_backend(name: str, device: torch.device, moe_runner: str = "auto") -> Backend:
-    return _factory(check_backend(name, device, moe_runner))(device, moe_runner)
+def create_backend(
+    name: str, device: torch.device, moe_runner: str = "auto", mxfp8_bf16_copy: bool = False
+) -> Backend:
+    """The backend `name` resolves to on `device`; `mxfp8_bf16_copy`: `--mxfp8-bf16-copy`."""
+    return _factory(check_backend(name, device, moe_runner))(device, moe_runner, mxfp8_bf16_copy)
 
 
-def _factory(name: str) -> Callable[[torch.device, str], Backend]:
+def _factory(name: str) -> Callable[[torch.device, str, bool], Backend]:
     if name not in _BACKENDS:
         choices = ", ".join(BACKEND_NAMES)
         raise BackendUnavailable(f"unknown backend {name!r} (choose from {choices})")

@@ -111,7 +111,10 @@ class EngineCore(StepLoop):
                 self.ranks = join_ranks(rank, self.device)
             parallel = Parallel(self.ranks, args.parallel.ep_size)
             self.backend = create_backend(
-                args.backend.backend, self.device, args.kernel.moe_runner_backend
+                args.backend.backend,
+                self.device,
+                args.kernel.moe_runner_backend,
+                args.kernel.mxfp8_bf16_copy,
             )
             # Progress goes to the server's log: the engine process has no terminal. Only rank
             # 0 encodes images (the followers take its features: core/ranks.py MediaShare).

@@ -35,6 +35,10 @@ class Linear(nn.Module):
             )
             blocks = in_features // MXFP8_BLOCK
             self.weight_scale = weight(out_features, blocks, dtype=torch.uint8, device=device)
+            # A bf16 copy of W a backend may add after loading (`--mxfp8-bf16-copy`): a buffer,
+            # so that the weights' byte count holds it.
+            self.weight_bf16: torch.Tensor | None
+            self.register_buffer("weight_bf16", None, persistent=False)
         else:
             self.weight = weight(out_features, in_features, dtype=dtype, device=device)
 
@@ -42,7 +46,7 @@ class Linear(nn.Module):
     def data(self) -> LinearWeight:
         """What the backend's `linear` reads."""
         if self.fmt == "MXFP8":
-            return Mxfp8Weight(self.weight, self.weight_scale)
+            return Mxfp8Weight(self.weight, self.weight_scale, self.weight_bf16)
         return self.weight
 
 

@@ -28,6 +28,8 @@ class Mxfp8Weight:
 
     codes: Tensor  # [N, K] float8_e4m3fn
     scales: Tensor  # [N, K // 32] uint8, E8M0 exponents
+    # W in bf16 as well (`--mxfp8-bf16-copy`), for the rows that would dequantize it per call.
+    bf16: Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -342,6 +342,12 @@ class KernelArgs:
         "what runs the routed experts: auto, triton (W4A16 NVFP4 fused MoE; hopper) or torch "
         "(dense experts, NVFP4 dequantized at load)",
     )
+    mxfp8_bf16_copy: bool = option(
+        False,
+        "also hold each MXFP8 projection as bf16 (2 more bytes a weight) for steps of 129 or "
+        "more rows (prefills, mixed steps), which then multiply it without dequantizing it "
+        "first; decode keeps reading the MXFP8 codes (hopper backend)",
+    )
     monokernel_backend: str | None = option(None, "persistent decode kernel backend")
     disable_attn_tp_gather: bool = option(False, "attention TP gather off (MonoKernel)")
     prefill_decode_interval: int | None = option(None, "decode steps between prefill batches")

@@ -30,6 +30,7 @@ from m3serve.model.backend import HeadInputs
 from m3serve.model.batch import ForwardBatch
 from m3serve.model.ffn import Experts
 from m3serve.model.kv_cache import LayerKV
+from m3serve.model.params import Linear
 from m3serve.model.weights import ExpertWeights, LinearWeight, Mxfp8Weight, Nvfp4Experts
 
 A = TypeVar("A")
@@ -59,10 +60,14 @@ class HopperBackend(ReferenceBackend):
     capturable = True
 
     def __init__(
-        self, device: torch.device, moe_runner: str = "auto", interpreter: bool = False
+        self,
+        device: torch.device,
+        moe_runner: str = "auto",
+        interpreter: bool = False,
+        mxfp8_bf16_copy: bool = False,
     ) -> None:
         """`interpreter`: run the kernels on CPU tensors in Triton's interpreter (tests), with
-        the side-stream work run in line."""
+        the side-stream work run in line. `mxfp8_bf16_copy`: `--mxfp8-bf16-copy`."""
         if not interpreter:
             check_hopper(device)
         from m3serve.kernels.triton import (
@@ -92,19 +97,26 @@ class HopperBackend(ReferenceBackend):
         self.weight_formats = frozenset({"MXFP8", *experts})
         self._side = None if interpreter else torch.cuda.Stream(device)
         self.layer_calls = LayerCalls()
+        self.mxfp8_bf16_copy = mxfp8_bf16_copy
 
     def prepare_weights(self, model: torch.nn.Module) -> None:
         """NVFP4 experts are held row-tiled (`m3serve.kernels.nvfp4_tiles`): a K step of the MoE
-        kernels then reads 2 KB runs instead of a 64-byte piece of every row."""
+        kernels then reads 2 KB runs instead of a 64-byte piece of every row. With
+        `--mxfp8-bf16-copy` each MXFP8 projection also gets its bf16 copy, made on the device
+        one projection at a time (no dequantized model on the host)."""
         for module in model.modules():
             if isinstance(module, Experts):
                 module.tile_rows_()
+            if self.mxfp8_bf16_copy and isinstance(module, Linear) and module.fmt == "MXFP8":
+                module.weight_bf16 = self._mxfp8.dequant_mxfp8_bf16(
+                    module.weight, module.weight_scale
+                )
 
     def linear(
         self, x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         if isinstance(weight, Mxfp8Weight):
-            y = self._mxfp8.mxfp8_linear(x, weight.codes, weight.scales)
+            y = self._mxfp8.mxfp8_linear(x, weight.codes, weight.scales, bf16=weight.bf16)
             return y if bias is None else y + bias
         return torch.nn.functional.linear(x, weight, bias)  # the bias in cuBLAS's epilogue
 

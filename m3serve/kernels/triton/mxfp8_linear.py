@@ -71,6 +71,8 @@ Paths, chosen from shapes only by `plan_mxfp8` (no autotuning, no runtime search
   weight once per call, which the GEMM's own work hides from this M on (perf/bench_mxfp8_linear.py
   measures both paths). The scratch comes from the caching allocator (the graph pool under
   capture) and is at most the largest projection in bf16. Other x dtypes keep the MMA tiles.
+  With `--mxfp8-bf16-copy` the model holds that bf16 W beside the codes (2 bytes a weight more,
+  dequantized once at load) and this path is cuBLAS alone.
 
 Compiled variants: one per (tile config: the 3 decode buckets + prefill, and GEMV at M padded to
 1 or 2) x (direct store or split partials) x x dtype, times EVEN_K (K % BLOCK_K == 0, true for
@@ -297,6 +299,7 @@ def mxfp8_linear(
     out: Tensor | None = None,
     *,
     plan: Mxfp8Plan | None = None,
+    bf16: Tensor | None = None,
 ) -> Tensor:
     """y = x @ W^T for W stored as MXFP8. x [M, K] (bf16, fp16 or fp32), codes [N, K]
     float8_e4m3fn, scales [N, K // 32] uint8 (E8M0). Returns [M, N] in x.dtype (fp32 accumulation).
@@ -305,6 +308,8 @@ def mxfp8_linear(
     `out` [..., N] in x.dtype receives the result (preallocated buffers for CUDA graphs); its
     rows may be strided. `plan` overrides the launch parameters `plan_mxfp8` derives from the
     shapes (tests and tuning); block sizes must be powers of two >= 16, block_k a multiple of 32.
+    `bf16` [N, K]: W in bf16, held beside the codes (`--mxfp8-bf16-copy`); where the plan
+    takes the dequantized path, cuBLAS reads it instead of a per-call dequantization.
     """
     n, k = _check_weight(codes, scales)
     if x.dtype not in _X_TERMS:
@@ -313,6 +318,10 @@ def mxfp8_linear(
         raise ValueError(f"x: expected shape [..., {k}] for codes [{n}, {k}], got {tuple(x.shape)}")
     if x.device != codes.device:
         raise ValueError("x and the weight must be on the same device")
+    if bf16 is not None and (
+        tuple(bf16.shape) != (n, k) or bf16.dtype != torch.bfloat16 or bf16.device != x.device
+    ):
+        raise ValueError(f"bf16: expected W [{n}, {k}] bfloat16 on {x.device}")
     if codes.stride(1) != 1 or scales.stride(1) != 1:
         raise ValueError("codes and scales must be contiguous along K (see prepare_mxfp8)")
     out_shape = (*x.shape[:-1], n)
@@ -335,7 +344,7 @@ def mxfp8_linear(
     p = plan or plan_mxfp8(m, n, k, _num_sms(x))
     _check_plan(p, m)
     if p.dequant and x2.dtype == torch.bfloat16:
-        _dequantized_matmul(x2, codes, scales, out2)
+        _bf16_matmul(x2, dequant_mxfp8_bf16(codes, scales) if bf16 is None else bf16, out2)
         return out
     k_steps = triton.cdiv(k, p.block_k)
     steps_per_split = triton.cdiv(k_steps, max(p.split_k, 1))
@@ -376,8 +385,7 @@ def dequant_mxfp8_bf16(codes: Tensor, scales: Tensor) -> Tensor:
     return w
 
 
-def _dequantized_matmul(x2: Tensor, codes: Tensor, scales: Tensor, out2: Tensor) -> None:
-    w = dequant_mxfp8_bf16(codes, scales)
+def _bf16_matmul(x2: Tensor, w: Tensor, out2: Tensor) -> None:
     if out2.is_contiguous():
         torch.mm(x2, w.t(), out=out2)
     else:  # a column slice of a fused buffer: cuBLAS writes dense rows

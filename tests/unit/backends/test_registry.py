@@ -3,6 +3,8 @@ and the one-line refusals when they cannot run here."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 
@@ -30,3 +32,13 @@ def test_a_moe_runner_this_build_lacks_is_listed_with_the_other_unsupported_sett
     problems = ServerArgs.from_kwargs(moe_runner_backend="flashinfer_cutlass").unsupported()
     assert problems == ["--moe-runner-backend flashinfer_cutlass (auto, triton, torch)"]
     assert ServerArgs.from_kwargs(moe_runner_backend="triton").unsupported() == []
+
+
+def test_the_mxfp8_bf16_copy_flag_reaches_the_kernel_section_and_the_reference_ignores_it() -> None:
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_arguments(parser)
+    args = ServerArgs.from_args(parser.parse_args(["--mxfp8-bf16-copy"]))
+    assert args.kernel.mxfp8_bf16_copy and not ServerArgs().kernel.mxfp8_bf16_copy
+    # The reference backend holds MXFP8 projections dequantized already: nothing to copy.
+    backend = create_backend("reference", CPU, "auto", mxfp8_bf16_copy=True)
+    assert backend.name == "reference" and backend.weight_formats == frozenset()

@@ -12,10 +12,12 @@ import torch
 
 from m3serve.backends.hopper import HopperBackend
 from m3serve.backends.reference import ReferenceBackend, dequant_experts
+from m3serve.kernels.quant import dequant_mxfp8
 from m3serve.model.build import checkpoint_bytes, load_model, weight_bytes
 from m3serve.model.ffn import Experts
+from m3serve.model.params import Linear
 from m3serve.model.tiny.checkpoint import TinySpec, make_tiny
-from m3serve.model.weights import Nvfp4Experts
+from m3serve.model.weights import Mxfp8Weight, Nvfp4Experts
 
 # Wide enough that the quantized projections and experts, not the norms, are most of the bytes.
 SPEC = TinySpec(
@@ -66,3 +68,25 @@ def test_the_hopper_backend_holds_nvfp4_experts_row_tiled_with_the_same_values(
         assert held.tiled and not plain.tiled and held.w13.dim() == 5
         got, want = dequant_experts(held, torch.float32), dequant_experts(plain, torch.float32)
         assert torch.equal(got.w13, want.w13) and torch.equal(got.w2, want.w2)
+
+
+def test_the_bf16_copy_holds_each_mxfp8_projection_dequantized_beside_its_codes(
+    tmp_path: Path,
+) -> None:
+    """`--mxfp8-bf16-copy`: every MXFP8 projection also holds W in bf16 (the exact dequantized
+    values), which the backend's `linear` reads, and the load's byte count includes it."""
+    path = make_tiny(tmp_path / "q", SPEC)
+    plain = load_model(path, HopperBackend(torch.device("cpu"), interpreter=True), "bfloat16")
+    backend = HopperBackend(torch.device("cpu"), interpreter=True, mxfp8_bf16_copy=True)
+    copied = load_model(path, backend, "bfloat16")
+    linears = [m for m in copied.model.modules() if isinstance(m, Linear) and m.fmt == "MXFP8"]
+    assert linears, "the checkpoint has MXFP8 projections"
+    for linear in linears:
+        held = linear.data
+        assert isinstance(held, Mxfp8Weight) and held.bf16 is linear.weight_bf16
+        want = dequant_mxfp8(linear.weight, linear.weight_scale).to(torch.bfloat16)
+        assert held.bf16 is not None and torch.equal(held.bf16, want)
+    extra = sum(2 * m.weight.numel() for m in linears)
+    assert weight_bytes(copied.model) == weight_bytes(plain.model) + extra
+    without = [m.data for m in plain.model.modules() if isinstance(m, Linear) and m.fmt == "MXFP8"]
+    assert all(isinstance(w, Mxfp8Weight) and w.bf16 is None for w in without)

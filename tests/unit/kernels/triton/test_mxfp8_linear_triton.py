@@ -196,6 +196,23 @@ def test_the_prefill_tile_loads_scale_words_at_k_steps_of_128(dtype: torch.dtype
     assert_matches_reference(run(x, codes, scales, split), x, codes, scales)
 
 
+def test_a_held_bf16_copy_replaces_the_per_call_dequantization_bit_for_bit() -> None:
+    """`--mxfp8-bf16-copy`: rows that take the dequantized path multiply the held copy, with the
+    same bits as dequantizing per call; fewer rows keep reading the codes (a copy of zeros
+    there changes nothing)."""
+    codes, scales = weight(96, 256, seed=27)
+    held = dequant_mxfp8_bf16(codes.to(DEVICE), scales.to(DEVICE))
+    x = activations(DEQUANT_MIN_M + 3, 256, torch.bfloat16, seed=28)
+    dev = (x.to(DEVICE), codes.to(DEVICE), scales.to(DEVICE))
+    assert plan_mxfp8(x.shape[0], 96, 256, 1).dequant
+    assert torch.equal(mxfp8_linear(*dev, bf16=held), mxfp8_linear(*dev))
+    zeros = torch.zeros_like(held)
+    small = (dev[0][:70], *dev[1:])
+    assert torch.equal(mxfp8_linear(*small, bf16=zeros), mxfp8_linear(*small))
+    with pytest.raises(ValueError, match="bf16: expected W"):
+        mxfp8_linear(*dev, bf16=held[:, :128])
+
+
 # ------------------------------------------------------------------------------ edge scales
 
 
