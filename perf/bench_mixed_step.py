@@ -13,15 +13,16 @@ the other layers (hopper, `kernels/triton/launches.py`), mixed steps are also ti
 layer launched through Triton (`no-replay host ms`): the replay's saving, in the same run.
 
     python perf/bench_mixed_step.py --model-path DIR [--batches 1 16 64] [--chunks 128 512 1024]
-        [--context 1024] [--top 12] [--traces]
+        [--context 1024] [--top 12] [--traces] [--mxfp8-bf16-copy]
 
 `--top N` prints the N ops with the most device time (CPU time on a CPU) of the mixed step of
 the middle batch and the smallest chunk, and on a GPU also the N with the most host time, then
 its kernels' device time beside the pure decode step's of that batch, by kernel name (where the
 mixed step's fixed part goes; kernels launched with programmatic dependent launch count the
 time they wait on their predecessor too). `--traces` writes both steps' profiler traces
-(chrome://tracing JSON) beside the JSON. JSON goes to $OUT/bench_mixed_step.json when $OUT is
-set, else perf/results/ (or --out).
+(chrome://tracing JSON) beside the JSON. `--mxfp8-bf16-copy` loads the checkpoint as the
+server's flag does (MXFP8 projections also held in bf16). JSON goes to
+$OUT/bench_mixed_step.json when $OUT is set, else perf/results/ (or --out).
 """
 
 from __future__ import annotations
@@ -49,11 +50,13 @@ from m3serve.model.kv_cache import KVCache
 from m3serve.runtime.messages import SeqStep
 
 
-def runner_for(path: str, batches: list[int], chunk: int, context: int) -> StepRunner:
+def runner_for(
+    path: str, batches: list[int], chunk: int, context: int, mxfp8_bf16_copy: bool = False
+) -> StepRunner:
     """The engine's step runner on the checkpoint, its CUDA graphs captured where the backend
     can: KV pages for every decode row and the chunk, plus the graphs' scratch page (the last)."""
     device = resolve_device("auto")
-    backend = create_backend(auto_backend(device), device)
+    backend = create_backend(auto_backend(device), device, mxfp8_bf16_copy=mxfp8_bf16_copy)
     loaded = load_model(path, backend, "auto", progress=False)
     model, cfg = loaded.model, loaded.model.cfg
     page = cfg.page_size
@@ -163,10 +166,13 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--traces", action="store_true")
+    parser.add_argument("--mxfp8-bf16-copy", action="store_true")
     args = parser.parse_args()
     out = args.out or Path(os.environ.get("OUT") or Path(__file__).parent / "results")
     out = out / "bench_mixed_step.json" if out.suffix != ".json" else out
-    runner = runner_for(args.model_path, args.batches, max(args.chunks), args.context)
+    runner = runner_for(
+        args.model_path, args.batches, max(args.chunks), args.context, args.mxfp8_bf16_copy
+    )
     page, vocab = runner.page_size, runner.model.cfg.vocab_size
     device = runner.device
 
@@ -254,6 +260,7 @@ def main() -> None:
         "context": args.context,
         "prefill_ms_per_token": per_token,
         "fixed_ms_median": fixed,
+        "mxfp8_bf16_copy": args.mxfp8_bf16_copy,
         "rows": rows,
     }
     out.write_text(json.dumps(result, indent=2) + "\n")

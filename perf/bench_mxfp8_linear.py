@@ -23,7 +23,8 @@ Shapes (N, K) are the model's MXFP8 projections: fused q/k/v/index-q/index-k (98
   `--crossover-ms` sizes: the measurement behind `DEQUANT_MIN_M`.
 * `--mid-sweep`: at the `--mid-ms` sizes past one decode tile (a mixed step's rows: 16-64 decode
   rows plus a prompt chunk of up to a few hundred tokens), the served plan, each `MID_SWEEP`
-  tile and the dequantized path, each forced; per M the fastest.
+  tile and the dequantized path, each forced; per M the fastest; and the dequantized path on a
+  bf16 W held beside the codes (`--mxfp8-bf16-copy`).
 
     python perf/bench_mxfp8_linear.py [--ms 1,8,32,64,128] [--prefill-m 2048]
         [--crossover-ms 64,96,128,...] [--shapes qkv_index,o_proj,...] [--gemv-sweep]
@@ -134,7 +135,7 @@ def point(
 def sweep_weight(name: str) -> tuple[int, int, Weight, int]:
     """(N, K, the shape's weight copies, the SM count) for a sweep on one shape."""
     n, k = SHAPES[name]
-    weight = Weight(n, k, copies_for(n * k * 33 // 32), 1)
+    weight = Weight(n, k, copies_for(n * k * 33 // 32), copies_for(2 * n * k))
     return n, k, weight, torch.cuda.get_device_properties(0).multi_processor_count
 
 
@@ -275,10 +276,16 @@ def mid_sweep(name: str, ms: tuple[int, ...]) -> list[dict[str, float | int | st
                 print(f"  M {m:4d} {label}: {type(err).__name__}: {str(err)[:80]}")
                 timed[label] = float("inf")
         best = min(timed, key=timed.__getitem__)
+        # `--mxfp8-bf16-copy`: the dequantized path on a bf16 W held beside the codes.
+        held = _calls(x, weight, outs, plans["dequant"], weight.dense)
+        held[0]()
+        if not torch.equal(outs[0], reference):  # W is exact in bf16: the same bits expected
+            print(f"  M {m:4d} bf16 copy: output differs from the per-call dequantization")
+        timed["bf16 copy"] = graph_us(held)
         rows += [{"shape": name, "m": m, "plan": label, "us": us} for label, us in timed.items()]
         print(
             f"  M {m:4d} served {timed['served']:7.1f}  dequant {timed['dequant']:7.1f}  "
-            f"best {timed[best]:7.1f} ({best})"
+            f"best {timed[best]:7.1f} ({best})  bf16 copy {timed['bf16 copy']:7.1f}"
         )
     return rows
 
@@ -303,10 +310,18 @@ def crossover(name: str, weight: Weight, ms: list[int]) -> list[dict[str, float 
 
 
 def _calls(
-    x: torch.Tensor, weight: Weight, outs: list[torch.Tensor], plan: Mxfp8Plan
+    x: torch.Tensor,
+    weight: Weight,
+    outs: list[torch.Tensor],
+    plan: Mxfp8Plan,
+    bf16: list[torch.Tensor] | None = None,
 ) -> list[Callable[[], object]]:
+    """One call per weight copy; `bf16`: W's bf16 copies held beside the codes, in turn."""
+
     def call(i: int) -> Callable[[], object]:
-        return lambda: mxfp8_linear(x, weight.codes[i], weight.scales[i], out=outs[i], plan=plan)
+        held = bf16[i % len(bf16)] if bf16 else None
+        codes, scales = weight.codes[i], weight.scales[i]
+        return lambda: mxfp8_linear(x, codes, scales, out=outs[i], plan=plan, bf16=held)
 
     return [call(i) for i in range(len(outs))]
 
