@@ -200,6 +200,7 @@ _HONOURED = frozenset(
         "cuda_graph_max_bs_prefill",
         "cuda_graph_backend_prefill",
         "moe_runner_backend",
+        "mxfp8_bf16_copy",
         # Speculative decoding: core/spec/settings.py refuses the values it cannot run.
         "speculative_algorithm",
         "speculative_draft_model_path",

@@ -39,6 +39,7 @@ def test_the_mxfp8_bf16_copy_flag_reaches_the_kernel_section_and_the_reference_i
     ServerArgs.add_arguments(parser)
     args = ServerArgs.from_args(parser.parse_args(["--mxfp8-bf16-copy"]))
     assert args.kernel.mxfp8_bf16_copy and not ServerArgs().kernel.mxfp8_bf16_copy
+    assert args.unsupported() == []  # built: not refused at start with the planned flags
     # The reference backend holds MXFP8 projections dequantized already: nothing to copy.
     backend = create_backend("reference", CPU, "auto", mxfp8_bf16_copy=True)
     assert backend.name == "reference" and backend.weight_formats == frozenset()
