@@ -15,4 +15,4 @@ for tag in copy a; do
   bash perf/h200_serve_slice.sh --tag $tag "${extra[@]}" "${levels[@]}" > /tmp/$tag.out 2>&1
   echo "== $tag"; grep -E "ready|^concurrency [0-9]+ |ideal|compile" /tmp/$tag.out | grep -v "^2026" | sort -u
 done
-rm -f $OUT/*serve.log.gz $OUT/tcache.tgz.part*
+rm -f $OUT/*serve.log.gz  # six files and the Triton cache parts: within the eight that come back
