@@ -97,9 +97,8 @@ def profiled(runner: StepRunner, seqs: list[SeqStep], sync: Any) -> tuple[float,
         sync()
     if not on_gpu:
         return float("nan"), 0, prof
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    busy = sum(e.time_range.elapsed_us() for e in kernels) / 1e3
-    return busy, len(kernels), prof
+    kernels = kernel_us(prof).values()
+    return sum(us for us, _ in kernels) / 1e3, sum(n for _, n in kernels), prof
 
 
 def kernel_us(prof: Any) -> dict[str, tuple[float, int]]:

@@ -132,10 +132,11 @@ def point(
     return row
 
 
-def sweep_weight(name: str) -> tuple[int, int, Weight, int]:
-    """(N, K, the shape's weight copies, the SM count) for a sweep on one shape."""
+def sweep_weight(name: str, bf16_reads: bool = False) -> tuple[int, int, Weight, int]:
+    """(N, K, the shape's weight copies, the SM count) for a sweep on one shape; its
+    dequantized W in enough copies to miss L2 only where the sweep reads them (`bf16_reads`)."""
     n, k = SHAPES[name]
-    weight = Weight(n, k, copies_for(n * k * 33 // 32), copies_for(2 * n * k))
+    weight = Weight(n, k, copies_for(n * k * 33 // 32), copies_for(2 * n * k) if bf16_reads else 1)
     return n, k, weight, torch.cuda.get_device_properties(0).multi_processor_count
 
 
@@ -251,7 +252,7 @@ MID_SWEEP_MS = (80, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 
 def mid_sweep(name: str, ms: tuple[int, ...]) -> list[dict[str, float | int | str]]:
     """The served plan, each `MID_SWEEP` tile and the dequantized path at each of `ms`."""
-    n, k, weight, sms = sweep_weight(name)
+    n, k, weight, sms = sweep_weight(name, bf16_reads=True)
     rows: list[dict[str, float | int | str]] = []
     print(f"\nmid-M tiles on {name} ({n} x {k}): µs")
     for m in ms:
