@@ -18,16 +18,6 @@ core/device_clock.py: the run's wall time reads a step launched ahead short):
   0.8x down. So the budget settles on the most whole quanta (`budget_quantum`: 32 tokens) whose
   mixed steps stay within `stretch` decode steps, instead of hovering a quantum above.
 
-While most of a bucket's decoding steps are mixed (a running share of at least `BUSY_SHARE`), the
-median inter-token gap is itself a mixed step and a client's p99/p50 does not see the stretch:
-a step that carried its whole budget then lets it grow by one quantum every `BUSY_EVERY` steps
-even past the stretch, which shares the mixed step's fixed part among more prompt tokens, until
-mixed steps stop being most of them and the stretch takes the budget back. (At 64 streams every
-step is mixed while the budget is below the prompt tokens that arrive a step: on the 12-06 H100
-slice, 296 against a floor of 256. A closed-loop model of that slice, 1184-token prompts and 256
-outputs, in tests/unit/core/test_mixed_budget.py: +3 % output tokens/s at 64 streams, +11 % at
-128, gaps' p99/p50 at most 1.5 there; 16 and 32 streams unchanged.)
-
 The budget never leaves [1/8, 4] x the start-up one nor drops below one quantum, so a prompt
 always advances and one odd step (a garbage collection, a cold cache) moves it by one damped
 step only. `min_tokens` (`--mixed-step-min-tokens`) sets a higher floor: a step's cost is not
@@ -62,11 +52,6 @@ DECODE_CLIP = 1.2
 GROW_BELOW = 0.95
 STEP_UP, STEP_DOWN = 1.25, 0.8  # the most one mixed step moves its bucket's budget
 SCALE_MIN, SCALE_MAX = 0.125, 4.0
-BUSY_SHARE = 0.65  # a bucket's share of mixed steps past which its median gap is a mixed step
-SHARE_EWMA = 0.05  # the weight of one decoding step in that share (about the last 20)
-# Steps between two quanta of growth past the stretch: about half the share's memory, so the
-# share has mostly answered one quantum before the next is taken.
-BUSY_EVERY = 10
 REPORT_S = 30.0  # the least time between two log lines of the budgets
 
 
@@ -81,8 +66,6 @@ class MixedBudget:
         self.sizes = sorted(cost.decode_ms)
         self.decode_ms = dict(cost.decode_ms)  # bucket -> running mean of served decode steps
         self.scale = dict.fromkeys(self.sizes, 1.0)  # bucket -> factor on the start-up budget
-        self.mixed_share = dict.fromkeys(self.sizes, 0.0)  # bucket -> running share of mixed steps
-        self._busy_wait = dict.fromkeys(self.sizes, 0)  # bucket -> steps since it grew when busy
         self._reported = [self(b) for b in self.sizes]
         self._reported_at = 0.0
 
@@ -99,8 +82,6 @@ class MixedBudget:
         if decodes == 0 or ms <= 0:
             return  # a step that decodes nothing stretches no stream
         at = bucket(self.sizes, decodes)
-        self.mixed_share[at] += SHARE_EWMA * ((prompt_tokens > 0) - self.mixed_share[at])
-        self._busy_wait[at] += 1
         if prompt_tokens == 0:
             mean = self.decode_ms[at]
             self.decode_ms[at] += EWMA * (min(ms, DECODE_CLIP * mean) - mean)
@@ -113,16 +94,9 @@ class MixedBudget:
         if prompt_tokens < FULL_SHARE * tokens and ms <= limit:
             return  # a short chunk says nothing about what the budget would cost
         over = limit < ms
-        fits = ms + self.quantum * self.cost.prefill_ms_per_token <= GROW_BELOW * limit
         if over and tokens <= self.floor:
-            # At the floor: a smaller budget is not allowed, so the scale stays put; nor a
-            # bigger one, busy or not: the fixed part alone fills the stretch here, and growing
-            # in a burst of prompts would set the run's p99 gap.
-            return
-        if self.mixed_share[at] >= BUSY_SHARE and prompt_tokens >= FULL_SHARE * tokens and not fits:
-            self._grow_busy(at, decodes)
-            return
-        if over or fits:
+            return  # at the floor: a smaller budget is not allowed, so the scale stays put
+        if over or ms + self.quantum * self.cost.prefill_ms_per_token <= GROW_BELOW * limit:
             # Over the stretch: down; a quantum more would still fit: up. Each by the damped
             # ratio of the prompt work wanted to the work seen, and by a quantum at least: next
             # to the stretch that ratio is near 1, and the budget is whole quanta, so steps of
@@ -136,15 +110,6 @@ class MixedBudget:
             step = min(max(step, STEP_DOWN), STEP_UP)
             self.scale[at] = min(max(self.scale[at] * step, SCALE_MIN), SCALE_MAX)
             self._report()
-
-    def _grow_busy(self, at: int, decodes: int) -> None:
-        """One quantum more for a busy bucket, at most once every BUSY_EVERY steps."""
-        if self._busy_wait[at] < BUSY_EVERY:
-            return
-        self._busy_wait[at] = 0
-        step = (self(decodes) + self.quantum + 0.5) / self._unrounded(decodes)
-        self.scale[at] = min(max(self.scale[at] * step, SCALE_MIN), SCALE_MAX)
-        self._report()
 
     def __str__(self) -> str:
         """The budgets now and the served decode steps they follow, per bucket."""

@@ -10,9 +10,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from m3serve.core import mixed_budget
-from m3serve.core.mixed_budget import BUSY_EVERY, BUSY_SHARE, SCALE_MIN, MixedBudget
-from m3serve.core.step_cost import StepCost, bucket
+from m3serve.core.mixed_budget import SCALE_MIN, MixedBudget
+from m3serve.core.step_cost import StepCost
 from m3serve.core.step_loop import _feed
 from m3serve.runtime.messages import PageCopy, SeqStep, StepPlan
 
@@ -225,78 +224,3 @@ def test_served_steps_settle_on_pages_that_fit_the_stretch_with_one_more_not_fit
     tokens = budget(16)
     assert decode + fixed + per_token * tokens <= limit
     assert decode + fixed + per_token * (tokens + PAGE) > 0.95 * limit
-
-
-def test_while_most_steps_are_mixed_the_budget_grows_a_quantum_every_busy_every_steps() -> None:
-    """Only mixed steps, each carrying the budget inside the stretch but with no room for a
-    quantum more: the stretch alone would hold the budget; once the bucket's mixed share passes
-    BUSY_SHARE (21 steps from none) it grows one quantum every BUSY_EVERY steps."""
-    budget = MixedBudget(START, 2.5, 32)
-    before = budget(64)
-    limit = 2.5 * START.decode_ms[64]
-    for _ in range(21 + 3 * BUSY_EVERY):
-        budget.observe(64, budget(64), 0.98 * limit)
-    assert budget.mixed_share[64] >= BUSY_SHARE
-    assert budget(64) == before + 4 * 32  # at the 21st step, then every BUSY_EVERY
-
-
-def test_a_budget_grown_busy_is_taken_back_once_mixed_steps_are_few() -> None:
-    budget = MixedBudget(START, 2.5, 32)
-    limit = 2.5 * START.decode_ms[64]
-    for _ in range(200):
-        budget.observe(64, budget(64), 0.98 * limit)
-    grown = budget(64)
-    for _ in range(100):  # a decode step between mixed ones, now over the stretch
-        budget.observe(64, 0, START.decode_ms[64])
-        budget.observe(64, budget(64), 1.2 * limit)
-    assert budget.mixed_share[64] < BUSY_SHARE
-    assert budget(64) < grown
-
-
-def closed_loop(streams: int, steps: int = 4000) -> tuple[float, float]:
-    """A closed-loop model of the 12-06 H100 slice: `streams` clients, each a 1184-token prompt
-    then 256 outputs, then the next request; decode steps of 1.51 ms (up to 16 rows) or 2.28
-    (64), mixed ones 0.74 ms + 8.3 us a prompt token more; start-up staggered. Returns the
-    output tokens a ms over the last two thirds and the gaps' p99/p50 (every decode row's gap
-    is its step)."""
-    decode_ms = {16: 1.51, 64: 2.28, 128: 3.2}
-    budget = MixedBudget(StepCost(dict(decode_ms), 0.0083, 0.74), 2.5, 32, min_tokens=256)
-    waiting: list[int] = []  # prompt tokens left, first come first
-    decoding = [1 + (i * 256) // streams for i in range(streams)]  # outputs left
-    gaps: list[float] = []
-    busy_ms = outputs = 0.0
-    for step in range(steps):
-        rows = len(decoding)
-        left = budget(rows)
-        chunk, prefilled = 0, 0
-        while waiting and chunk < left:
-            take = min(waiting[0], left - chunk)
-            chunk += take
-            waiting[0] -= take
-            if waiting[0] == 0:
-                waiting.pop(0)
-                prefilled += 1
-        ms = decode_ms[bucket(sorted(decode_ms), rows)] + (0.74 + 0.0083 * chunk if chunk else 0)
-        budget.observe(rows, chunk, ms)
-        if step >= steps // 3:
-            gaps += [ms] * rows
-            busy_ms += ms
-            outputs += rows
-        decoding = [left - 1 for left in decoding if left > 1] + [256] * prefilled
-        waiting += [1184] * (streams - len(decoding) - len(waiting))
-    gaps.sort()
-    return outputs / busy_ms, gaps[int(0.99 * len(gaps))] / gaps[len(gaps) // 2]
-
-
-@pytest.mark.parametrize("streams", [16, 32, 64, 128])
-def test_growing_busy_buckets_serves_more_where_every_step_is_mixed_and_keeps_the_gaps(
-    streams: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    rate, spread = closed_loop(streams)
-    monkeypatch.setattr(mixed_budget, "BUSY_SHARE", 2.0)  # never busy: the stretch alone
-    plain_rate, plain_spread = closed_loop(streams)
-    if streams <= 32:  # prompts arrive slower than the floor takes them: mixed steps are few
-        assert (rate, spread) == (plain_rate, plain_spread)
-    else:
-        assert rate > 1.02 * plain_rate  # +3 % at 64 streams, +11 % at 128
-        assert spread < 2.0  # 1.4-1.5: the median gap is a mixed step too
