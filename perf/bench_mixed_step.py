@@ -13,15 +13,15 @@ the other layers (hopper, `kernels/triton/launches.py`), mixed steps are also ti
 layer launched through Triton (`no-replay host ms`): the replay's saving, in the same run.
 
     python perf/bench_mixed_step.py --model-path DIR [--batches 1 16 64] [--chunks 128 512 1024]
-        [--context 1024] [--top 12] [--traces] [--mxfp8-bf16-copy]
+        [--context 1024] [--top 12] [--traces] [--no-mxfp8-bf16-copy]
 
 `--top N` prints the N ops with the most device time (CPU time on a CPU) of the mixed step of
 the middle batch and the smallest chunk, and on a GPU also the N with the most host time, then
 its kernels' device time beside the pure decode step's of that batch, by kernel name (where the
 mixed step's fixed part goes; kernels launched with programmatic dependent launch count the
 time they wait on their predecessor too). `--traces` writes both steps' profiler traces
-(chrome://tracing JSON) beside the JSON. `--mxfp8-bf16-copy` loads the checkpoint as the
-server's flag does (MXFP8 projections also held in bf16). JSON goes to
+(chrome://tracing JSON) beside the JSON. The checkpoint loads as the server's does, MXFP8
+projections also held in bf16 unless `--no-mxfp8-bf16-copy`. JSON goes to
 $OUT/bench_mixed_step.json when $OUT is set, else perf/results/ (or --out).
 """
 
@@ -165,7 +165,9 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--traces", action="store_true")
-    parser.add_argument("--mxfp8-bf16-copy", action="store_true")
+    parser.add_argument(
+        "--mxfp8-bf16-copy", action=argparse.BooleanOptionalAction, default=True
+    )  # as the server's flag: held by default
     args = parser.parse_args()
     out = args.out or Path(os.environ.get("OUT") or Path(__file__).parent / "results")
     out = out / "bench_mixed_step.json" if out.suffix != ".json" else out

@@ -82,10 +82,10 @@ def test_hopper_bf16_with_cuda_graphs_stays_with_the_fp32_reference(
 
 
 def test_the_bf16_copy_gives_the_tokens_of_the_per_call_dequantization(path: Path) -> None:
-    """`--mxfp8-bf16-copy`: prefills of 190-270 tokens (past DEQUANT_MIN_M rows, where the
-    projections dequantize W for cuBLAS) multiply the bf16 W held since load instead: the same
-    bits, so the same greedy tokens, with CUDA graphs."""
+    """`--mxfp8-bf16-copy` (the default): prefills of 190-270 tokens (past DEQUANT_MIN_M rows,
+    where without the copy the projections dequantize W for cuBLAS) multiply the bf16 W held
+    since load instead: the same bits, so the same greedy tokens, with CUDA graphs."""
     long = [random_prompt(s, 150 + 40 * s, SPEC.vocab_size - 64) for s in range(1, 4)]
-    plain = engine_outputs(path, long, backend="hopper", dtype="bfloat16")[0]
-    copied = engine_outputs(path, long, backend="hopper", dtype="bfloat16", mxfp8_bf16_copy=True)
+    plain = engine_outputs(path, long, backend="hopper", dtype="bfloat16", mxfp8_bf16_copy=False)
+    copied = engine_outputs(path, long, backend="hopper", dtype="bfloat16")
     assert copied[0] == plain

@@ -37,8 +37,10 @@ def test_a_moe_runner_this_build_lacks_is_listed_with_the_other_unsupported_sett
 def test_the_mxfp8_bf16_copy_flag_reaches_the_kernel_section_and_the_reference_ignores_it() -> None:
     parser = argparse.ArgumentParser()
     ServerArgs.add_arguments(parser)
-    args = ServerArgs.from_args(parser.parse_args(["--mxfp8-bf16-copy"]))
-    assert args.kernel.mxfp8_bf16_copy and not ServerArgs().kernel.mxfp8_bf16_copy
+    args = ServerArgs.from_args(parser.parse_args([]))
+    assert args.kernel.mxfp8_bf16_copy and ServerArgs().kernel.mxfp8_bf16_copy  # the default
+    saving = ServerArgs.from_args(parser.parse_args(["--no-mxfp8-bf16-copy"]))
+    assert not saving.kernel.mxfp8_bf16_copy
     assert args.unsupported() == []  # built: not refused at start with the planned flags
     # The reference backend holds MXFP8 projections dequantized already: nothing to copy.
     backend = create_backend("reference", CPU, "auto", mxfp8_bf16_copy=True)
