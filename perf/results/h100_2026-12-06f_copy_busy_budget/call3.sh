@@ -1,6 +1,6 @@
 #!/bin/bash
-# Stop 48, call 3: the held bf16 copy on by default and read from 65 rows (this tree, with the
-# busy growth): its GPU test, then served at C 16, 64, 128.
+# Stop 48, call 3: the held bf16 copy on by default and read from 65 rows (1101516, the busy
+# growth reverted): its GPU test, then served at C 16, 64, 128.
 nvidia-smi --query-gpu=name --format=csv,noheader
 . perf/device_env.sh > /dev/null
 show() { grep -v "^2026" "$1" | grep -E "ready|^concurrency [0-9]+ |ideal|compile" | sort -u | tail -12; }
