@@ -84,7 +84,9 @@ def check_backend(name: str, device: torch.device, moe_runner: str = "auto") -> 
 def create_backend(
     name: str, device: torch.device, moe_runner: str = "auto", mxfp8_bf16_copy: bool = False
 ) -> Backend:
-    """The backend `name` resolves to on `device`; `mxfp8_bf16_copy`: `--mxfp8-bf16-copy`."""
+    """The backend `name` resolves to on `device`; `mxfp8_bf16_copy`: `--mxfp8-bf16-copy`, on
+    in the server (ServerArgs) but off here, so benchmarks and tests that build a backend hold
+    only the checkpoint's weights unless they ask."""
     return _factory(check_backend(name, device, moe_runner))(device, moe_runner, mxfp8_bf16_copy)
 
 
