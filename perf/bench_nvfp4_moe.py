@@ -16,12 +16,15 @@ activations, top-4 of uniform random scores per token.
   weights dequantized to bf16 once (14.5 GB), for comparison; its output is also the sanity
   check (relative difference of the two, both on identical weight values).
 
-    python perf/bench_nvfp4_moe.py [--tokens 1,2,4,8,16,32,64,128] [--prefill 2048]
-        [--ablations] [--out PATH]
+    python perf/bench_nvfp4_moe.py [--tokens 1,2,4,8,16,32,64,128] [--prefill 2048[,T...]]
+        [--experts 128] [--ablations | --prefill-ablations] [--out PATH]
 
 `--ablations` adds, at T in {1, 8, 32}: the plain-Triton decode (no inline PTX), the other route,
 no PDL, a few tile/stage/warp variants and K splits (`ABLATIONS`); and tile variants of the prefill
-(`PREFILL_ABLATIONS`), to guide tuning of `_plan`.
+(`PREFILL_ABLATIONS`), to guide tuning of `_plan`. `--prefill-ablations`: only the prefill's, at
+each `--prefill` T. `--experts N` routes over N experts instead of the model's 128 (the 4-layer
+serving slice has 8: its mixed steps of 300-600 tokens give 150-300 pairs an expert, a regime
+the real model's prefill reaches only at 5-10K tokens a step); `--tokens ''` skips the decode.
 Prints a table; writes JSON to $OUT/bench_nvfp4_moe.json when $OUT is set, else to
 perf/results/bench_nvfp4_moe.json (or --out).
 """
@@ -44,7 +47,8 @@ from m3serve.kernels.nvfp4_tiles import tile_experts
 from m3serve.kernels.quant import dequant_nvfp4
 from m3serve.kernels.triton.nvfp4_moe import NVFP4MoEConfig, nvfp4_moe
 
-E, H, INTER, TOP_K = 128, 6144, 3072, 4
+H, INTER, TOP_K = 6144, 3072, 4
+E = 128  # the model's routed experts; `--experts` sets it before anything is built
 ALPHA, LIMIT = 1.702, 7.0
 DEV = torch.device("cuda")
 SETS = 4  # routings rotated through in one graph
@@ -250,15 +254,32 @@ PREFILL_ABLATIONS = {
     # 5337.2 against 5109.9; E 8, T 272: 530.4 against 371.5. Not taken.
     "rows256_w16": NVFP4MoEConfig(block_n=256, num_warps=16, max_registers=0),
     "rows256_w8": NVFP4MoEConfig(block_n=256, num_warps=8, max_registers=0),
+    # Blocks of 256 pairs: an expert with 161-256 pairs (the slice's mixed steps; the real
+    # model's prefill steps of 5-10K tokens) decodes its weights once instead of twice. The
+    # activations of a block take 64 KB of shared memory a stage: two stages (sm_90 compile:
+    # 255 registers with the 32-pair tail, 213-244 without, no spill). Measured (H100
+    # 2026-12-06, E 8, µs against the plan's): T 272 535.6 / 371.1, T 414 580.2 / 552.9, T 640
+    # 1018.4 / 846.3; without the tail slower still; served at C 16-128 -6 to -16 % output
+    # tokens/s (perf/results/h100_2026-12-06g_pairs256_copy_test). Not taken.
+    "pairs256": NVFP4MoEConfig(block_m=256, num_stages=2, max_registers=0),
+    "pairs256_no_tail": NVFP4MoEConfig(block_m=256, num_stages=2, tail_m=0, max_registers=0),
+    "pairs256_n64_w4": NVFP4MoEConfig(
+        block_m=256, block_n=64, num_warps=4, num_stages=2, tail_m=0, max_registers=0
+    ),
 }
 
 
-def prefill_ablations(ex: Experts, tokens: int) -> list[dict[str, float | int]]:
-    """Tile variants of the sorted route at one prefill size (graph µs, TFLOP/s)."""
+def prefill_ablations(
+    ex: Experts, tokens: int, names: list[str] | None = None
+) -> list[dict[str, float | int]]:
+    """Tile variants of the sorted route at one prefill size (graph µs, TFLOP/s); `names`:
+    only these (each variant compiles its own kernels)."""
     flops = 2.0 * tokens * TOP_K * (2 * INTER * H + H * INTER)
     group = steps(tokens, 2, seed=tokens)
     rows = []
     for name, cfg in PREFILL_ABLATIONS.items():
+        if names and name not in names:
+            continue
         us = graph_us([moe_call(ex, s, cfg) for s in group], budget_ms=100.0)
         rows.append({"tokens": tokens, "variant": name, "us": us, "tflops": flops / us / 1e6})
     return rows
@@ -278,13 +299,21 @@ def ablations(ex: Experts, tokens: list[int], read_bw: float) -> list[dict[str, 
 
 
 def main() -> None:
+    global E
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default=DECODE_TOKENS)
-    parser.add_argument("--prefill", type=int, default=2048)
+    parser.add_argument("--prefill", default="2048", help="prefill token counts, comma-separated")
+    parser.add_argument("--experts", type=int, default=E)
     parser.add_argument("--no-grouped", action="store_true", help="skip the bf16 grouped-mm path")
     parser.add_argument("--ablations", action="store_true")
+    parser.add_argument("--prefill-ablations", action="store_true")
+    parser.add_argument(
+        "--variants", default="", help="comma-separated PREFILL_ABLATIONS names (default: all)"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    E = args.experts
+    prefills = [int(v) for v in args.prefill.split(",") if int(v) > 0]
     torch.backends.cuda.matmul.allow_tf32 = False
 
     read_bw = read_bandwidth()
@@ -304,7 +333,7 @@ def main() -> None:
         f"{'T':>4} {'pairs':>5} {'experts':>7} {'MB':>8} {'nvfp4 µs':>9} {'GB/s':>7} "
         f"{'%read':>6} {'bf16 grp µs':>11} {'×grp':>6} {'rel diff':>9}"
     )
-    for t in [int(v) for v in args.tokens.split(",")]:
+    for t in [int(v) for v in args.tokens.split(",") if v]:
         r = decode_point(ex, bf16, t, read_bw)
         decode.append(r)
         grouped = (
@@ -320,10 +349,10 @@ def main() -> None:
         )
 
     prefill = []
-    if args.prefill > 0:
-        r = prefill_point(ex, bf16, args.prefill)
+    for tokens in prefills:
+        r = prefill_point(ex, bf16, tokens)
         prefill.append(r)
-        print(f"\nprefill T = {args.prefill} ({r['pairs']} pairs), CUDA-graph replay")
+        print(f"\nprefill T = {tokens} ({r['pairs']} pairs), CUDA-graph replay")
         print(
             f"  nvfp4 {r['nvfp4_us']:9.1f} µs  {r['nvfp4_tflops']:6.1f} TFLOP/s   "
             f"dense bf16 matmul {r['dense_bf16_us']:9.1f} µs  {r['dense_bf16_tflops']:6.1f} "
@@ -345,9 +374,10 @@ def main() -> None:
                 f"  T={r['tokens']:>3} {r['variant']:<15} {r['us']:9.1f} µs "
                 f"{100 * r['read_fraction']:5.1f}%"
             )
-        if args.prefill > 0:
-            print(f"prefill T = {args.prefill} (graph µs / TFLOP/s)")
-            pre = prefill_ablations(ex, args.prefill)
+    if args.ablations or args.prefill_ablations:
+        for tokens in prefills:
+            print(f"prefill T = {tokens}, {E} experts (graph µs / TFLOP/s)")
+            pre = prefill_ablations(ex, tokens, [v for v in args.variants.split(",") if v])
             abl += pre
             for r in pre:
                 print(f"  {r['variant']:<20} {r['us']:9.1f} µs {r['tflops']:6.1f} TFLOP/s")

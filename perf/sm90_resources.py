@@ -35,16 +35,22 @@ from pathlib import Path
 from typing import Any
 
 # The variants `plan_moe` picks at M3.1's widths (K tiles of 128): (label, route, P_PAD,
-# BLOCK_N, BLOCK_M, TAIL_M, K_TILES, warps, register cap or 0).
+# BLOCK_N, BLOCK_M, TAIL_M, K_TILES, warps, register cap or 0, pipeline stages).
 VARIANTS = [
-    ("T1 slots", 0, 32, 64, 16, 0, 2, 4, 0),
-    ("T8 slots", 0, 32, 128, 16, 0, 1, 4, 0),
-    ("T512 sorted", 1, 0, 128, 16, 16, 1, 4, 0),
-    ("T1024 sorted", 1, 0, 64, 32, 16, 1, 4, 0),
-    ("T2048 sorted", 1, 0, 128, 64, 16, 1, 8, 128),
-    ("T2048 sorted, 256 rows", 1, 0, 256, 64, 16, 1, 16, 0),  # rows256_w16: measured, not taken
-    ("prefill sorted", 1, 0, 128, 128, 32, 1, 8, 0),
-    ("prefill sorted, no tail", 1, 0, 128, 128, 0, 1, 8, 0),
+    ("T1 slots", 0, 32, 64, 16, 0, 2, 4, 0, 3),
+    ("T8 slots", 0, 32, 128, 16, 0, 1, 4, 0, 3),
+    ("T512 sorted", 1, 0, 128, 16, 16, 1, 4, 0, 3),
+    ("T1024 sorted", 1, 0, 64, 32, 16, 1, 4, 0, 3),
+    ("T2048 sorted", 1, 0, 128, 64, 16, 1, 8, 128, 3),
+    ("T2048 sorted, 256 rows", 1, 0, 256, 64, 16, 1, 16, 0, 3),  # rows256_w16: not taken
+    ("prefill sorted", 1, 0, 128, 128, 32, 1, 8, 0, 3),
+    ("prefill sorted, no tail", 1, 0, 128, 128, 0, 1, 8, 0, 3),
+    # Blocks of 256 pairs (bench_nvfp4_moe's pairs256*): one decode of an expert's weights for
+    # up to 256 (+ tail) pairs, where blocks of 128 decode them twice past 160: measured
+    # slower (H100 2026-12-06), not taken.
+    ("prefill sorted, 256 pairs", 1, 0, 128, 256, 32, 1, 8, 0, 2),
+    ("prefill sorted, 256 pairs, no tail", 1, 0, 128, 256, 0, 1, 8, 0, 2),
+    ("prefill sorted, 256 pairs, 64 rows", 1, 0, 64, 256, 0, 1, 4, 0, 2),
 ]
 GATE_UP_TYPES = {
     "alpha": "fp32", "limit": "fp32", "x_ptr": "*bf16", "ids_ptr": "*i32", "sorted_ptr": "*i32",
@@ -114,7 +120,7 @@ def nvfp4_moe(args: argparse.Namespace) -> None:
     from m3serve.kernels.triton.nvfp4_moe import kernels
 
     for split in args.splits:
-        for label, route, p_pad, block_n, block_m, tail_m, k_tiles, warps, cap in VARIANTS:
+        for label, route, p_pad, block_n, block_m, tail_m, k_tiles, warps, cap, stages in VARIANTS:
             common = {
                 "P_PAD": p_pad, "E_PAD": 128, "SKIPS": False, "BLOCK_M": block_m,
                 "TAIL_M": tail_m, "K_TILES": k_tiles, "SPLIT_K": split, "DEQUANT": 0,
@@ -125,10 +131,10 @@ def nvfp4_moe(args: argparse.Namespace) -> None:
             name = f"{label} split {split}"
             report(
                 f"gate_up {name}", kernels.gate_up_kernel, GATE_UP_TYPES, gate_up, warps, args,
-                max_registers=cap,
+                stages, max_registers=cap,
             )  # fmt: skip
             report(
-                f"down {name}", kernels.down_kernel, DOWN_TYPES, common, warps, args,
+                f"down {name}", kernels.down_kernel, DOWN_TYPES, common, warps, args, stages,
                 max_registers=cap,
             )  # fmt: skip
         combine = {"TOP_K": 4, "SPLIT_K": split, "BLOCK": 2048, "SKIPS": False, "PDL": True}

@@ -265,6 +265,19 @@ def test_many_pairs_per_expert(route: str) -> None:
     assert_exact(run(ex, x, weights, ids, route), reference(ex, x, weights, ids))
 
 
+@pytest.mark.parametrize("tail_m", [0, 32])
+def test_blocks_of_256_pairs(tail_m: int) -> None:
+    """Sorted blocks of 256 pairs (one decode of an expert's weights for all of them): 3
+    experts over 400 tokens (top-2) give ~267 pairs each, some past 256 (a second block, or
+    the tail)."""
+    ex = Experts(num_experts=3, inter=64, seed=41, hidden=128)
+    x = activations(400, seed=42, hidden=128)
+    weights, ids = routing(400, 3, seed=43)
+    assert torch.bincount(ids.flatten(), minlength=3).max() > 256
+    got = run(ex, x, weights, ids, "sorted", block_m=256, tail_m=tail_m, num_stages=2)
+    assert_exact(got, reference(ex, x, weights, ids))
+
+
 @pytest.mark.parametrize("split_k", [1, 2])
 def test_a_block_takes_the_pairs_of_its_tail_with_the_same_weights(split_k: int) -> None:
     """Sorted blocks of 16 pairs and a 16-pair tail: expert 0 has 20 pairs (a tail of 4),
