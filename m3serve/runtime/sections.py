@@ -345,9 +345,10 @@ class KernelArgs:
     mxfp8_bf16_copy: bool = option(
         True,
         "also hold each MXFP8 projection as bf16 (2 more bytes a weight: ~5 GB a GPU for "
-        "M3.1 at --tp 4) for steps of 129 or more rows (prefills, mixed steps), which then "
-        "multiply it in cuBLAS with no per-call dequantization; smaller steps keep reading the "
-        "MXFP8 codes (hopper backend; --no-mxfp8-bf16-copy saves the memory)",
+        "M3.1 at --tp 4) for steps of 65 or more rows (prefills, mixed steps, big decode "
+        "batches), which then multiply it in cuBLAS with no per-call dequantization; decode "
+        "batches up to 64 keep reading the MXFP8 codes (hopper backend; "
+        "--no-mxfp8-bf16-copy saves the memory)",
     )
     monokernel_backend: str | None = option(None, "persistent decode kernel backend")
     disable_attn_tp_gather: bool = option(False, "attention TP gather off (MonoKernel)")

@@ -72,10 +72,8 @@ Paths, chosen from shapes only by `plan_mxfp8` (no autotuning, no runtime search
   measures both paths). The scratch comes from the caching allocator (the graph pool under
   capture) and is at most the largest projection in bf16. Other x dtypes keep the MMA tiles.
   With `--mxfp8-bf16-copy` (the hopper default) the model holds that bf16 W beside the codes (2
-  bytes a weight more, dequantized once at load) and this path is cuBLAS alone. (From 65 rows
-  cuBLAS on the copy also beats the 128-row tile, 131 µs against 203 for a layer's four
-  projections at M 80 on an H100, 12-06; with the crossover moved there the copy's GPU test
-  failed, cause not yet known, so the copy is read from DEQUANT_MIN_M as the scratch is.)
+  bytes a weight more, dequantized once at load) and this path is cuBLAS alone, taken from
+  COPY_MIN_M (65) on: past the decode tiles nothing is left to amortize.
 
 Compiled variants: one per (tile config: the 3 decode buckets + prefill, and GEMV at M padded to
 1 or 2) x (direct store or split partials) x x dtype, times EVEN_K (K % BLOCK_K == 0, true for
@@ -117,6 +115,11 @@ DECODE_MAX_M = 64
 # Past one 128-row MMA tile, bf16 x takes the dequantized path (W to bf16 once, then cuBLAS):
 # on the H200 it is 1.2-2.1x faster from M 160 on and 0.7-1.1x at M 64-128 (bench_mxfp8_linear).
 DEQUANT_MIN_M = 129
+# With W held in bf16 beside the codes (`--mxfp8-bf16-copy`) there is no conversion left to
+# amortize: cuBLAS reads the copy from the first M past the decode tiles (an H100, 12-06: a
+# layer's four projections 131 µs against 203 for the 128-row tile at M 80, 133 against 193 at
+# 128, 148 against 340 for the per-call dequantization at 256).
+COPY_MIN_M = DECODE_MAX_M + 1
 _DEQUANT_BLOCK_N = 32
 _DEQUANT_BLOCK_K = 256
 # M up to this takes the GEMV kernel (CUDA cores; its cost grows with M, the MMA path's does not).
@@ -311,8 +314,9 @@ def mxfp8_linear(
     `out` [..., N] in x.dtype receives the result (preallocated buffers for CUDA graphs); its
     rows may be strided. `plan` overrides the launch parameters `plan_mxfp8` derives from the
     shapes (tests and tuning); block sizes must be powers of two >= 16, block_k a multiple of 32.
-    `bf16` [N, K]: W in bf16, held beside the codes (`--mxfp8-bf16-copy`); where the plan
-    takes the dequantized path, cuBLAS reads it instead of a per-call dequantization.
+    `bf16` [N, K]: W in bf16, held beside the codes (`--mxfp8-bf16-copy`); bf16 x past the
+    decode tiles (M >= COPY_MIN_M) is then multiplied by cuBLAS on it, with no per-call
+    dequantization (the plan's dequantized path from COPY_MIN_M instead of DEQUANT_MIN_M).
     """
     n, k = _check_weight(codes, scales)
     if x.dtype not in _X_TERMS:
@@ -344,7 +348,8 @@ def mxfp8_linear(
         out.zero_()
         return out
 
-    p = plan or plan_mxfp8(m, n, k, _num_sms(x))
+    min_m = DEQUANT_MIN_M if bf16 is None else COPY_MIN_M
+    p = plan or plan_mxfp8(m, n, k, _num_sms(x), dequant_min_m=min_m)
     _check_plan(p, m)
     if p.dequant and x2.dtype == torch.bfloat16:
         _bf16_matmul(x2, dequant_mxfp8_bf16(codes, scales) if bf16 is None else bf16, out2)

@@ -22,6 +22,7 @@ from helpers.devices import DEVICE
 from m3serve.kernels.linear import mxfp8_linear_reference
 from m3serve.kernels.quant import dequant_mxfp8, quant_mxfp8
 from m3serve.kernels.triton.mxfp8_linear import (
+    COPY_MIN_M,
     DECODE_MAX_M,
     DEQUANT_MIN_M,
     GEMV_MAX_M,
@@ -207,10 +208,24 @@ def test_a_held_bf16_copy_replaces_the_per_call_dequantization_bit_for_bit() -> 
     assert plan_mxfp8(x.shape[0], 96, 256, 1).dequant
     assert torch.equal(mxfp8_linear(*dev, bf16=held), mxfp8_linear(*dev))
     zeros = torch.zeros_like(held)
-    small = (dev[0][: DEQUANT_MIN_M - 1], *dev[1:])
-    assert torch.equal(mxfp8_linear(*small, bf16=zeros), mxfp8_linear(*small))
+    decode = (dev[0][:DECODE_MAX_M], *dev[1:])
+    assert torch.equal(mxfp8_linear(*decode, bf16=zeros), mxfp8_linear(*decode))
     with pytest.raises(ValueError, match="bf16: expected W"):
         mxfp8_linear(*dev, bf16=held[:, :128])
+
+
+def test_a_held_bf16_copy_is_read_from_the_first_row_past_the_decode_tiles() -> None:
+    """Between the decode tiles and DEQUANT_MIN_M the codes take the 128-row MMA tile, but with
+    a copy held cuBLAS reads it (no conversion left to amortize): its bits, not the tile's."""
+    codes, scales = weight(96, 256, seed=29)
+    held = dequant_mxfp8_bf16(codes.to(DEVICE), scales.to(DEVICE))
+    x = activations(COPY_MIN_M, 256, torch.bfloat16, seed=30).to(DEVICE)
+    assert COPY_MIN_M == DECODE_MAX_M + 1 < DEQUANT_MIN_M
+    assert not plan_mxfp8(COPY_MIN_M, 96, 256, 1).dequant  # without a copy: the MMA tile
+    got = mxfp8_linear(x, codes.to(DEVICE), scales.to(DEVICE), bf16=held)
+    assert torch.equal(got, torch.nn.functional.linear(x, held))
+    zeros = torch.zeros_like(held)
+    assert not mxfp8_linear(x, codes.to(DEVICE), scales.to(DEVICE), bf16=zeros).any()
 
 
 # ------------------------------------------------------------------------------ edge scales
