@@ -48,7 +48,7 @@ from m3serve.kernels.quant import dequant_nvfp4
 from m3serve.kernels.triton.nvfp4_moe import NVFP4MoEConfig, nvfp4_moe
 
 H, INTER, TOP_K = 6144, 3072, 4
-E = 128  # the model's routed experts; `--experts` sets it before anything is built
+EXPERTS = 128  # the model's routed experts (`--experts`)
 ALPHA, LIMIT = 1.702, 7.0
 DEV = torch.device("cuda")
 SETS = 4  # routings rotated through in one graph
@@ -75,15 +75,20 @@ class Experts:
     def args(self) -> tuple[torch.Tensor, ...]:
         return self.tiled
 
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
     def bytes_per_expert(self) -> int:
         tensors = (self.w13, self.w13_scale, self.w2, self.w2_scale)
         return sum(t[0].numel() * t.element_size() for t in tensors)
 
     def bf16(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The same weights dequantized to bf16 (exact), [E, 2I, H] and [E, H, I]."""
-        w13 = torch.empty(E, 2 * INTER, H, dtype=torch.bfloat16, device=DEV)
-        w2 = torch.empty(E, H, INTER, dtype=torch.bfloat16, device=DEV)
-        for e in range(E):
+        experts = self.num_experts
+        w13 = torch.empty(experts, 2 * INTER, H, dtype=torch.bfloat16, device=DEV)
+        w2 = torch.empty(experts, H, INTER, dtype=torch.bfloat16, device=DEV)
+        for e in range(experts):
             gate = dequant_nvfp4(
                 self.w13[e, :INTER], self.w13_scale[e, :INTER], self.w13_global[e, 0]
             )
@@ -95,20 +100,20 @@ class Experts:
         return w13, w2
 
 
-def random_experts(seed: int = 0) -> Experts:
+def random_experts(experts: int = EXPERTS, seed: int = 0) -> Experts:
     gen = torch.Generator(device=DEV).manual_seed(seed)
 
     def nvfp4(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-        codes = torch.randint(0, 256, (E, rows, cols // 2), generator=gen, device=DEV)
-        scale = torch.rand(E, rows, cols // 16, generator=gen, device=DEV) * 1.75 + 0.25
+        codes = torch.randint(0, 256, (experts, rows, cols // 2), generator=gen, device=DEV)
+        scale = torch.rand(experts, rows, cols // 16, generator=gen, device=DEV) * 1.75 + 0.25
         return codes.to(torch.uint8), scale.to(torch.float8_e4m3fn)
 
     w13, w13_scale = nvfp4(2 * INTER, H)
     w2, w2_scale = nvfp4(H, INTER)
-    w13_global = (torch.rand(E, 2, generator=gen, device=DEV) + 0.5) * torch.tensor(
+    w13_global = (torch.rand(experts, 2, generator=gen, device=DEV) + 0.5) * torch.tensor(
         [0.012, 0.009], device=DEV
     )
-    w2_global = (torch.rand(E, generator=gen, device=DEV) + 0.5) * 0.002
+    w2_global = (torch.rand(experts, generator=gen, device=DEV) + 0.5) * 0.002
     return Experts(w13, w13_scale, w13_global, w2, w2_scale, w2_global)
 
 
@@ -122,12 +127,12 @@ class Step:
         return int(self.ids.unique().numel())
 
 
-def steps(tokens: int, count: int, seed: int) -> list[Step]:
+def steps(tokens: int, count: int, seed: int, experts: int) -> list[Step]:
     gen = torch.Generator(device=DEV).manual_seed(seed)
     out = []
     for _ in range(count):
         x = torch.randn(tokens, H, generator=gen, device=DEV).to(torch.bfloat16)
-        scores = torch.rand(tokens, E, generator=gen, device=DEV)
+        scores = torch.rand(tokens, experts, generator=gen, device=DEV)
         weights, ids = torch.topk(scores, TOP_K, dim=-1)
         weights = weights / weights.sum(-1, keepdim=True) * 2.0
         out.append(Step(x, weights.float(), ids.to(torch.int32)))
@@ -152,7 +157,7 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def decode_point(
     ex: Experts, bf16: tuple[torch.Tensor, torch.Tensor] | None, tokens: int, read_bw: float
 ) -> dict[str, float | int]:
-    group = steps(tokens, SETS, seed=tokens)
+    group = steps(tokens, SETS, seed=tokens, experts=ex.num_experts)
     distinct = sum(s.distinct() for s in group) / len(group)
     nbytes = distinct * ex.bytes_per_expert()
     row: dict[str, float | int] = {"tokens": tokens, "pairs": tokens * TOP_K}
@@ -190,7 +195,7 @@ def prefill_point(
 ) -> dict[str, float | int]:
     pairs = tokens * TOP_K
     flops = 2.0 * pairs * (2 * INTER * H + H * INTER)
-    group = steps(tokens, 2, seed=tokens)
+    group = steps(tokens, 2, seed=tokens, experts=ex.num_experts)
     row: dict[str, float | int] = {"tokens": tokens, "pairs": pairs, "flops": flops}
     row["nvfp4_us"] = graph_us([moe_call(ex, s) for s in group], budget_ms=100.0)
     row["nvfp4_tflops"] = flops / row["nvfp4_us"] / 1e6
@@ -275,7 +280,7 @@ def prefill_ablations(
     """Tile variants of the sorted route at one prefill size (graph µs, TFLOP/s); `names`:
     only these (each variant compiles its own kernels)."""
     flops = 2.0 * tokens * TOP_K * (2 * INTER * H + H * INTER)
-    group = steps(tokens, 2, seed=tokens)
+    group = steps(tokens, 2, seed=tokens, experts=ex.num_experts)
     rows = []
     for name, cfg in PREFILL_ABLATIONS.items():
         if names and name not in names:
@@ -289,7 +294,7 @@ def ablations(ex: Experts, tokens: list[int], read_bw: float) -> list[dict[str, 
     """Other decodes, routes and tiles at a few sizes (graph µs, fraction of read bandwidth)."""
     rows = []
     for t in tokens:
-        group = steps(t, SETS, seed=t)
+        group = steps(t, SETS, seed=t, experts=ex.num_experts)
         nbytes = sum(s.distinct() for s in group) / len(group) * ex.bytes_per_expert()
         for name, cfg in ABLATIONS.items():
             us = graph_us([moe_call(ex, s, cfg) for s in group])
@@ -299,11 +304,10 @@ def ablations(ex: Experts, tokens: list[int], read_bw: float) -> list[dict[str, 
 
 
 def main() -> None:
-    global E
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default=DECODE_TOKENS)
     parser.add_argument("--prefill", default="2048", help="prefill token counts, comma-separated")
-    parser.add_argument("--experts", type=int, default=E)
+    parser.add_argument("--experts", type=int, default=EXPERTS)
     parser.add_argument("--no-grouped", action="store_true", help="skip the bf16 grouped-mm path")
     parser.add_argument("--ablations", action="store_true")
     parser.add_argument("--prefill-ablations", action="store_true")
@@ -312,7 +316,6 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    E = args.experts
     prefills = [int(v) for v in args.prefill.split(",") if int(v) > 0]
     torch.backends.cuda.matmul.allow_tf32 = False
 
@@ -322,7 +325,7 @@ def main() -> None:
         f"device read-only bandwidth {read_bw / 1e12:.2f} TB/s; "
         f"empty-kernel launch in a graph {launch:.2f} µs"
     )
-    ex = random_experts()
+    ex = random_experts(args.experts)
     use_grouped = not args.no_grouped and grouped_mm_available(DEV, torch.bfloat16)
     bf16 = ex.bf16() if use_grouped else None
     print(f"expert bytes (w13 + w2, packed + scales): {ex.bytes_per_expert() / 1e6:.1f} MB")
@@ -376,7 +379,7 @@ def main() -> None:
             )
     if args.ablations or args.prefill_ablations:
         for tokens in prefills:
-            print(f"prefill T = {tokens}, {E} experts (graph µs / TFLOP/s)")
+            print(f"prefill T = {tokens}, {ex.num_experts} experts (graph µs / TFLOP/s)")
             pre = prefill_ablations(ex, tokens, [v for v in args.variants.split(",") if v])
             abl += pre
             for r in pre:
@@ -387,7 +390,7 @@ def main() -> None:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "python": platform.python_version(),
-        "shapes": {"experts": E, "hidden": H, "intermediate": INTER, "top_k": TOP_K},
+        "shapes": {"experts": ex.num_experts, "hidden": H, "intermediate": INTER, "top_k": TOP_K},
         "read_bandwidth_bytes_per_s": read_bw,
         "empty_kernel_launch_us": launch,
         "expert_bytes": ex.bytes_per_expert(),
