@@ -25,7 +25,12 @@ import torch
 
 from m3serve.kernels.linear import mxfp8_linear_reference
 from m3serve.kernels.quant import dequant_mxfp8, quant_mxfp8
-from m3serve.kernels.triton.mxfp8_linear import Mxfp8Plan, mxfp8_linear, plan_mxfp8
+from m3serve.kernels.triton.mxfp8_linear import (
+    Mxfp8Plan,
+    dequant_mxfp8_bf16,
+    mxfp8_linear,
+    plan_mxfp8,
+)
 
 SHAPES = {
     "qkv_index": (9856, 6144),
@@ -191,31 +196,44 @@ def test_edge_scale_bytes_and_zero_blocks() -> None:
 
 
 @pytest.mark.parametrize(
-    ("shape", "m"),
-    [("shared_gate_up", 1), ("shared_gate_up", 64), ("dense_gate_up", 8), ("o_proj", 257)],
+    ("shape", "m", "copy"),
+    [
+        ("shared_gate_up", 1, False),
+        ("shared_gate_up", 64, False),
+        ("dense_gate_up", 8, False),
+        ("o_proj", 257, False),
+        # A held bf16 copy (`--mxfp8-bf16-copy`): decode batches of 65-128 rows (graphs of 96
+        # and 128) and prefills multiply it in cuBLAS inside the captured graph.
+        ("qkv_index", 65, True),
+        ("o_proj", 128, True),
+        ("shared_down", 257, True),
+    ],
 )
-def test_cuda_graph_replay_with_new_inputs(shape: str, m: int) -> None:
+def test_cuda_graph_replay_with_new_inputs(shape: str, m: int, copy: bool) -> None:
     """Captured once, replayed over new activations written into the static input: the result
-    equals an eager call bit for bit (both split-K and direct paths, decode and prefill)."""
+    equals an eager call bit for bit (both split-K and direct paths, decode and prefill, and
+    cuBLAS on a held copy)."""
     n, k = SHAPES[shape]
     codes, scales, w = weights(n, k)
+    held = dequant_mxfp8_bf16(codes, scales) if copy else None
     x = activations(m, k, seed=0)
     out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        mxfp8_linear(x, codes, scales, out=out)  # compile outside the capture
+        mxfp8_linear(x, codes, scales, out=out, bf16=held)  # compile outside the capture
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        mxfp8_linear(x, codes, scales, out=out)
+        mxfp8_linear(x, codes, scales, out=out, bf16=held)
     for seed in (1, 2, 3):
         x.copy_(activations(m, k, seed=seed))
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         replayed = out.clone()
-        assert torch.equal(replayed, mxfp8_linear(x, codes, scales)), path(m, n, k)
+        eager = mxfp8_linear(x, codes, scales, bf16=held)
+        assert torch.equal(replayed, eager), path(m, n, k)
         assert_issue_tolerance(replayed, reference(x, w))
 
 
