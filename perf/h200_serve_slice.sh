@@ -3,10 +3,13 @@
 # serve the 4-layer M3.1-shaped quantized slice with the step trace, run the closed-loop
 # levels, and pack what comes back into at most four files under $OUT (the device tool returns
 # eight): results.tgz (each level's JSON and console table, windows.txt, vmstat.txt, top.txt:
-# each server thread's CPU a second at a time), trace.txt (per level `summarize_step_trace.py
-# --since/--until --slowest 20 --itl --chunk-cost`), serve.log.gz, the Triton cache
-# (tcache.tgz.part*, under 16 MiB each) when none was carried in or it grew, for the next
-# call's start-up (~50 s instead of ~240). Each level draws fresh prompts (a seed per level).
+# each server thread's CPU a second at a time, and serve.log, the server's whole log with its
+# step trace), trace.txt (per level `summarize_step_trace.py --since/--until --slowest 20
+# --itl --chunk-cost`), the Triton cache (tcache.tgz.part*, under 16 MiB each) when none was
+# carried in or it grew, for the next call's start-up (~50 s instead of ~240). The log rides in
+# the tarball, not a file of its own, so that a call serving twice still has room for it (stop
+# 49 deleted the separate logs to stay within eight files and lost a stall's log lines). Each
+# level draws fresh prompts (a seed per level).
 #
 #   carry [".whl"] (plus ".scratch" holding tcache.tgz.part*, if any):
 #   bash perf/h200_serve_slice.sh [--experts N] [--layers L] [--tag T] [--client-procs P]
@@ -110,7 +113,7 @@ while read -r name since until; do
   python3 perf/summarize_step_trace.py /tmp/serve.log --since "$since" --until "$until" \
     --top 10 --slowest 20 --itl --chunk-cost
 done < /tmp/res/windows.txt > "$OUT/${tag}trace.txt" 2>&1
-gzip -c /tmp/serve.log > "$OUT/${tag}serve.log.gz"
+cp /tmp/serve.log /tmp/res/serve.log
 tar czf "$OUT/${tag}results.tgz" -C /tmp res
 return_triton_cache
 echo "done after $(($(date +%s) - t0)) s"
