@@ -23,5 +23,4 @@ ln -sfn "$PWD/.whl" .scratch/c129/.whl
 mkdir -p .scratch/c129/.scratch && ln -sf "$PWD"/.scratch/tcache.tgz.part* .scratch/c129/.scratch/
 (cd .scratch/c129 && timeout $(left 280) bash perf/h200_serve_slice.sh --tag c129 c128:128:256) > /tmp/c.out 2>&1
 echo "== c129 rc=$? at $(($(date +%s) - t0)) s"; show /tmp/c.out
-rm -f $OUT/*serve.log.gz $OUT/tcache*
 echo "done at $(($(date +%s) - t0)) s"
