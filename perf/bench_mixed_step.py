@@ -48,6 +48,7 @@ from m3serve.core.step_runner import StepRunner
 from m3serve.model.build import load_model, resolve_device
 from m3serve.model.kv_cache import KVCache
 from m3serve.runtime.messages import SeqStep
+from m3serve.runtime.sections import KernelArgs
 
 
 def runner_for(
@@ -165,9 +166,11 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--traces", action="store_true")
-    parser.add_argument(
-        "--mxfp8-bf16-copy", action=argparse.BooleanOptionalAction, default=True
-    )  # as the server's flag: held by default
+    parser.add_argument(  # the server's flag, with the server's default
+        "--mxfp8-bf16-copy",
+        action=argparse.BooleanOptionalAction,
+        default=KernelArgs().mxfp8_bf16_copy,
+    )
     args = parser.parse_args()
     out = args.out or Path(os.environ.get("OUT") or Path(__file__).parent / "results")
     out = out / "bench_mixed_step.json" if out.suffix != ".json" else out

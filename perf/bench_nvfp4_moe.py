@@ -317,6 +317,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     prefills = [int(v) for v in args.prefill.split(",") if int(v) > 0]
+    variants = [v for v in args.variants.split(",") if v]
     torch.backends.cuda.matmul.allow_tf32 = False
 
     read_bw = read_bandwidth()
@@ -380,7 +381,7 @@ def main() -> None:
     if args.ablations or args.prefill_ablations:
         for tokens in prefills:
             print(f"prefill T = {tokens}, {ex.num_experts} experts (graph µs / TFLOP/s)")
-            pre = prefill_ablations(ex, tokens, [v for v in args.variants.split(",") if v])
+            pre = prefill_ablations(ex, tokens, variants)
             abl += pre
             for r in pre:
                 print(f"  {r['variant']:<20} {r['us']:9.1f} µs {r['tflops']:6.1f} TFLOP/s")
