@@ -224,6 +224,12 @@ ABLATIONS = {
     "rows128_k1": NVFP4MoEConfig(block_n=128, k_tiles=1),
     "rows128_k2": NVFP4MoEConfig(block_n=128, k_tiles=2),
     "block_n128_w8": NVFP4MoEConfig(block_n=128, num_warps=8),
+    # 32 weight rows a program: below a warpgroup's 64, so Triton's dot is mma.sync, not wgmma.
+    # The sm_90 K loop is 40 % longer (721 instructions a thread for 128 weights against 509:
+    # its register fragment wants bytes shuffled), but it has no warpgroup-wide wait after each
+    # four MMAs, and twice the programs (768 at T = 1) are in flight.
+    "rows32_w2_k2": NVFP4MoEConfig(block_n=32, num_warps=2, k_tiles=2),
+    "rows32_w4_k2": NVFP4MoEConfig(block_n=32, num_warps=4, k_tiles=2),
     "warps8": NVFP4MoEConfig(num_warps=8),
     # Each projection's K over 2 or 4 programs (more programs per weight column at few tokens;
     # gate_up's splits summed by the reduce kernel, down's by the combine).
@@ -290,13 +296,18 @@ def prefill_ablations(
     return rows
 
 
-def ablations(ex: Experts, tokens: list[int], read_bw: float) -> list[dict[str, float | int]]:
-    """Other decodes, routes and tiles at a few sizes (graph µs, fraction of read bandwidth)."""
+def ablations(
+    ex: Experts, tokens: list[int], read_bw: float, names: list[str]
+) -> list[dict[str, float | int]]:
+    """Other decodes, routes and tiles at a few sizes (graph µs, fraction of read bandwidth);
+    those in `names` only, when given."""
     rows = []
     for t in tokens:
         group = steps(t, SETS, seed=t, experts=ex.num_experts)
         nbytes = sum(s.distinct() for s in group) / len(group) * ex.bytes_per_expert()
         for name, cfg in ABLATIONS.items():
+            if names and name not in names:
+                continue
             us = graph_us([moe_call(ex, s, cfg) for s in group])
             frac = nbytes / (us * 1e-6) / read_bw
             rows.append({"tokens": t, "variant": name, "us": us, "read_fraction": frac})
@@ -312,7 +323,9 @@ def main() -> None:
     parser.add_argument("--ablations", action="store_true")
     parser.add_argument("--prefill-ablations", action="store_true")
     parser.add_argument(
-        "--variants", default="", help="comma-separated PREFILL_ABLATIONS names (default: all)"
+        "--variants",
+        default="",
+        help="comma-separated ABLATIONS and PREFILL_ABLATIONS names (default: all)",
     )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -372,7 +385,7 @@ def main() -> None:
     abl = []
     if args.ablations:
         print("\nablations (graph µs / % of read bandwidth)")
-        abl = ablations(ex, [1, 8, 32], read_bw)
+        abl = ablations(ex, [1, 8, 32], read_bw, variants)
         for r in abl:
             print(
                 f"  T={r['tokens']:>3} {r['variant']:<15} {r['us']:9.1f} µs "

@@ -186,11 +186,12 @@ def test_k_split_over_programs(route: str, split_k: int, k_tiles: int) -> None:
     assert_exact(got, reference(ex, x, weights, local))
 
 
-@pytest.mark.parametrize("block_n", [128, 256])
+@pytest.mark.parametrize("block_n", [32, 128, 256])
 @pytest.mark.parametrize("route", ROUTES)
-def test_wide_weight_tiles(route: str, block_n: int) -> None:
-    """128 weight rows a program (the plan's tiles from two tokens on), 64 gate and 64 up; and
-    256 (128 of each: four warpgroups sharing one activation tile), past down's 128 rows."""
+def test_weight_tiles_of_other_widths(route: str, block_n: int) -> None:
+    """32 weight rows a program (16 gate and 16 up: below a warpgroup, the bench's mma.sync
+    ablation); 128 (the plan's tiles from two tokens on), 64 gate and 64 up; and 256 (128 of
+    each: four warpgroups sharing one activation tile), past down's 128 rows."""
     ex = Experts(num_experts=3, inter=128, seed=21, hidden=128)
     x = activations(4, seed=22, hidden=128)
     weights, ids = routing(4, 3, seed=23)
