@@ -224,10 +224,11 @@ ABLATIONS = {
     "rows128_k1": NVFP4MoEConfig(block_n=128, k_tiles=1),
     "rows128_k2": NVFP4MoEConfig(block_n=128, k_tiles=2),
     "block_n128_w8": NVFP4MoEConfig(block_n=128, num_warps=8),
-    # 32 weight rows a program: below a warpgroup's 64, so Triton's dot is mma.sync, not wgmma.
-    # The sm_90 K loop is 40 % longer (721 instructions a thread for 128 weights against 509:
-    # its register fragment wants bytes shuffled), but it has no warpgroup-wide wait after each
-    # four MMAs, and twice the programs (768 at T = 1) are in flight.
+    # 32 weight rows a program: below a warpgroup's 64, so Triton's dot is mma.sync, not wgmma:
+    # no warpgroup-wide waits and twice the programs (768 at T = 1), but a K loop 40 % longer
+    # (721 instructions a thread for 128 weights against 509: the fragment wants bytes
+    # shuffled). H100 2026-12-06: T = 1 83.6 µs (2 warps) and 157.1 (4) against the plan's
+    # 59.1 (perf/results/h100_2026-12-06h_copy65_ab).
     "rows32_w2_k2": NVFP4MoEConfig(block_n=32, num_warps=2, k_tiles=2),
     "rows32_w4_k2": NVFP4MoEConfig(block_n=32, num_warps=4, k_tiles=2),
     "warps8": NVFP4MoEConfig(num_warps=8),
