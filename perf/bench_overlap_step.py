@@ -43,6 +43,7 @@ from bench_mixed_step import runner_for, step
 from result_json import write_result
 
 from m3serve.core.step_runner import StepRunner
+from m3serve.kernels.triton.router import GEMV_MAX_TOKENS
 from m3serve.model.batch import ForwardBatch
 from m3serve.runtime.sections import KernelArgs
 
@@ -132,6 +133,10 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_overlap_step.py times CUDA streams: run it on the GPU")
+    if min(args.batch, *args.prompts) <= GEMV_MAX_TOKENS:
+        # The router's GEMV route counts its programs in one int32 per device: two of its
+        # calls at once, one a stream, would corrupt each other's routing.
+        raise SystemExit(f"--batch and --prompts must exceed {GEMV_MAX_TOKENS} tokens")
     runner = runner_for(
         args.model_path, [args.batch], max(args.prompts), args.context, args.mxfp8_bf16_copy
     )
