@@ -33,9 +33,10 @@ class NVFP4MoEConfig:
     dequant: Literal["auto", "asm", "triton"] = "auto"
     pdl: bool = True
     # Tile overrides for tuning sweeps (0: the plan's). block_m: pairs per program (a power of
-    # two >= 16); block_n: weight rows per program (a power of two >= 64: 64 per warpgroup of
-    # MMA). A tile's K width is not a choice: it is the weights' K tile (`nvfp4_tiles.tile_k`),
-    # the period of the activations' MMA K order; how many tiles a K loop step takes is.
+    # two >= 16); block_n: weight rows per program (a power of two >= 32: 64 per warpgroup of
+    # wgmma; at 32, mma.sync, measured much slower). A tile's K width is not a choice: it is
+    # the weights' K tile (`nvfp4_tiles.tile_k`), the period of the activations' MMA K order;
+    # how many tiles a K loop step takes is.
     block_m: int = 0
     block_n: int = 0
     num_warps: int = 0
