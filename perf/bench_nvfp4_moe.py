@@ -254,6 +254,14 @@ PREFILL_ABLATIONS = {
     "block_m128_n128_w8": NVFP4MoEConfig(block_m=128, block_n=128, num_warps=8),
     "stages4": NVFP4MoEConfig(num_stages=4),
     "block_m64_n64_w4": NVFP4MoEConfig(block_m=64, block_n=64, num_warps=4),
+    # Blocks of 128 pairs on 64 weight rows, one warpgroup, two stages: two programs an SM
+    # (sm_90 compile: gate_up 168 registers, down 214, 86.5 KB shared each), so that one
+    # program's nibble decode can run beside the other's MMA; the plan's 8-warp program is
+    # alone on its SM (229-235 registers, 141 KB) and its two warpgroups decode, then multiply,
+    # in step. Each program loads the 128 pairs' activations for half the rows. Not yet run.
+    "block_m128_n64_w4_s2": NVFP4MoEConfig(
+        block_m=128, block_n=64, num_warps=4, num_stages=2, max_registers=0
+    ),
     # A block's tail (pairs past BLOCK_M on the same decoded weights) and the register cap.
     "no_tail": NVFP4MoEConfig(tail_m=0, max_registers=0),
     "tail16_uncapped": NVFP4MoEConfig(tail_m=16, max_registers=0),

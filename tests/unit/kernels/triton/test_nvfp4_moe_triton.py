@@ -266,6 +266,16 @@ def test_many_pairs_per_expert(route: str) -> None:
     assert_exact(run(ex, x, weights, ids, route), reference(ex, x, weights, ids))
 
 
+def test_blocks_of_128_pairs_on_64_weight_rows() -> None:
+    """The bench's block_m128_n64_w4_s2: blocks of 128 pairs (and the 32-pair tail) against
+    64-row weight tiles, one warpgroup, two stages."""
+    ex = Experts(num_experts=4, inter=64, seed=17)
+    x = activations(130, seed=18)
+    weights, ids = routing(130, 4, seed=19)
+    got = run(ex, x, weights, ids, "sorted", block_m=128, block_n=64, num_warps=4, num_stages=2)
+    assert_exact(got, reference(ex, x, weights, ids))
+
+
 @pytest.mark.parametrize("tail_m", [0, 32])
 def test_blocks_of_256_pairs(tail_m: int) -> None:
     """Sorted blocks of 256 pairs (one decode of an expert's weights for all of them): 3
