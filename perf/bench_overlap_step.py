@@ -72,6 +72,16 @@ def released(work: list[tuple[torch.cuda.Stream, Callable[[], Any]]]) -> tuple[f
     return max(start.elapsed_time(end) for end in ends), host
 
 
+def spin_ms() -> float:
+    """Device ms of one spin (`SPIN_CYCLES`) at this GPU's clock."""
+    before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    before.record()
+    torch.cuda._sleep(SPIN_CYCLES)
+    after.record()
+    torch.cuda.synchronize()
+    return before.elapsed_time(after)
+
+
 def median_ms(
     work: list[tuple[torch.cuda.Stream, Callable[[], Any]]], repeats: int
 ) -> tuple[float, float]:
@@ -140,7 +150,7 @@ def main() -> None:
     runner = runner_for(
         args.model_path, [args.batch], max(args.prompts), args.context, args.mxfp8_bf16_copy
     )
-    spin = released([(torch.cuda.current_stream(), lambda: None)])[0]
+    spin = spin_ms()
     print(f"{torch.cuda.get_device_name()}; spin ahead of each release {spin:.1f} ms")
     print(
         f"{'batch':>5} {'prompt':>6} {'decode':>8} {'prefill':>8} {'mixed':>8} {'beside':>8} "
