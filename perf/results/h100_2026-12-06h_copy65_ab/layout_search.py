@@ -30,9 +30,10 @@ def main() -> None:
             free = sorted(set(range(16)) - used)
             for order in itertools.permutations(free):
                 for halves in itertools.product((0, 16), repeat=4):
-                    signs = [((15 - p) % 16 + h) % 32 for p, h in zip(order, halves)]
+                    signs = [((15 - p) % 16 + h) % 32 for p, h in zip(order, halves, strict=True)]
                     shifts = {r for r in (*mags, *signs) if r}
-                    cost = len(shifts) + sum(1 if m == s else 2 for m, s in zip(mags, signs))
+                    pairs = zip(mags, signs, strict=True)
+                    cost = len(shifts) + sum(1 if m == s else 2 for m, s in pairs)
                     layouts.append((cost, mags, tuple(signs)))
     layouts.sort()
     print(layouts[:4])  # 11 logic ops a word at best (+ 4 HMUL2): 15 against the served 18
