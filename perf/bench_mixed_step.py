@@ -74,6 +74,15 @@ def runner_for(
     return runner
 
 
+def add_copy_flag(parser: argparse.ArgumentParser) -> None:
+    """`--mxfp8-bf16-copy`: the server's flag, with the server's default."""
+    parser.add_argument(
+        "--mxfp8-bf16-copy",
+        action=argparse.BooleanOptionalAction,
+        default=KernelArgs().mxfp8_bf16_copy,
+    )
+
+
 def step(batch: int, chunk: int, page: int, context: int, vocab: int) -> list[SeqStep]:
     """`batch` decode rows over `context` tokens each, then a fresh `chunk`-token prompt of
     distinct tokens (so that routing spreads as real text does)."""
@@ -166,11 +175,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--traces", action="store_true")
-    parser.add_argument(  # the server's flag, with the server's default
-        "--mxfp8-bf16-copy",
-        action=argparse.BooleanOptionalAction,
-        default=KernelArgs().mxfp8_bf16_copy,
-    )
+    add_copy_flag(parser)
     args = parser.parse_args()
     out = args.out or Path(os.environ.get("OUT") or Path(__file__).parent / "results")
     out = out / "bench_mixed_step.json" if out.suffix != ".json" else out

@@ -289,17 +289,18 @@ PREFILL_ABLATIONS = {
 }
 
 
-def prefill_ablations(
-    ex: Experts, tokens: int, names: list[str] | None = None
-) -> list[dict[str, float | int]]:
-    """Tile variants of the sorted route at one prefill size (graph µs, TFLOP/s); `names`:
-    only these (each variant compiles its own kernels)."""
+def chosen(table: dict[str, NVFP4MoEConfig], names: list[str]) -> list[tuple[str, NVFP4MoEConfig]]:
+    """The variants of `table` named in `names` (all when none is: each compiles its own
+    kernels, so a run may ask for a few)."""
+    return [(name, cfg) for name, cfg in table.items() if not names or name in names]
+
+
+def prefill_ablations(ex: Experts, tokens: int, names: list[str]) -> list[dict[str, float | int]]:
+    """Tile variants of the sorted route at one prefill size (graph µs, TFLOP/s)."""
     flops = 2.0 * tokens * TOP_K * (2 * INTER * H + H * INTER)
     group = steps(tokens, 2, seed=tokens, experts=ex.num_experts)
     rows = []
-    for name, cfg in PREFILL_ABLATIONS.items():
-        if names and name not in names:
-            continue
+    for name, cfg in chosen(PREFILL_ABLATIONS, names):
         us = graph_us([moe_call(ex, s, cfg) for s in group], budget_ms=100.0)
         rows.append({"tokens": tokens, "variant": name, "us": us, "tflops": flops / us / 1e6})
     return rows
@@ -308,15 +309,12 @@ def prefill_ablations(
 def ablations(
     ex: Experts, tokens: list[int], read_bw: float, names: list[str]
 ) -> list[dict[str, float | int]]:
-    """Other decodes, routes and tiles at a few sizes (graph µs, fraction of read bandwidth);
-    those in `names` only, when given."""
+    """Other decodes, routes and tiles at a few sizes (graph µs, fraction of read bandwidth)."""
     rows = []
     for t in tokens:
         group = steps(t, SETS, seed=t, experts=ex.num_experts)
         nbytes = sum(s.distinct() for s in group) / len(group) * ex.bytes_per_expert()
-        for name, cfg in ABLATIONS.items():
-            if names and name not in names:
-                continue
+        for name, cfg in chosen(ABLATIONS, names):
             us = graph_us([moe_call(ex, s, cfg) for s in group])
             frac = nbytes / (us * 1e-6) / read_bw
             rows.append({"tokens": t, "variant": name, "us": us, "read_fraction": frac})

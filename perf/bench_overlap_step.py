@@ -39,13 +39,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_mixed_step import runner_for, step
+from bench_mixed_step import add_copy_flag, runner_for, step
 from result_json import write_result
 
 from m3serve.core.step_runner import StepRunner
 from m3serve.kernels.triton.router import GEMV_MAX_TOKENS
 from m3serve.model.batch import ForwardBatch
-from m3serve.runtime.sections import KernelArgs
 
 # Spin cycles ahead of each timed release (~10 ms at H100/H200 clocks): longer than the host
 # takes to queue a 4-layer prompt forward; a release that came later is reported.
@@ -135,11 +134,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument(  # the server's flag, with the server's default
-        "--mxfp8-bf16-copy",
-        action=argparse.BooleanOptionalAction,
-        default=KernelArgs().mxfp8_bf16_copy,
-    )
+    add_copy_flag(parser)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_overlap_step.py times CUDA streams: run it on the GPU")
