@@ -53,9 +53,13 @@ def mxfp8_mma_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     # Rows past N or M read a real row instead (results dropped at the store): the loads in the
-    # K loop stay unmasked, so they vectorize and pipeline.
+    # K loop stay unmasked, so they vectorize and pipeline. Idle x rows wrap to rows 0, 1, ...:
+    # read as row M - 1 each, they made the four projections of a layer take 168 µs at M 33 on
+    # the 64-row tile against 128 at M 64 (likely every program's requests for them meeting at
+    # the L2 slice of that one row); wrapped, 130 (masked loads: 138, but 147 at M 64 for their
+    # per-copy predicates; an H100, 2026-12-06, perf/results/h100_2026-12-06i_overlap_rows/).
     rn_load = tl.minimum(rn, N - 1).to(tl.int64)
-    rm_load = tl.minimum(rm, M - 1).to(tl.int64)
+    rm_load = (rm % M).to(tl.int64)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     rk = tl.arange(0, BLOCK_K)
