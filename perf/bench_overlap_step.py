@@ -20,7 +20,9 @@ only, for each prompt size P:
 Each is timed from its release to its end by CUDA events: the streams first wait behind a spin
 kernel (`torch.cuda._sleep`) long enough for the host to queue all the work, so no timing
 holds host launch time. "hidden" is the share of the shorter of decode and prefill that beside
-saves against running them one after the other.
+saves against running them one after the other. The first run (an H100, 2026-12-06, batch 16
+and 64, prompts of 128-512 tokens) hid 28-47 %, yet beside was 5-17 % slower than mixed at every
+point: batching stays the cheaper way (perf/results/h100_2026-12-06i_overlap_rows/).
 
     python perf/bench_overlap_step.py --model-path DIR [--batch 64] [--prompts 128 296 512]
         [--context 1024] [--repeats 10] [--no-mxfp8-bf16-copy] [--out PATH]
