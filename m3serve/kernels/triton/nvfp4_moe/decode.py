@@ -121,6 +121,18 @@ def mma_k_position(j, TILE_K: tl.constexpr):
 
 
 @triton.jit
+def mma_k_source(p, TILE_K: tl.constexpr):
+    """The column of the activations that `mma_k_position` puts at position p: its inverse, so
+    that a kernel can gather each output position's column and store its tile contiguously."""
+    HALF: tl.constexpr = TILE_K // 2
+    QUARTER: tl.constexpr = HALF // 4
+    i = p % HALF  # 16b + 8h + 2q + e of the column's place 4b + 2h + e in quarter q of its half
+    r = 4 * (i // 16) + 2 * ((i // 8) % 2) + i % 2
+    q = (i // 2) % 4
+    return (p // TILE_K) * TILE_K + 2 * (q * QUARTER + r) + (p % TILE_K) // HALF
+
+
+@triton.jit
 def nvfp4_mma(
     a_ptr,
     a_rows,

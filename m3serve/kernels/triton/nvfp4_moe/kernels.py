@@ -13,7 +13,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from m3serve.kernels.triton.nvfp4_moe.decode import ACC_SCALE, mma_k_position, nvfp4_mma
+from m3serve.kernels.triton.nvfp4_moe.decode import (
+    ACC_SCALE,
+    mma_k_position,
+    mma_k_source,
+    nvfp4_mma,
+)
 
 
 @triton.jit
@@ -476,10 +481,12 @@ def permute_k_kernel(
     x_ptr, stride_xt, out_ptr, stride_ot, tokens, BLOCK_T: tl.constexpr, TILE_K: tl.constexpr
 ):
     """out[t, mma_k_position(j)] = x[t, j]: the gate_up kernel's activations in its MMA K order,
-    for one [BLOCK_T, TILE_K] tile."""
+    for one [BLOCK_T, TILE_K] tile. Each position gathers its column (`mma_k_source`), so the
+    stores are contiguous: scattered 2-byte stores took 44.0 µs for 360 tokens and 232.4 for 2048,
+    gathered loads 8.0 and 31.5, a plain copy 4.8 and 18.7 (an H100, 2026-12-06)."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    j = tl.program_id(1) * TILE_K + tl.arange(0, TILE_K)
+    p = tl.program_id(1) * TILE_K + tl.arange(0, TILE_K)
     ok = (t < tokens)[:, None]
     t64 = t.to(tl.int64)[:, None]
-    values = tl.load(x_ptr + t64 * stride_xt + j[None, :], mask=ok)
-    tl.store(out_ptr + t64 * stride_ot + mma_k_position(j, TILE_K)[None, :], values, mask=ok)
+    values = tl.load(x_ptr + t64 * stride_xt + mma_k_source(p, TILE_K)[None, :], mask=ok)
+    tl.store(out_ptr + t64 * stride_ot + p[None, :], values, mask=ok)

@@ -122,9 +122,10 @@ def test_e2m1_ptx_keeps_bytes_apart() -> None:
 
 
 @triton.jit
-def _k_order_probe(cols_ptr, where_ptr, TILE_K: tl.constexpr):
+def _k_order_probe(cols_ptr, where_ptr, source_ptr, TILE_K: tl.constexpr):
     """Column numbers in the order the decoded even/odd weight tiles come in (`_mma_k_order` of
-    the even, then of the odd columns), and where `mma_k_position` puts each column."""
+    the even, then of the odd columns), where `mma_k_position` puts each column, and which
+    column `mma_k_source` takes for each position."""
     HALF: tl.constexpr = TILE_K // 2
     cols = tl.arange(0, TILE_K)
     even, odd = tl.split(tl.reshape(cols, [HALF, 2]))
@@ -133,6 +134,7 @@ def _k_order_probe(cols_ptr, where_ptr, TILE_K: tl.constexpr):
     tl.store(cols_ptr + tl.arange(0, HALF), even)
     tl.store(cols_ptr + HALF + tl.arange(0, HALF), odd)
     tl.store(where_ptr + cols, decode.mma_k_position(cols, TILE_K))
+    tl.store(source_ptr + cols, decode.mma_k_source(cols, TILE_K))
 
 
 @pytest.mark.parametrize("tile_k", [32, 64, 128])
@@ -141,7 +143,9 @@ def test_activations_are_stored_where_the_decoded_weights_expect_them(tile_k: in
     from, so the two operands of each dot agree."""
     order = torch.empty(tile_k, dtype=torch.int32, device=DEVICE)
     where = torch.empty(tile_k, dtype=torch.int32, device=DEVICE)
-    _k_order_probe[(1,)](order, where, TILE_K=tile_k)
-    order, where = order.cpu(), where.cpu()
+    source = torch.empty(tile_k, dtype=torch.int32, device=DEVICE)
+    _k_order_probe[(1,)](order, where, source, TILE_K=tile_k)
+    order, where, source = order.cpu(), where.cpu(), source.cpu()
     assert sorted(where.tolist()) == list(range(tile_k)), "a permutation of the tile"
     assert torch.equal(where[order.long()], torch.arange(tile_k, dtype=torch.int32))
+    assert torch.equal(source, order), "mma_k_source inverts mma_k_position"
