@@ -258,7 +258,9 @@ PREFILL_ABLATIONS = {
     # (sm_90 compile: gate_up 168 registers, down 214, 86.5 KB shared each), so that one
     # program's nibble decode can run beside the other's MMA; the plan's 8-warp program is
     # alone on its SM (229-235 registers, 141 KB) and its two warpgroups decode, then multiply,
-    # in step. Each program loads the 128 pairs' activations for half the rows. Not yet run.
+    # in step. Each program loads the 128 pairs' activations for half the rows. Measured slower
+    # (H100 2026-12-06: 8 experts T 272-640 +7-15 %, 128 experts T 2048 5108.8 against 3000.4
+    # µs; perf/results/h100_2026-12-06i_overlap_rows): not taken.
     "block_m128_n64_w4_s2": NVFP4MoEConfig(
         block_m=128, block_n=64, num_warps=4, num_stages=2, max_registers=0
     ),

@@ -45,7 +45,7 @@ VARIANTS = [
     ("T2048 sorted, 256 rows", 1, 0, 256, 64, 16, 1, 16, 0, 3),  # rows256_w16: not taken
     ("prefill sorted", 1, 0, 128, 128, 32, 1, 8, 0, 3),
     ("prefill sorted, no tail", 1, 0, 128, 128, 0, 1, 8, 0, 3),
-    # bench_nvfp4_moe's block_m128_n64_w4_s2: two programs an SM (not yet run on a GPU).
+    # bench_nvfp4_moe's block_m128_n64_w4_s2: two programs an SM (measured slower, not taken).
     ("prefill sorted, 64 rows, 2 stages", 1, 0, 64, 128, 32, 1, 4, 0, 2),
     # Blocks of 256 pairs (bench_nvfp4_moe's pairs256*): one decode of an expert's weights for
     # up to 256 (+ tail) pairs, where blocks of 128 decode them twice past 160: measured
