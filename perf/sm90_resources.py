@@ -143,7 +143,7 @@ def nvfp4_moe(args: argparse.Namespace) -> None:
         types = {"y_ptr": "*fp32", "ids_ptr": "*i32", "out_ptr": "*bf16"}
         report(f"combine split {split}", kernels.combine_kernel, types, combine, 4, args)
         if split > 1:
-            reduce = {"SPLIT_K": split, "BLOCK_P": 16, "BLOCK_N": 256, "ACT_TILE_K": 128}
+            reduce = {"SPLIT_K": split, "BLOCK_P": 16, "BLOCK_N": 256}
             types = {"alpha": "fp32", "limit": "fp32", "pre_ptr": "*fp32", "act_ptr": "*bf16"}
             report(
                 f"swiglu_reduce split {split}",
