@@ -33,14 +33,15 @@ nibbles are never interleaved; within a K tile the columns of both operands are 
 shuffles) and decode straight into the MMA operand fragments: the dot is a sum over K, and any order
 common to both operands gives the same result. The activations are stored in that order before the
 kernels read them (`mma_k_position`: per K tile the even columns, then the odd ones, each half
-permuted): x by `permute_k_kernel` (one small launch), act by the gate_up kernel's epilogue. Both
-write contiguous runs: each output position gathers its column (`mma_k_source`; a gate_up program
-computes the weight rows of the act positions it stores). Each K step's two halves then go from the
-pipelined load straight to the tensor cores; reordering them in registers instead cost a
-shared-memory round trip, two more barriers and a second MMA wait per K step (sm_90 SASS), and
-registers (the prefill down kernel: 163 -> 118, two blocks an SM instead of one). A K loop step
-takes one weight tile, or `k_tiles` of them (the plan's choice at one token: more bytes in flight
-per program).
+permuted): x by `permute_k_kernel` (one small launch), act by the gate_up kernel's epilogue. The
+permute writes contiguous runs (each position gathers its column: `mma_k_source`); so does gate_up
+on the sorted route (a program computes the weight rows of the act positions it stores), while the
+slots route keeps each program's weight rows contiguous and scatters its few pairs' act. Each K
+step's two halves then go from the pipelined load straight to the tensor cores; reordering them in
+registers instead cost a shared-memory round trip, two more barriers and a second MMA wait per K
+step (sm_90 SASS), and registers (the prefill down kernel: 163 -> 118, two blocks an SM instead of
+one). A K loop step takes one weight tile, or `k_tiles` of them (the plan's choice at one token:
+more bytes in flight per program).
 
 The dots put weights on the left (out^T = W @ X^T): the MMA's M side is 64 or 128 weight rows,
 its N side the 16..128 token rows of one expert, so decode wastes no weight-side tile.
