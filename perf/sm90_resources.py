@@ -1,14 +1,19 @@
 """The quantized kernels compiled for sm_90 from source on a machine without a GPU: whether each
 plan variant of the NVFP4 MoE and of the MXFP8 decode MMA compiles, its registers, spills and
-shared memory (ptxas -v), and with `--sass` its main loop's length in instructions and the most
-frequent opcodes there (cuobjdump): what a device run would spend minutes finding out.
+shared memory (ptxas -v), with `--sass` its main loop's length in instructions and the most
+frequent opcodes there (cuobjdump), with `--stores` its global stores by width (the PTX's
+`st.global*`: a store Triton cannot prove contiguous goes out an element at a time): what a
+device run would spend minutes finding out. For example (2026-12-06), the NVFP4 prefill gate_up
+tile's act store: 40 x `st.global.b16` a thread with columns scattered by `mma_k_position`, 5 x
+`st.global.v4.b32` with contiguous positions (`_act_columns`).
 
 Needs the Triton the GPU machine runs (3.6, which brings cuobjdump) and a CUDA toolkit's ptxas;
 the dev box keeps them apart from the project's venv, whose packages come after Triton's on the
 path:
 
-    PYTHONPATH=$PWD /tmp/t36/bin/python perf/sm90_resources.py [--sass] [--splits 1 2] \
-        [--site /work/venv/lib/python3.11/site-packages] [--ptxas /usr/local/cuda/bin/ptxas]
+    PYTHONPATH=$PWD /tmp/t36/bin/python perf/sm90_resources.py [--sass] [--stores] \
+        [--splits 1 2] [--site /work/venv/lib/python3.11/site-packages] \
+        [--ptxas /usr/local/cuda/bin/ptxas]
 
 The signatures specialize as a real launch does (16-byte aligned pointers, strides and widths
 multiples of 16; pair, expert and token counts not specialized). Prints one line per variant.
@@ -77,6 +82,7 @@ def main() -> None:
     parser.add_argument("--ptxas", default="/usr/local/cuda/bin/ptxas")
     parser.add_argument("--splits", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--sass", action="store_true", help="the main loop's instructions too")
+    parser.add_argument("--stores", action="store_true", help="global stores by width too")
     args = parser.parse_args()
     sys.path.append(args.site)  # after this interpreter's own Triton
     print(f"triton {__import__('triton').__version__}, sm_90")
@@ -206,6 +212,9 @@ def report(
     )
     if args.sass:
         print("   ", main_loop(compiled.asm["cubin"]))
+    if args.stores:
+        stores = Counter(re.findall(r"\bst\.global[\w.]*", compiled.asm["ptx"]))
+        print("    stores:", ", ".join(f"{n} x {op}" for op, n in sorted(stores.items())))
 
 
 def main_loop(cubin: bytes) -> str:
