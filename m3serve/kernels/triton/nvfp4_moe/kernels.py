@@ -1,6 +1,6 @@
 """The NVFP4 MoE kernels: the activations put in MMA K order, gate_up with the SwiGLU-OAI
-epilogue, down with the top-k weight, and the fixed-order combine; pairs found per expert
-in-kernel (slots) or from sorted blocks.
+epilogue, down with the top-k weight, and the fixed-order combine; each program's pairs come
+from `pairs.py` (found per expert in-kernel, or from sorted blocks).
 
 With SPLIT_K > 1 (more programs per weight tile column, for few tokens) each projection's K is
 split over grid axis 2: gate_up then writes its fp32 pre-activations per split and
@@ -19,74 +19,7 @@ from m3serve.kernels.triton.nvfp4_moe.decode import (
     mma_k_source,
     nvfp4_mma,
 )
-
-
-@triton.jit
-def _slot_expert(
-    ids_ptr,
-    num_pairs,
-    num_experts,
-    slot,
-    P_PAD: tl.constexpr,
-    E_PAD: tl.constexpr,
-    SKIPS: tl.constexpr,
-):
-    """(expert, its pair count) of the slot-th distinct expert present in the ids, ascending;
-    count 0 past the last one. With SKIPS, ids >= num_experts (experts another rank holds)
-    are left out."""
-    pairs = tl.arange(0, P_PAD)
-    experts = tl.arange(0, E_PAD)
-    if SKIPS:
-        raw = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=num_experts).to(tl.int32)
-        held = raw < num_experts
-        # Padding lanes and skipped ids are binned as id 0 (every value needs a bin): take
-        # them back out of bin 0.
-        counts = tl.histogram(tl.where(held, raw, 0), E_PAD)
-        counts = tl.where(experts == 0, counts - (P_PAD - tl.sum(held.to(tl.int32), 0)), counts)
-    else:
-        ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=0).to(tl.int32)
-        # Padding lanes read id 0: take them back out of bin 0.
-        counts = tl.histogram(ids, E_PAD)
-        counts = tl.where(experts == 0, counts - (P_PAD - num_pairs), counts)
-    present = (counts > 0).to(tl.int32)
-    mine = (present > 0) & (tl.cumsum(present, 0) - 1 == slot)
-    return tl.sum(tl.where(mine, experts, 0), 0), tl.sum(tl.where(mine, counts, 0), 0)
-
-
-@triton.jit
-def _slot_rows(ids_ptr, num_pairs, expert, first, P_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Pair indices [BLOCK_M] of the expert's pairs number first, first + 1, ... in ascending
-    pair order (0 past its last pair). The ids are rescanned in chunks: a [BLOCK_M, P_PAD]
-    selection at once would set the register budget of the whole kernel."""
-    CHUNK: tl.constexpr = 32 if P_PAD > 32 else P_PAD
-    want = first + tl.arange(0, BLOCK_M)
-    rows = tl.zeros([BLOCK_M], dtype=tl.int32)
-    seen = 0
-    for c in tl.static_range(P_PAD // CHUNK):
-        pairs = c * CHUNK + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
-        match = ids == expert
-        rank = seen + tl.cumsum(match.to(tl.int32), 0) - 1
-        hit = match[None, :] & (rank[None, :] == want[:, None])
-        rows += tl.sum(tl.where(hit, pairs[None, :], 0), 1)
-        seen += tl.sum(match.to(tl.int32), 0)
-    return rows
-
-
-@triton.jit
-def _block_pairs(sorted_ptr, BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr):
-    """The sorted route's block of this program: (pairs, valid) of its first BLOCK_M positions
-    and of the TAIL_M after them, and whether the tail holds a pair (a block is BLOCK_M +
-    TAIL_M positions, its expert's pairs first, then -1)."""
-    first = tl.program_id(1) * (BLOCK_M + TAIL_M)
-    pair = tl.load(sorted_ptr + first + tl.arange(0, BLOCK_M))
-    if TAIL_M > 0:
-        tail = tl.load(sorted_ptr + first + BLOCK_M + tl.arange(0, TAIL_M))
-        has_tail = tl.load(sorted_ptr + first + BLOCK_M) >= 0
-    else:
-        tail = pair
-        has_tail = False
-    return tl.maximum(pair, 0), pair >= 0, tl.maximum(tail, 0), tail >= 0, has_tail
+from m3serve.kernels.triton.nvfp4_moe.pairs import block_pairs, slot_expert, slot_rows
 
 
 @triton.jit
@@ -127,7 +60,7 @@ def _gate_up_tile(
     tail: see `nvfp4_mma`) with the same weight tiles."""
     HALF_N: tl.constexpr = BLOCK_N // 2
     r = tl.arange(0, BLOCK_N)
-    j, pos = _act_columns(HALF_N, BLOCK_N, ACT_TILE_K, GATHER)
+    lane, j, pos = _act_columns(HALF_N, BLOCK_N, ACT_TILE_K, GATHER)
     # Rows [0, HALF_N) of the tile are gate rows j, the rest the matching up rows I + j.
     is_up = r >= HALF_N
     w_rows = tl.where(is_up, inter + j, j)
@@ -142,7 +75,7 @@ def _gate_up_tile(
     t_rows = tail_tok * stride_xt
     # As j < inter or pos < inter (a tile's positions hold its columns), but provably constant
     # over runs of the program's rows, so that stores by position vectorize where they can.
-    w_ok = tl.program_id(0) * HALF_N + (r % HALF_N) < inter
+    w_ok = lane < inter
     # Without tails (TAIL_M 0) the branch is resolved at compile time; with them it is taken
     # before the K loop, so that each of the two loops pipelines on its own.
     if TAIL_M > 0 and has_tail:
@@ -199,7 +132,7 @@ def _gate_up_out(
         tl.store(ptrs, acc, mask=row_ok[:, None] & pair_ok[None, :])
     else:
         gate, up = tl.split(tl.permute(tl.reshape(acc, [2, HALF_N, BLOCK_M]), (1, 2, 0)))
-        _, pos = _act_columns(HALF_N, HALF_N, ACT_TILE_K, GATHER)
+        _, _, pos = _act_columns(HALF_N, HALF_N, ACT_TILE_K, GATHER)
         _store_act(act_ptr, stride_ap, pair, pair_ok, pos, inter, gate, up, alpha, limit)
 
 
@@ -207,7 +140,7 @@ def _gate_up_out(
 def _act_columns(
     HALF_N: tl.constexpr, ROWS: tl.constexpr, ACT_TILE_K: tl.constexpr, GATHER: tl.constexpr
 ):
-    """(j, pos) of a gate_up program's ROWS rows (the gate half, then the same for the up
+    """(lane, j, pos) of a gate_up program's ROWS rows (the gate half, then the same for the up
     half): the intermediate's columns j it computes and the act positions pos they are stored at
     (the down kernel's MMA K order). With GATHER the positions are the program's contiguous
     range and the columns are gathered (`mma_k_source`), so that the act store vectorizes; else
@@ -215,8 +148,8 @@ def _act_columns(
     positions scattered (`mma_k_position`), two bytes a store."""
     lane = tl.program_id(0) * HALF_N + (tl.arange(0, ROWS) % HALF_N)
     if GATHER:
-        return mma_k_source(lane, ACT_TILE_K), lane
-    return lane, mma_k_position(lane, ACT_TILE_K)
+        return lane, mma_k_source(lane, ACT_TILE_K), lane
+    return lane, lane, mma_k_position(lane, ACT_TILE_K)
 
 
 @triton.jit
@@ -307,7 +240,7 @@ def gate_up_kernel(
     if PDL:  # the down kernel may start launching; it waits for this grid on the device
         tl.extra.cuda.gdc_launch_dependents()
     if ROUTE == 0:  # slots
-        expert, count = _slot_expert(
+        expert, count = slot_expert(
             ids_ptr, num_pairs, num_experts, tl.program_id(1), P_PAD, E_PAD, SKIPS
         )
         w_base = w_ptr + expert.to(tl.int64) * stride_we
@@ -315,7 +248,7 @@ def gate_up_kernel(
         # Decode: act is a few pairs' rows; each program reads whole 32-row weight groups
         # (GATHER off; gathered rows were not timed at decode).
         for first in range(0, count, BLOCK_M):
-            pair = _slot_rows(ids_ptr, num_pairs, expert, first, P_PAD, BLOCK_M)
+            pair = slot_rows(ids_ptr, num_pairs, expert, first, P_PAD, BLOCK_M)
             pair_ok = first + tl.arange(0, BLOCK_M) < count
             _gate_up_tile(
                 x_ptr, stride_xt, w_base, s_base, g_ptr, act_ptr, stride_ap, expert, pair,
@@ -326,7 +259,7 @@ def gate_up_kernel(
     else:
         expert = tl.load(block_expert_ptr + tl.program_id(1))
         if expert >= 0:
-            pair, pair_ok, tail, tail_ok, has_tail = _block_pairs(sorted_ptr, BLOCK_M, TAIL_M)
+            pair, pair_ok, tail, tail_ok, has_tail = block_pairs(sorted_ptr, BLOCK_M, TAIL_M)
             w_base = w_ptr + expert.to(tl.int64) * stride_we
             s_base = s_ptr + expert.to(tl.int64) * stride_se
             # Prefill: act is pairs x I (50 MB at 2K tokens); its store vectorizes (GATHER).
@@ -436,7 +369,7 @@ def down_kernel(
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     if ROUTE == 0:  # slots
-        expert, count = _slot_expert(
+        expert, count = slot_expert(
             ids_ptr, num_pairs, num_experts, tl.program_id(1), P_PAD, E_PAD, SKIPS
         )
         w_base = w_ptr + expert.to(tl.int64) * stride_we
@@ -444,7 +377,7 @@ def down_kernel(
         if PDL:  # routing needs only the ids; act is the gate_up grid's output
             tl.extra.cuda.gdc_wait()
         for first in range(0, count, BLOCK_M):
-            pair = _slot_rows(ids_ptr, num_pairs, expert, first, P_PAD, BLOCK_M)
+            pair = slot_rows(ids_ptr, num_pairs, expert, first, P_PAD, BLOCK_M)
             pair_ok = first + tl.arange(0, BLOCK_M) < count
             _down_tile(
                 act_ptr, stride_ap, w_base, s_base, g_ptr, tw_ptr, y_ptr, stride_yp, expert, pair,
@@ -456,7 +389,7 @@ def down_kernel(
         if PDL:
             tl.extra.cuda.gdc_wait()
         if expert >= 0:
-            pair, pair_ok, tail, tail_ok, has_tail = _block_pairs(sorted_ptr, BLOCK_M, TAIL_M)
+            pair, pair_ok, tail, tail_ok, has_tail = block_pairs(sorted_ptr, BLOCK_M, TAIL_M)
             w_base = w_ptr + expert.to(tl.int64) * stride_we
             s_base = s_ptr + expert.to(tl.int64) * stride_se
             _down_tile(
