@@ -5,7 +5,10 @@ frequent opcodes there (cuobjdump), with `--stores` its global stores by width (
 `st.global*`: a store Triton cannot prove contiguous goes out an element at a time): what a
 device run would spend minutes finding out. For example (2026-12-06), the NVFP4 prefill gate_up
 tile's act store: 40 x `st.global.b16` a thread with columns scattered by `mma_k_position`, 5 x
-`st.global.v4.b32` with contiguous positions (`_act_columns`).
+`st.global.v4.b32` with each program's positions contiguous and its weight rows gathered. Fewer
+instructions are not a faster kernel: that variant was 4 % slower at a 2048-token prefill and
+at T 32 on an H100 (the gathered rows cost more than the store saved; reverted, see
+perf/results/h100_2026-12-07_act_store).
 
 Needs the Triton the GPU machine runs (3.6, which brings cuobjdump) and a CUDA toolkit's ptxas;
 the dev box keeps them apart from the project's venv, whose packages come after Triton's on the

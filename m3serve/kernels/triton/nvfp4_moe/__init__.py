@@ -27,21 +27,18 @@ instructions, where a byte-table (prmt) lookup takes 17 ALU ones, plus the 4 bf1
 multiplies both need: at small batch the decode shares the critical path with HBM (H200, T = 1:
 ~29 elements per SM clock at full bandwidth; the ALU pipe retires 64 lane-ops per clock).
 Elsewhere (Triton's interpreter, or `dequant="triton"`) plain Triton ops compute the same values.
-The even and odd elements of a byte feed two dots (against the even and odd activation columns), so
-nibbles are never interleaved; within a K tile the columns of both operands are permuted
+The even and odd elements of a byte feed two dots (against the even and odd activation columns),
+so nibbles are never interleaved; within a K tile the columns of both operands are permuted
 (`_mma_k_order`) so that each thread's bytes are contiguous (16-byte shared-memory loads, no byte
-shuffles) and decode straight into the MMA operand fragments: the dot is a sum over K, and any order
-common to both operands gives the same result. The activations are stored in that order before the
-kernels read them (`mma_k_position`: per K tile the even columns, then the odd ones, each half
-permuted): x by `permute_k_kernel` (one small launch), act by the gate_up kernel's epilogue. The
-permute writes contiguous runs (each position gathers its column: `mma_k_source`); so does gate_up
-on the sorted route (a program computes the weight rows of the act positions it stores), while the
-slots route keeps each program's weight rows contiguous and scatters its few pairs' act. Each K
-step's two halves then go from the pipelined load straight to the tensor cores; reordering them in
-registers instead cost a shared-memory round trip, two more barriers and a second MMA wait per K
-step (sm_90 SASS), and registers (the prefill down kernel: 163 -> 118, two blocks an SM instead of
-one). A K loop step takes one weight tile, or `k_tiles` of them (the plan's choice at one token:
-more bytes in flight per program).
+shuffles) and decode straight into the MMA operand fragments: the dot is a sum over K, and any
+order common to both operands gives the same result. The activations are stored in that order
+before the kernels read them (`mma_k_position`: per K tile the even columns, then the odd ones,
+each half permuted): x by `permute_k_kernel` (one small launch), act by the gate_up kernel's
+epilogue. Each K step's two halves then go from the pipelined load straight to the tensor
+cores; reordering them in registers instead cost a shared-memory round trip, two more barriers
+and a second MMA wait per K step (sm_90 SASS), and registers (the prefill down kernel: 163 ->
+118, two blocks an SM instead of one). A K loop step takes one weight tile, or `k_tiles` of them
+(the plan's choice at one token: more bytes in flight per program).
 
 The dots put weights on the left (out^T = W @ X^T): the MMA's M side is 64 or 128 weight rows,
 its N side the 16..128 token rows of one expert, so decode wastes no weight-side tile.
@@ -234,8 +231,7 @@ def nvfp4_moe(
     k_tiles = math.gcd(plan.k_tiles, hidden // tk_h, inter // tk_i)
     split = math.gcd(plan.split_k, hidden // tk_h // k_tiles, inter // tk_i // k_tiles)
     y = torch.empty(split * num_pairs, hidden, dtype=torch.float32, device=x.device)
-    # Split gate_up: each split's pre-activations (gate and up by act position), summed by the
-    # reduce.
+    # Split gate_up: each split's pre-activations (gate and up columns), summed by the reduce.
     pre = act
     if split > 1:
         pre = torch.empty(split * num_pairs, 2 * inter, dtype=torch.float32, device=x.device)
@@ -267,7 +263,7 @@ def nvfp4_moe(
         block_p, block_n = 16, 256
         swiglu_reduce_kernel[(triton.cdiv(inter, block_n), triton.cdiv(num_pairs, block_p))](
             pre, pre.stride(0), act, act.stride(0), num_pairs, inter, float(alpha), float(limit),
-            SPLIT_K=split, BLOCK_P=block_p, BLOCK_N=block_n, PDL=pdl,
+            SPLIT_K=split, BLOCK_P=block_p, BLOCK_N=block_n, ACT_TILE_K=tk_i, PDL=pdl,
             num_warps=4, **launch_pdl,
         )  # fmt: skip
     down_kernel[(triton.cdiv(hidden, plan.down_n), grid_r, split)](

@@ -52,7 +52,6 @@ def _gate_up_tile(
     K_TILES: tl.constexpr,
     SPLIT_K: tl.constexpr,
     ACT_TILE_K: tl.constexpr,
-    GATHER: tl.constexpr,
     DEQUANT: tl.constexpr,
     DOT: tl.constexpr,
 ):
@@ -60,11 +59,10 @@ def _gate_up_tile(
     tail: see `nvfp4_mma`) with the same weight tiles."""
     HALF_N: tl.constexpr = BLOCK_N // 2
     r = tl.arange(0, BLOCK_N)
-    lane, j, pos = _act_columns(HALF_N, BLOCK_N, ACT_TILE_K, GATHER)
+    j = tl.program_id(0) * HALF_N + (r % HALF_N)
     # Rows [0, HALF_N) of the tile are gate rows j, the rest the matching up rows I + j.
     is_up = r >= HALF_N
     w_rows = tl.where(is_up, inter + j, j)
-    pre_cols = tl.where(is_up, inter + pos, pos)  # split K: pre-activations by position too
     tok = (pair // TOP_K).to(tl.int64)
     tail_tok = (tail_pair // TOP_K).to(tl.int64)
     span = hidden // SPLIT_K
@@ -73,9 +71,7 @@ def _gate_up_tile(
         k_lo = tl.program_id(2) * span
     a_rows = tok * stride_xt
     t_rows = tail_tok * stride_xt
-    # As j < inter or pos < inter (a tile's positions hold its columns), but provably constant
-    # over runs of the program's rows, so that stores by position vectorize where they can.
-    w_ok = lane < inter
+    w_ok = j < inter
     # Without tails (TAIL_M 0) the branch is resolved at compile time; with them it is taken
     # before the K loop, so that each of the two loops pipelines on its own.
     if TAIL_M > 0 and has_tail:
@@ -83,17 +79,17 @@ def _gate_up_tile(
             x_ptr, a_rows, pair_ok, t_rows, tail_ok, w_ptr, s_ptr, w_rows, w_ok, hidden,
             k_lo, k_lo + span, BLOCK_N, BLOCK_M, TAIL_M, BLOCK_K, K_TILES, DEQUANT, DOT,
         )  # fmt: skip
-        _gate_up_out(tail, g_ptr, act_ptr, stride_ap, expert, tail_pair, tail_ok, is_up,
-                     pre_cols, w_ok, inter, alpha, limit, pre_ptr, stride_pp, num_pairs, BLOCK_N,
-                     TAIL_M, SPLIT_K, ACT_TILE_K, GATHER)  # fmt: skip
+        _gate_up_out(tail, g_ptr, act_ptr, stride_ap, expert, tail_pair, tail_ok, is_up, w_rows,
+                     j, inter, alpha, limit, pre_ptr, stride_pp, num_pairs, BLOCK_N, TAIL_M,
+                     SPLIT_K, ACT_TILE_K)  # fmt: skip
     else:
         acc, _ = nvfp4_mma(
             x_ptr, a_rows, pair_ok, a_rows, pair_ok, w_ptr, s_ptr, w_rows, w_ok, hidden,
             k_lo, k_lo + span, BLOCK_N, BLOCK_M, 0, BLOCK_K, K_TILES, DEQUANT, DOT,
         )  # fmt: skip
-    _gate_up_out(acc, g_ptr, act_ptr, stride_ap, expert, pair, pair_ok, is_up, pre_cols, w_ok,
-                 inter, alpha, limit, pre_ptr, stride_pp, num_pairs, BLOCK_N, BLOCK_M,
-                 SPLIT_K, ACT_TILE_K, GATHER)  # fmt: skip
+    _gate_up_out(acc, g_ptr, act_ptr, stride_ap, expert, pair, pair_ok, is_up, w_rows, j, inter,
+                 alpha, limit, pre_ptr, stride_pp, num_pairs, BLOCK_N, BLOCK_M, SPLIT_K,
+                 ACT_TILE_K)  # fmt: skip
 
 
 @triton.jit
@@ -106,8 +102,8 @@ def _gate_up_out(
     pair,
     pair_ok,
     is_up,
-    pre_cols,
-    row_ok,
+    w_rows,
+    j,
     inter,
     alpha,
     limit,
@@ -118,7 +114,6 @@ def _gate_up_out(
     BLOCK_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
     ACT_TILE_K: tl.constexpr,
-    GATHER: tl.constexpr,
 ):
     """The global scales on gate_up's [BLOCK_N, BLOCK_M] tile, then its activations stored (or
     this split's pre-activations, which the reduce kernel ends)."""
@@ -128,41 +123,26 @@ def _gate_up_out(
     acc = acc * (tl.where(is_up, g_up, g_gate) * ACC_SCALE)[:, None]
     if SPLIT_K > 1:  # this split's share of the pre-activations
         row = (tl.program_id(2) * num_pairs + pair).to(tl.int64)
-        ptrs = pre_ptr + row[None, :] * stride_pp + pre_cols[:, None]
-        tl.store(ptrs, acc, mask=row_ok[:, None] & pair_ok[None, :])
+        ptrs = pre_ptr + row[None, :] * stride_pp + w_rows[:, None]
+        tl.store(ptrs, acc, mask=(j < inter)[:, None] & pair_ok[None, :])
     else:
         gate, up = tl.split(tl.permute(tl.reshape(acc, [2, HALF_N, BLOCK_M]), (1, 2, 0)))
-        _, _, pos = _act_columns(HALF_N, HALF_N, ACT_TILE_K, GATHER)
-        _store_act(act_ptr, stride_ap, pair, pair_ok, pos, inter, gate, up, alpha, limit)
+        n = tl.program_id(0) * HALF_N + tl.arange(0, HALF_N)
+        _store_act(act_ptr, stride_ap, pair, pair_ok, n, inter, gate, up, alpha, limit, ACT_TILE_K)
 
 
 @triton.jit
-def _act_columns(
-    HALF_N: tl.constexpr, ROWS: tl.constexpr, ACT_TILE_K: tl.constexpr, GATHER: tl.constexpr
-):
-    """(lane, j, pos) of a gate_up program's ROWS rows (the gate half, then the same for the up
-    half): the intermediate's columns j it computes and the act positions pos they are stored at
-    (the down kernel's MMA K order). With GATHER the positions are the program's contiguous
-    range and the columns are gathered (`mma_k_source`), so that the act store vectorizes; else
-    the columns are contiguous, so that each 32-row group of weight tiles is read whole, and the
-    positions scattered (`mma_k_position`), two bytes a store."""
-    lane = tl.program_id(0) * HALF_N + (tl.arange(0, ROWS) % HALF_N)
-    if GATHER:
-        return lane, mma_k_source(lane, ACT_TILE_K), lane
-    return lane, lane, mma_k_position(lane, ACT_TILE_K)
-
-
-@triton.jit
-def _store_act(act_ptr, stride_ap, pair, pair_ok, p, inter, gate, up, alpha, limit):
-    """SwiGLU-OAI of gate and up [positions, pairs] (global scales applied), stored as act[pair,
-    p]: act is the down kernel's right operand, its columns in that kernel's MMA K order."""
+def _store_act(act_ptr, stride_ap, pair, pair_ok, n, inter, gate, up, alpha, limit, ACT_TILE_K):
+    """SwiGLU-OAI of gate and up [n, pairs] (global scales applied), stored as act[pair, n]."""
     # NaN passes through, as in torch.clamp: a corrupted weight must not look like a clamped one.
     gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
     up = tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL)
     up = tl.minimum(up, limit, propagate_nan=tl.PropagateNan.ALL)
     h = (up + 1.0) * (gate * tl.sigmoid(alpha * gate))
-    ptrs = act_ptr + pair.to(tl.int64)[None, :] * stride_ap + p[:, None]
-    tl.store(ptrs, h.to(act_ptr.dtype.element_ty), mask=(p < inter)[:, None] & pair_ok[None, :])
+    # act is the down kernel's right operand: its columns go in that kernel's MMA K order.
+    cols = mma_k_position(n, ACT_TILE_K)
+    ptrs = act_ptr + pair.to(tl.int64)[None, :] * stride_ap + cols[:, None]
+    tl.store(ptrs, h.to(act_ptr.dtype.element_ty), mask=(n < inter)[:, None] & pair_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -178,25 +158,25 @@ def swiglu_reduce_kernel(
     SPLIT_K: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    ACT_TILE_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """act = SwiGLU-OAI(sum over the splits of gate_up's pre-activations), the splits added in
-    order (deterministic); [BLOCK_N positions, BLOCK_P pairs] a program. gate_up wrote the
-    pre-activations by act position (gate at p, up at I + p), so nothing is permuted here."""
+    order (deterministic); [BLOCK_N columns, BLOCK_P pairs] a program."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    p = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # act positions
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     pair = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
     pair_ok = pair < num_pairs
-    ok = (p < inter)[:, None] & pair_ok[None, :]
+    ok = (n < inter)[:, None] & pair_ok[None, :]
     gate = tl.zeros([BLOCK_N, BLOCK_P], dtype=tl.float32)
     up = tl.zeros([BLOCK_N, BLOCK_P], dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):
         rows = pre_ptr + (s * num_pairs + pair).to(tl.int64)[None, :] * stride_pp
-        gate += tl.load(rows + p[:, None], mask=ok, other=0.0)
-        up += tl.load(rows + (inter + p)[:, None], mask=ok, other=0.0)
-    _store_act(act_ptr, stride_ap, pair, pair_ok, p, inter, gate, up, alpha, limit)
+        gate += tl.load(rows + n[:, None], mask=ok, other=0.0)
+        up += tl.load(rows + (inter + n)[:, None], mask=ok, other=0.0)
+    _store_act(act_ptr, stride_ap, pair, pair_ok, n, inter, gate, up, alpha, limit, ACT_TILE_K)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_experts"])
@@ -245,8 +225,6 @@ def gate_up_kernel(
         )
         w_base = w_ptr + expert.to(tl.int64) * stride_we
         s_base = s_ptr + expert.to(tl.int64) * stride_se
-        # Decode: act is a few pairs' rows; each program reads whole 32-row weight groups
-        # (GATHER off; gathered rows were not timed at decode).
         for first in range(0, count, BLOCK_M):
             pair = slot_rows(ids_ptr, num_pairs, expert, first, P_PAD, BLOCK_M)
             pair_ok = first + tl.arange(0, BLOCK_M) < count
@@ -254,7 +232,7 @@ def gate_up_kernel(
                 x_ptr, stride_xt, w_base, s_base, g_ptr, act_ptr, stride_ap, expert, pair,
                 pair_ok, pair, pair_ok, False, hidden, inter, alpha, limit, pre_ptr, stride_pp,
                 num_pairs, TOP_K, BLOCK_N, BLOCK_M, 0, BLOCK_K, K_TILES, SPLIT_K, ACT_TILE_K,
-                False, DEQUANT, DOT,
+                DEQUANT, DOT,
             )  # fmt: skip
     else:
         expert = tl.load(block_expert_ptr + tl.program_id(1))
@@ -262,12 +240,11 @@ def gate_up_kernel(
             pair, pair_ok, tail, tail_ok, has_tail = block_pairs(sorted_ptr, BLOCK_M, TAIL_M)
             w_base = w_ptr + expert.to(tl.int64) * stride_we
             s_base = s_ptr + expert.to(tl.int64) * stride_se
-            # Prefill: act is pairs x I (50 MB at 2K tokens); its store vectorizes (GATHER).
             _gate_up_tile(
                 x_ptr, stride_xt, w_base, s_base, g_ptr, act_ptr, stride_ap, expert, pair,
                 pair_ok, tail, tail_ok, has_tail, hidden, inter, alpha, limit, pre_ptr,
                 stride_pp, num_pairs, TOP_K, BLOCK_N, BLOCK_M, TAIL_M, BLOCK_K, K_TILES,
-                SPLIT_K, ACT_TILE_K, True, DEQUANT, DOT,
+                SPLIT_K, ACT_TILE_K, DEQUANT, DOT,
             )  # fmt: skip
 
 
