@@ -1,14 +1,14 @@
 """The quantized kernels compiled for sm_90 from source on a machine without a GPU: whether each
 plan variant of the NVFP4 MoE and of the MXFP8 decode MMA compiles, its registers, spills and
-shared memory (ptxas -v), with `--sass` its main loop's length in instructions and the most
-frequent opcodes there (cuobjdump), with `--stores` its global stores by width (the PTX's
-`st.global*`: a store Triton cannot prove contiguous goes out an element at a time): what a
-device run would spend minutes finding out. For example (2026-12-06), the NVFP4 prefill gate_up
-tile's act store: 40 x `st.global.b16` a thread with columns scattered by `mma_k_position`, 5 x
-`st.global.v4.b32` with each program's positions contiguous and its weight rows gathered. Fewer
-instructions are not a faster kernel: that variant was 4 % slower at a 2048-token prefill and
-at T 32 on an H100 (the gathered rows cost more than the store saved; reverted, see
-perf/results/h100_2026-12-07_act_store).
+shared memory (ptxas -v), with `--sass` its K loop's length in instructions and the most
+frequent opcodes there (cuobjdump; `main_loop` says which loop), with `--stores` its global
+stores by width (the PTX's `st.global*`: a store Triton cannot prove contiguous goes out an
+element at a time): what a device run would spend minutes finding out. For example
+(2026-12-06), the NVFP4 prefill gate_up tile's act store: 40 x `st.global.b16` a thread with
+columns scattered by `mma_k_position`, 5 x `st.global.v4.b32` with each program's positions
+contiguous and its weight rows gathered. Fewer instructions are not a faster kernel: that
+variant was 4 % slower at a 2048-token prefill and at T 32 on an H100 (the gathered rows cost
+more than the store saved; reverted, see perf/results/h100_2026-12-07_act_store).
 
 Needs the Triton the GPU machine runs (3.6, which brings cuobjdump) and a CUDA toolkit's ptxas;
 the dev box keeps them apart from the project's venv, whose packages come after Triton's on the
@@ -84,7 +84,7 @@ def main() -> None:
     parser.add_argument("--site", default="/work/venv/lib/python3.11/site-packages")
     parser.add_argument("--ptxas", default="/usr/local/cuda/bin/ptxas")
     parser.add_argument("--splits", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--sass", action="store_true", help="the main loop's instructions too")
+    parser.add_argument("--sass", action="store_true", help="the K loop's instructions too")
     parser.add_argument("--stores", action="store_true", help="global stores by width too")
     args = parser.parse_args()
     sys.path.append(args.site)  # after this interpreter's own Triton
@@ -221,8 +221,11 @@ def report(
 
 
 def main_loop(cubin: bytes) -> str:
-    """The longest backward branch's span in the SASS (the K loop): its instruction count and
-    the most frequent opcodes in it."""
+    """The K loop in the SASS: the shortest loop (a backward branch's span) that holds the MMAs,
+    or the longest loop where no loop holds one (the GEMVs); its instruction count and most
+    frequent opcodes. The shortest, because the NVFP4 kernels' slots route wraps its K loop in a
+    pair loop (T 1 gate_up: 885 instructions with it, 509 in the K loop itself); on the sorted
+    route with tails it is the loop of the blocks without one (the tail's loop adds its dots)."""
     import triton
 
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -238,18 +241,18 @@ def main_loop(cubin: bytes) -> str:
     for addr, (op, rest) in at.items():
         target = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
         if target and int(target[1], 16) < addr:
-            loops.append((int(target[1], 16), addr))
+            start = int(target[1], 16)
+            loops.append([at[a][0].split(".")[0] for a in sorted(at) if start <= a <= addr])
     if not loops:
         return "no loop found"
-    start, end = max(loops, key=lambda span: span[1] - span[0])
-    ops = [at[a][0].split(".")[0] for a in sorted(at) if start <= a <= end]
+    mma = [ops for ops in loops if {"HGMMA", "HMMA"} & set(ops)]
+    ops = min(mma, key=len) if mma else max(loops, key=len)
     top = Counter(ops).most_common(8)
-    # A synchronous global load in a pipelined loop waits out its latency every step (in the
-    # NVFP4 kernels the longest loop is the pair loop around the K loop: its loads are the
-    # routing ids, once per pair block).
+    # A synchronous global load in a pipelined loop waits out its latency every step.
     loads = f"{ops.count('LDG')} synchronous global loads, {ops.count('LDGSTS')} async copies"
     summary = ", ".join(f"{op} {n}" for op, n in top)
-    return f"main loop {len(ops)} instructions ({loads}): {summary}"
+    kind = "K loop" if mma else "main loop"
+    return f"{kind} {len(ops)} instructions ({loads}): {summary}"
 
 
 if __name__ == "__main__":
