@@ -218,6 +218,13 @@ ABLATIONS = {
     "no_pdl": NVFP4MoEConfig(pdl=False),
     "stages4": NVFP4MoEConfig(num_stages=4),
     "stages5": NVFP4MoEConfig(num_stages=5),
+    # At T = 1: a third step of loads in flight without the registers stages4 takes (sm_90
+    # compile: gate_up 165 against the plan's 128; capped, 128 and no spill), and the plan's
+    # bytes in flight in one-tile steps (a step's copies are issued after its MMAs and a block
+    # barrier: shorter steps issue them sooner; 127 registers, 39 KB shared). Not yet timed
+    # (2026-12-07).
+    "stages4_r128": NVFP4MoEConfig(num_stages=4, max_registers=128),
+    "rows64_k1_s5": NVFP4MoEConfig(block_n=64, k_tiles=1, num_stages=5),
     # The decode tiles `plan_moe` chooses between: weight rows a program, K tiles a step.
     "rows64_k1": NVFP4MoEConfig(block_n=64, k_tiles=1),
     "rows64_k2": NVFP4MoEConfig(block_n=64, k_tiles=2),
