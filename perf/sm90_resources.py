@@ -3,8 +3,9 @@ plan variant of the NVFP4 MoE and of the MXFP8 decode MMA compiles, its register
 shared memory (ptxas -v), with `--sass` its K loop's length in instructions and the most
 frequent opcodes there (cuobjdump; `main_loop` says which loop), with `--stores` its global
 stores by width (the PTX's `st.global*`: a store Triton cannot prove contiguous goes out an
-element at a time): what a device run would spend minutes finding out. For example
-(2026-12-06), the NVFP4 prefill gate_up tile's act store: 40 x `st.global.b16` a thread with
+element at a time), with `--ptx-hash` a hash of its PTX's code (the same hashes under two
+trees' PYTHONPATHs: the same kernels): what a device run would spend minutes finding out. For
+example (2026-12-06), the NVFP4 prefill gate_up tile's act store: 40 x `st.global.b16` a thread with
 columns scattered by `mma_k_position`, 5 x `st.global.v4.b32` with each program's positions
 contiguous and its weight rows gathered. Fewer instructions are not a faster kernel: that
 variant was 4 % slower at a 2048-token prefill and at T 32 on an H100 (the gathered rows cost
@@ -14,7 +15,7 @@ Needs the Triton the GPU machine runs (3.6, which brings cuobjdump) and a CUDA t
 the dev box keeps them apart from the project's venv, whose packages come after Triton's on the
 path:
 
-    PYTHONPATH=$PWD /tmp/t36/bin/python perf/sm90_resources.py [--sass] [--stores] \
+    PYTHONPATH=$PWD /tmp/t36/bin/python perf/sm90_resources.py [--sass] [--stores] [--ptx-hash] \
         [--splits 1 2] [--site /work/venv/lib/python3.11/site-packages] \
         [--ptxas /usr/local/cuda/bin/ptxas]
 
@@ -34,6 +35,8 @@ report of 816 spilled bytes at M tile 64 came from that; with it: 224 registers,
 from __future__ import annotations
 
 import argparse
+import bisect
+import hashlib
 import re
 import subprocess
 import sys
@@ -86,6 +89,9 @@ def main() -> None:
     parser.add_argument("--splits", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--sass", action="store_true", help="the K loop's instructions too")
     parser.add_argument("--stores", action="store_true", help="global stores by width too")
+    parser.add_argument(
+        "--ptx-hash", action="store_true", help="a hash of the PTX's code (two trees compared)"
+    )
     args = parser.parse_args()
     sys.path.append(args.site)  # after this interpreter's own Triton
     print(f"triton {__import__('triton').__version__}, sm_90")
@@ -218,6 +224,13 @@ def report(
     if args.stores:
         stores = Counter(re.findall(r"\bst\.global[\w.]*", compiled.asm["ptx"]))
         print("    stores:", ", ".join(f"{n} x {op}" for op, n in sorted(stores.items())))
+    if args.ptx_hash:
+        # The debug sections and .loc/.file lines hold the source's path, lines and function
+        # names: the code alone is compared.
+        code = compiled.asm["ptx"].split(".section\t.debug")[0]
+        lines = [line.strip() for line in code.splitlines()]
+        lines = [line for line in lines if line and not line.startswith(("//", ".loc", ".file"))]
+        print("    ptx", hashlib.sha1("\n".join(lines).encode()).hexdigest()[:12])
 
 
 def main_loop(cubin: bytes) -> str:
@@ -236,13 +249,13 @@ def main_loop(cubin: bytes) -> str:
             [str(tool), "-sass", str(path)], capture_output=True, text=True, check=False
         ).stdout
     code = re.findall(r"/\*([0-9a-f]{4,})\*/\s+((?:@!?U?P\w+ )?[A-Z][A-Z0-9_.]*)([^;]*);", sass)
-    at = {int(addr, 16): (op.split()[-1], rest) for addr, op, rest in code}
+    addrs = [int(addr, 16) for addr, _, _ in code]  # ascending, as cuobjdump prints them
+    opcodes = [op.split()[-1].split(".")[0] for _, op, _ in code]
     loops = []
-    for addr, (op, rest) in at.items():
-        target = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
-        if target and int(target[1], 16) < addr:
-            start = int(target[1], 16)
-            loops.append([at[a][0].split(".")[0] for a in sorted(at) if start <= a <= addr])
+    for i, (_, op, rest) in enumerate(code):
+        target = re.search(r"0x([0-9a-f]+)", rest) if op.split()[-1].startswith("BRA") else None
+        if target and int(target[1], 16) < addrs[i]:
+            loops.append(opcodes[bisect.bisect_left(addrs, int(target[1], 16)) : i + 1])
     if not loops:
         return "no loop found"
     mma = [ops for ops in loops if {"HGMMA", "HMMA"} & set(ops)]
