@@ -221,10 +221,13 @@ ABLATIONS = {
     # At T = 1: a third step of loads in flight without the registers stages4 takes (sm_90
     # compile: gate_up 165 against the plan's 128; capped, 128 and no spill), and the plan's
     # bytes in flight in one-tile steps (a step's copies are issued after its MMAs and a block
-    # barrier: shorter steps issue them sooner; 127 registers, 39 KB shared). Not yet timed
+    # barrier: shorter steps issue them sooner; 127 registers, 39 KB shared); one-tile steps at
+    # 4 and 6 stages bracket it (down at 6: 142 registers, 48 KB shared). Not yet timed
     # (2026-12-07).
     "stages4_r128": NVFP4MoEConfig(num_stages=4, max_registers=128),
+    "rows64_k1_s4": NVFP4MoEConfig(block_n=64, k_tiles=1, num_stages=4),
     "rows64_k1_s5": NVFP4MoEConfig(block_n=64, k_tiles=1, num_stages=5),
+    "rows64_k1_s6": NVFP4MoEConfig(block_n=64, k_tiles=1, num_stages=6),
     # The decode tiles `plan_moe` chooses between: weight rows a program, K tiles a step.
     "rows64_k1": NVFP4MoEConfig(block_n=64, k_tiles=1),
     "rows64_k2": NVFP4MoEConfig(block_n=64, k_tiles=2),

@@ -8,16 +8,20 @@
 #   carry [".whl"] (plus ".scratch" holding tcache.tgz.part*, a Triton cache, if any):
 #   bash perf/h200_layer_table.sh [--ablations]
 #
-# `--ablations` runs the W4A16 MoE's tile, K-split and route variants too (bench_nvfp4_moe.py
-# --ablations), and the W8A16 MXFP8 decode tiles with their scales loaded as bytes and as words
-# (bench_mxfp8_linear.py --decode-sweep, two shapes) beside the served tiles at M 24-128: about
-# four minutes more, within the device tool's ten.
+# `--ablations` runs the W4A16 MoE's pipeline-depth, tile and PDL variants too
+# (bench_nvfp4_moe.py --ablations --variants, below), and the W8A16 MXFP8 decode tiles with
+# their scales loaded as bytes and as words (bench_mxfp8_linear.py --decode-sweep, two shapes)
+# beside the served tiles at M 24-128: about four minutes more, within the device tool's ten.
 #
 # About 3.5 minutes with a warm Triton cache; each step has its own time limit, so a slow one
 # costs its own output, not the others'.
 set -u
 ablations=()
-[ "${1:-}" = --ablations ] && ablations=(--ablations)
+# The pipeline-depth rows for T = 1's bytes in flight, the served tiles' neighbours and PDL; the
+# prefill's tail choices (all of `ABLATIONS` no longer fit the step's four minutes).
+variants=default,no_pdl,stages4,stages4_r128,rows64_k1,rows64_k1_s4,rows64_k1_s5,rows64_k1_s6
+variants+=,rows128_k1,no_tail,tail32
+[ "${1:-}" = --ablations ] && ablations=(--ablations --variants "$variants")
 . perf/device_env.sh
 
 step tests 240 python3 -m pytest -q tests/gpu/test_mxfp8_linear_gpu.py \
