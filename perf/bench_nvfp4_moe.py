@@ -17,12 +17,14 @@ activations, top-4 of uniform random scores per token.
   check (relative difference of the two, both on identical weight values).
 
     python perf/bench_nvfp4_moe.py [--tokens 1,2,4,8,16,32,64,128] [--prefill 2048[,T...]]
-        [--experts 128] [--ablations | --prefill-ablations] [--out PATH]
+        [--experts 128] [--ablations [--ablation-tokens 1,8,32] | --prefill-ablations]
+        [--variants NAME,...] [--out PATH]
 
-`--ablations` adds, at T in {1, 8, 32}: the plain-Triton decode (no inline PTX), the other route,
-no PDL, a few tile/stage/warp variants and K splits (`ABLATIONS`); and tile variants of the prefill
-(`PREFILL_ABLATIONS`), to guide tuning of `_plan`. `--prefill-ablations`: only the prefill's, at
-each `--prefill` T. `--experts N` routes over N experts instead of the model's 128 (the 4-layer
+`--ablations` adds, at T in {1, 8, 32} (`--ablation-tokens`): the plain-Triton decode (no
+inline PTX), the other route, no PDL, a few tile/stage/warp variants and K splits (`ABLATIONS`);
+and tile variants of the prefill (`PREFILL_ABLATIONS`), to guide tuning of `_plan`;
+`--variants` names the ones to run. `--prefill-ablations`: only the prefill's, at each
+`--prefill` T. `--experts N` routes over N experts instead of the model's 128 (the 4-layer
 serving slice has 8: its mixed steps of 300-600 tokens give 150-300 pairs an expert, a regime
 the real model's prefill reaches only at 5-10K tokens a step); `--tokens ''` skips the decode.
 Prints a table; writes JSON to $OUT/bench_nvfp4_moe.json when $OUT is set, else to
@@ -340,6 +342,9 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=EXPERTS)
     parser.add_argument("--no-grouped", action="store_true", help="skip the bf16 grouped-mm path")
     parser.add_argument("--ablations", action="store_true")
+    parser.add_argument(
+        "--ablation-tokens", default="1,8,32", help="token counts of the decode ablations"
+    )
     parser.add_argument("--prefill-ablations", action="store_true")
     parser.add_argument(
         "--variants",
@@ -404,7 +409,8 @@ def main() -> None:
     abl = []
     if args.ablations:
         print("\nablations (graph µs / % of read bandwidth)")
-        abl = ablations(ex, [1, 8, 32], read_bw, variants)
+        abl_tokens = [int(v) for v in args.ablation_tokens.split(",") if v]
+        abl = ablations(ex, abl_tokens, read_bw, variants)
         for r in abl:
             print(
                 f"  T={r['tokens']:>3} {r['variant']:<15} {r['us']:9.1f} µs "
