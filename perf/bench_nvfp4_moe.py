@@ -224,8 +224,10 @@ ABLATIONS = {
     # compile: gate_up 165 against the plan's 128; capped, 128 and no spill), and the plan's
     # bytes in flight in one-tile steps (a step's copies are issued after its MMAs and a block
     # barrier: shorter steps issue them sooner; 127 registers, 39 KB shared); one-tile steps at
-    # 4 and 6 stages bracket it (down at 6: 142 registers, 48 KB shared). Not yet timed
-    # (2026-12-07).
+    # 4 and 6 stages bracket it (down at 6: 142 registers, 48 KB shared). H100 2026-12-07: none
+    # faster than the plan at T = 1 (57.7 µs; these 58.8-63.2), stages4 3 % faster at T = 8
+    # (perf/results/h100_2026-12-07b_t1_inflight); the H200, where T = 1 reads at half its
+    # bandwidth, has not run them.
     "stages4_r128": NVFP4MoEConfig(num_stages=4, max_registers=128),
     "rows64_k1_s4": NVFP4MoEConfig(block_n=64, k_tiles=1, num_stages=4),
     "rows64_k1_s5": NVFP4MoEConfig(block_n=64, k_tiles=1, num_stages=5),
