@@ -13,7 +13,7 @@
 #
 #   carry [".whl"] (plus ".scratch" holding tcache.tgz.part*, if any):
 #   bash perf/h200_serve_slice.sh [--experts N] [--layers L] [--tag T] [--client-procs P]
-#       [--serve-arg ARG]...
+#       [--serve-arg ARG]... [--py-spy NAME]
 #       [LEVEL...]
 #
 # `--experts N`: routed experts per layer of the slice (default 8; issue 11 allows 8-32). With
@@ -24,6 +24,12 @@
 # `--serve-arg ARG` passes ARG on to `m3serve serve` (e.g. `--serve-arg --mixed-step-stretch
 # --serve-arg 2.2`); `--client-procs P`: the load generator's processes (default 4); the
 # client's own share of the ITL p99 is the gap between its ratio and the trace's (`--itl`).
+# `--py-spy NAME`: during level NAME, 4 s of `py-spy record` (250 Hz, raw stacks) of the server
+# and each of its processes, into py_spy_NAME.txt.gz in results.tgz (one section a process,
+# after a line `=== PID`; `perf/results/h200_2026-12-03_host_overhead/py_spy_executor.py` sums
+# the executor thread's samples). Needs py-spy's wheel in `.whl` (`device-wheels.sh py-spy`):
+# where the host time of a step goes when its run outlasts its kernels (2026-12-07: ~0.6 ms a
+# step on one H100's host, none on another's). The level should last 6 s or more: c1:1:24.
 # A LEVEL is NAME:CONCURRENCY:REQUESTS[:probe]; the default is the table of the closing notes:
 # c1:1:12 c16:16:192 c64:64:256:probe c128:128:256 c256:256:512. `.whl` holds the wheels the
 # README's Notes list (the server dies at import without xgrammar's).
@@ -33,6 +39,7 @@ layers=4
 tag=""
 client_procs=4
 serve_args=()
+py_spy=""
 while [ $# -gt 0 ]; do
   case $1 in
     --experts) experts=$2; shift 2 ;;
@@ -40,6 +47,7 @@ while [ $# -gt 0 ]; do
     --tag) tag="$2_"; shift 2 ;;
     --client-procs) client_procs=$2; shift 2 ;;
     --serve-arg) serve_args+=("$2"); shift 2 ;;
+    --py-spy) py_spy=$2; shift 2 ;;
     *) break ;;
   esac
 done
@@ -67,6 +75,18 @@ done
 echo "ready after $(($(date +%s) - t0)) s"
 grep -E "start-up [0-9]|mixed-step prompt budget" /tmp/serve.log | tail -2
 rm -rf /tmp/res && mkdir -p /tmp/res && : > /tmp/res/windows.txt
+record_py_spy() {  # record_py_spy FILE: 2 s into the level, 4 s of each server process
+  command -v py-spy > /dev/null || { echo "py-spy: not installed (its wheel in .whl)"; return; }
+  sleep 2
+  local pid
+  for pid in $server $(pgrep -P $server); do
+    py-spy record -r 250 -d 4 -f raw --threads -p "$pid" -o "$1.$pid" > /dev/null 2>&1 &
+  done
+  wait
+  for pid in $server $(pgrep -P $server); do
+    [ -f "$1.$pid" ] && { echo "=== $pid"; cat "$1.$pid"; rm -f "$1.$pid"; }
+  done | gzip > "$1.gz"
+}
 # The machine's CPU a second at a time (its `st` column: time the VM's host took) beside the
 # trace's `cpu=` and `preempted=`, for steps whose launch the engine could not run.
 vmstat -t 1 > /tmp/res/vmstat.txt 2>&1 &
@@ -85,6 +105,11 @@ for level in "${levels[@]}"; do
   extra=()
   [ "${probe:-}" = probe ] && extra=(--decode-probe "$concurrency")
   since=$(date +%T.%3N)
+  spy=""
+  if [ "$name" = "$py_spy" ]; then
+    record_py_spy "/tmp/res/py_spy_$name.txt" &
+    spy=$!
+  fi
   python3 perf/bench_serving.py --url http://127.0.0.1:30000 --input-len 1024 --output-len 256 \
     --concurrency "$concurrency" --num-requests "$requests" --client-procs "$client_procs" \
     --seed "$seed" "${extra[@]}" \
@@ -103,6 +128,7 @@ if "decode_probe" in report:
 PY
     echo "$name $since $(date +%T.%3N)" >> /tmp/res/windows.txt
   grep -E "^concurrency|of ideal|prefix cache" "/tmp/res/$name.txt"
+  [ -z "$spy" ] || wait "$spy"  # not a bare `wait`: vmstat and top run to the end
 done
 kill -INT $server
 wait $server
