@@ -305,6 +305,11 @@ PREFILL_ABLATIONS = {
 }
 
 
+def ints(text: str) -> list[int]:
+    """A comma-separated list of token counts ('' for none)."""
+    return [int(v) for v in text.split(",") if v]
+
+
 def chosen(table: dict[str, NVFP4MoEConfig], names: list[str]) -> list[tuple[str, NVFP4MoEConfig]]:
     """The variants of `table` named in `names` (all when none is: each compiles its own
     kernels, so a run may ask for a few)."""
@@ -376,7 +381,7 @@ def main() -> None:
         f"{'T':>4} {'pairs':>5} {'experts':>7} {'MB':>8} {'nvfp4 µs':>9} {'GB/s':>7} "
         f"{'%read':>6} {'bf16 grp µs':>11} {'×grp':>6} {'rel diff':>9}"
     )
-    for t in [int(v) for v in args.tokens.split(",") if v]:
+    for t in ints(args.tokens):
         r = decode_point(ex, bf16, t, read_bw)
         decode.append(r)
         grouped = (
@@ -411,8 +416,7 @@ def main() -> None:
     abl = []
     if args.ablations:
         print("\nablations (graph µs / % of read bandwidth)")
-        abl_tokens = [int(v) for v in args.ablation_tokens.split(",") if v]
-        abl = ablations(ex, abl_tokens, read_bw, variants)
+        abl = ablations(ex, ints(args.ablation_tokens), read_bw, variants)
         for r in abl:
             print(
                 f"  T={r['tokens']:>3} {r['variant']:<15} {r['us']:9.1f} µs "

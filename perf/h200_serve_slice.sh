@@ -78,12 +78,13 @@ rm -rf /tmp/res && mkdir -p /tmp/res && : > /tmp/res/windows.txt
 record_py_spy() {  # record_py_spy FILE: 2 s into the level, 4 s of each server process
   command -v py-spy > /dev/null || { echo "py-spy: not installed (its wheel in .whl)"; return; }
   sleep 2
-  local pid
-  for pid in $server $(pgrep -P $server); do
+  local pid pids
+  pids="$server $(pgrep -P $server)"
+  for pid in $pids; do
     py-spy record -r 250 -d 4 -f raw --threads -p "$pid" -o "$1.$pid" > /dev/null 2>&1 &
   done
   wait
-  for pid in $server $(pgrep -P $server); do
+  for pid in $pids; do
     [ -f "$1.$pid" ] && { echo "=== $pid"; cat "$1.$pid"; rm -f "$1.$pid"; }
   done | gzip > "$1.gz"
 }
