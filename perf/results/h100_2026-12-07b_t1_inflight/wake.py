@@ -9,15 +9,18 @@ event. Written in stop 54 for the next device call; not yet run there.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+sys.path.insert(0, "perf")  # run from the repo root
+from summarize_step_trace import percentile
+
 
 def percentiles(seconds: list[float]) -> str:
-    xs = sorted(seconds)
-    p50, p90, p99 = (1e6 * xs[int(len(xs) * q)] for q in (0.5, 0.9, 0.99))
+    p50, p90, p99 = (1e6 * percentile(seconds, q) for q in (0.5, 0.9, 0.99))
     return f"p50 {p50:8.1f} µs  p90 {p90:8.1f}  p99 {p99:8.1f}"
 
 
