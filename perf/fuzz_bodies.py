@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 MAX_NEW_TOKENS = 8
 MAX_N = 2
 MAX_PROMPTS = 3
-GENERATING = ("/v1/chat/completions", "/v1/completions")
+GENERATING = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 # Markers of MiniMax's chat format: text that the parsers and the template must take as text.
 MARKERS = ["<mm:think>", "</mm:think>", "]<]minimax[>[", "<tool_call>", "</tool_call>", "<invoke"]
 
@@ -216,7 +216,7 @@ def clamp(path: str, body: Any) -> None:
     """Keep generation short: bound new tokens, choices and prompts of a body that has them."""
     if path not in GENERATING or not isinstance(body, dict):
         return
-    limits = ("max_tokens", "max_completion_tokens")
+    limits = ("max_tokens", "max_completion_tokens", "max_output_tokens")
     for key in limits:
         value = body.get(key)
         if _is_int(value) and value > MAX_NEW_TOKENS:
@@ -229,9 +229,9 @@ def clamp(path: str, body: Any) -> None:
     n = body.get("n")
     if _is_int(n) and n > MAX_N:
         body["n"] = MAX_N
-    prompts = body.get("prompt")
-    if isinstance(prompts, list) and prompts and isinstance(prompts[0], (str, list)):
-        body["prompt"] = prompts[:MAX_PROMPTS]
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        body["prompt"] = prompt[:MAX_PROMPTS]
 
 
 def _is_int(value: Any) -> bool:

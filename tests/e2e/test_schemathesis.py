@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 import schemathesis
+from fuzz_bodies import clamp  # perf/ is on the tests' path (pyproject)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis.python import asgi
@@ -26,10 +27,6 @@ from m3serve.api.app import create_app
 from m3serve.engine.async_engine import AsyncEngine
 from m3serve.runtime.config import ApiArgs, ServerArgs
 
-MAX_NEW_TOKENS = 8
-MAX_N = 2
-MAX_PROMPTS = 3
-GENERATING = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
 
 
@@ -54,32 +51,6 @@ def app(model_path: Path) -> Iterator[Starlette]:
     yield app
     asgi.shutdown_lifespans()
     assert not app.state.server.engine.healthy
-
-
-def clamp(path: str, body: Any) -> None:
-    """Keep generation short: bound new tokens, choices and prompts of a body that has them."""
-    if path not in GENERATING or not isinstance(body, dict):
-        return
-    limits = ("max_tokens", "max_completion_tokens", "max_output_tokens")
-    for key in limits:
-        value = body.get(key)
-        if _is_int(value) and value > MAX_NEW_TOKENS:
-            body[key] = MAX_NEW_TOKENS
-    if not any(_is_int(body.get(key)) and body[key] > 0 for key in limits):
-        # No positive limit means "whatever the context allows"; a wrong type stays, to be refused.
-        for key in limits:
-            if body.get(key) is None or body[key] == 0:
-                body[key] = MAX_NEW_TOKENS
-    n = body.get("n")
-    if _is_int(n) and n > MAX_N:
-        body["n"] = MAX_N
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        body["prompt"] = prompt[:MAX_PROMPTS]
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # The document `/openapi.json` serves (checked in the fixture). Built here, at collection time,
