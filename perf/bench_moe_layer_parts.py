@@ -8,6 +8,9 @@ and is timed in the same run:
 
 * served: the layer as the engine runs it;
 * serial: the shared expert on the main stream after the routed experts (no side stream);
+* routed_first: the side stream as served, but the routed experts queued before the shared
+  expert (served: the shared expert first, whose GEMVs fill the GPU and hold back the routed
+  experts' first kernel until they drain);
 * no_shared / no_routed / no_moe: the shared expert, the routed experts (the router still
   runs), or the whole MoE block replaced by zeros — what remains is the rest's cost;
 * no_pdl: no kernel launched with programmatic dependent launch (what PDL buys where used);
@@ -57,13 +60,15 @@ REPLAYS = 50
 @contextlib.contextmanager
 def variant(name: str, model: M3ForCausalLM, backend: HopperBackend) -> Iterator[None]:
     """The model's code as `name` changes it, for the duration of the block."""
-    forward, moe, side = MoE.forward, HopperBackend.moe, backend._side
+    forward, moe, side, beside = MoE.forward, HopperBackend.moe, backend._side, backend._beside
     stack = contextlib.ExitStack()
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     shared = [m.shared_experts for m in moes]
     try:
         if name == "serial":
             backend._side = None
+        elif name == "routed_first":
+            backend._beside = _routed_first(backend)  # type: ignore[method-assign]
         elif name == "no_moe":
             MoE.forward = lambda self, x: torch.zeros_like(x)  # type: ignore[method-assign]
         elif name == "no_routed":
@@ -76,9 +81,27 @@ def variant(name: str, model: M3ForCausalLM, backend: HopperBackend) -> Iterator
         yield
     finally:
         MoE.forward, HopperBackend.moe, backend._side = forward, moe, side  # type: ignore[method-assign]
+        backend._beside = beside  # type: ignore[method-assign]
         for mlp in shared:
             mlp.__dict__.pop("forward", None)
         stack.close()
+
+
+def _routed_first(backend: HopperBackend) -> Any:
+    """HopperBackend._beside with `first` (the routed experts) queued before `second`."""
+
+    def beside(first: Any, second: Any) -> tuple[Any, Any]:
+        assert backend._side is not None
+        main = torch.cuda.current_stream(backend.device)
+        backend._side.wait_stream(main)  # before `first`: the side stream must not wait for it
+        a = first()
+        with torch.cuda.stream(backend._side):
+            b = second()
+        main.wait_stream(backend._side)
+        b.record_stream(main)
+        return a, b
+
+    return beside
 
 
 @contextlib.contextmanager
@@ -231,7 +254,16 @@ def print_timeline(bs: int, name: str, rows: list[dict[str, Any]]) -> None:
     print(f"  kernel µs {busy:.1f}, idle µs before them {idle:.1f} (all streams)")
 
 
-VARIANTS = ("served", "serial", "no_pdl", "no_pdl_moe", "no_shared", "no_routed", "no_moe")
+VARIANTS = (
+    "served",
+    "serial",
+    "routed_first",
+    "no_pdl",
+    "no_pdl_moe",
+    "no_shared",
+    "no_routed",
+    "no_moe",
+)
 
 
 def main() -> None:
