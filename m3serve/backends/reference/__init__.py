@@ -206,18 +206,26 @@ class ReferenceBackend:
 def dequant_experts(experts: Nvfp4Experts, dtype: torch.dtype) -> DenseExperts:
     """The experts' exact values: e2m1 * e4m3 (exact in fp32), then times the global scale of
     each row's half (w1 rows, w3 rows) or of w2, rounded once, as `dequant_nvfp4` does. Row-tiled
-    experts (`Nvfp4Experts.tiled`) are read back in row order first."""
+    experts (`Nvfp4Experts.tiled`) are read back in row order first. One expert at a time: a real
+    layer's 128 experts at once took tens of GB for the decode's int64 codes and fp32 values."""
 
     def rows(t: torch.Tensor) -> torch.Tensor:
         return untile_rows(t) if experts.tiled else t
 
     w13_codes, w13_scale = rows(experts.w13), rows(experts.w13_scale)
     w2_codes, w2_scale = rows(experts.w2), rows(experts.w2_scale)
-    row_global = experts.w13_global.repeat_interleave(w13_codes.shape[1] // 2, dim=1)
-    w13 = _nvfp4_rows(w13_codes, w13_scale, row_global)
-    w2_global = experts.w2_global[:, None].expand(-1, w2_codes.shape[1])
-    w2 = _nvfp4_rows(w2_codes, w2_scale, w2_global)
-    return DenseExperts(w13.to(dtype), w2.to(dtype))
+    half = w13_codes.shape[1] // 2
+    w13 = torch.empty(
+        *w13_codes.shape[:2], 2 * w13_codes.shape[2], dtype=dtype, device=w13_codes.device
+    )
+    w2 = torch.empty(
+        *w2_codes.shape[:2], 2 * w2_codes.shape[2], dtype=dtype, device=w2_codes.device
+    )
+    for e in range(w13.shape[0]):
+        row_global = experts.w13_global[e].repeat_interleave(half)
+        w13[e] = _nvfp4_rows(w13_codes[e], w13_scale[e], row_global)
+        w2[e] = _nvfp4_rows(w2_codes[e], w2_scale[e], experts.w2_global[e].expand(w2.shape[1]))
+    return DenseExperts(w13, w2)
 
 
 def _nvfp4_rows(codes: torch.Tensor, scale: torch.Tensor, row_global: torch.Tensor) -> torch.Tensor:

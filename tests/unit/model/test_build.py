@@ -90,3 +90,21 @@ def test_the_bf16_copy_holds_each_mxfp8_projection_dequantized_beside_its_codes(
     assert weight_bytes(copied.model) == weight_bytes(plain.model) + extra
     without = [m.data for m in plain.model.modules() if isinstance(m, Linear) and m.fmt == "MXFP8"]
     assert all(isinstance(w, Mxfp8Weight) and w.bf16 is None for w in without)
+
+
+def test_dequant_experts_gives_the_values_the_loader_dequantizes_to(tmp_path: Path) -> None:
+    """The experts kept as NVFP4 and decoded one at a time (`dequant_experts`) hold exactly the
+    values that loading the same checkpoint dequantized (`dequant_nvfp4`) gives."""
+    path = make_tiny(tmp_path / "q", SPEC)
+    kept = load_model(path, ReferenceBackend(torch.device("cpu"), keep_quantized=True))
+    dense = load_model(path, ReferenceBackend(torch.device("cpu")), "float32", progress=False)
+    pairs = [
+        (ours.data, theirs.data)
+        for ours, theirs in zip(kept.model.modules(), dense.model.modules(), strict=True)
+        if isinstance(ours, Experts) and ours.fmt == "NVFP4"
+    ]
+    assert pairs, "the checkpoint has NVFP4 experts"
+    for quantized, values in pairs:
+        assert isinstance(quantized, Nvfp4Experts) and not isinstance(values, Nvfp4Experts)
+        got = dequant_experts(quantized, torch.float32)
+        assert torch.equal(got.w13, values.w13) and torch.equal(got.w2, values.w2)
