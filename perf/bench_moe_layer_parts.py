@@ -10,7 +10,9 @@ and is timed in the same run:
 * serial: the shared expert on the main stream after the routed experts (no side stream);
 * routed_first: the side stream as served, but the routed experts queued before the shared
   expert (served: the shared expert first, whose GEMVs fill the GPU and hold back the routed
-  experts' first kernel until they drain);
+  experts' first kernel until they drain). An H100, 2026-12-07: no change at batch 1, 8, 64
+  (the shared GEMV still started first: the queue order of two graph branches does not decide
+  it; perf/results/h100_2026-12-07c_routed_first_table/);
 * no_shared / no_routed / no_moe: the shared expert, the routed experts (the router still
   runs), or the whole MoE block replaced by zeros — what remains is the rest's cost;
 * no_pdl: no kernel launched with programmatic dependent launch (what PDL buys where used);
