@@ -17,7 +17,12 @@ from hypothesis import strategies as st
 MAX_NEW_TOKENS = 8
 MAX_N = 2
 MAX_PROMPTS = 3
-GENERATING = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+# The generating endpoints and the fields that bound their new tokens.
+LIMITS = {
+    "/v1/chat/completions": ("max_tokens", "max_completion_tokens"),
+    "/v1/completions": ("max_tokens",),
+    "/v1/responses": ("max_output_tokens",),
+}
 # Markers of MiniMax's chat format: text that the parsers and the template must take as text.
 MARKERS = ["<mm:think>", "</mm:think>", "]<]minimax[>[", "<tool_call>", "</tool_call>", "<invoke"]
 
@@ -214,9 +219,9 @@ BODIES = {"/v1/chat/completions": chat_body, "/v1/completions": completion_body}
 
 def clamp(path: str, body: Any) -> None:
     """Keep generation short: bound new tokens, choices and prompts of a body that has them."""
-    if path not in GENERATING or not isinstance(body, dict):
+    if path not in LIMITS or not isinstance(body, dict):
         return
-    limits = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+    limits = LIMITS[path]
     for key in limits:
         value = body.get(key)
         if _is_int(value) and value > MAX_NEW_TOKENS:
