@@ -90,17 +90,13 @@ def variant(name: str, model: M3ForCausalLM, backend: HopperBackend) -> Iterator
 
 
 def _routed_first(backend: HopperBackend) -> Any:
-    """HopperBackend._beside with `first` (the routed experts) queued before `second`."""
+    """HopperBackend._beside with `first` (the routed experts) queued before `second`: the
+    served `_beside` with its two calls swapped: its side-stream call, captured first, is then
+    the routed experts (which stream holds a branch does not matter inside a graph)."""
+    served = backend._beside
 
     def beside(first: Any, second: Any) -> tuple[Any, Any]:
-        assert backend._side is not None
-        main = torch.cuda.current_stream(backend.device)
-        backend._side.wait_stream(main)  # before `first`: the side stream must not wait for it
-        a = first()
-        with torch.cuda.stream(backend._side):
-            b = second()
-        main.wait_stream(backend._side)
-        b.record_stream(main)
+        b, a = served(second, first)
         return a, b
 
     return beside

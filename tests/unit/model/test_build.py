@@ -17,7 +17,7 @@ from m3serve.model.build import checkpoint_bytes, load_model, weight_bytes
 from m3serve.model.ffn import Experts
 from m3serve.model.params import Linear
 from m3serve.model.tiny.checkpoint import TinySpec, make_tiny
-from m3serve.model.weights import Mxfp8Weight, Nvfp4Experts
+from m3serve.model.weights import ExpertWeights, Mxfp8Weight, Nvfp4Experts
 
 # Wide enough that the quantized projections and experts, not the norms, are most of the bytes.
 SPEC = TinySpec(
@@ -56,14 +56,7 @@ def test_the_hopper_backend_holds_nvfp4_experts_row_tiled_with_the_same_values(
     path = make_tiny(tmp_path / "q", SPEC)
     hopper = load_model(path, HopperBackend(torch.device("cpu"), interpreter=True), "bfloat16")
     stored = load_model(path, ReferenceBackend(torch.device("cpu"), keep_quantized=True))
-    pairs = [
-        (ours, theirs)
-        for ours, theirs in zip(hopper.model.modules(), stored.model.modules(), strict=True)
-        if isinstance(ours, Experts) and ours.fmt == "NVFP4"
-    ]
-    assert pairs, "the checkpoint has NVFP4 experts"
-    for ours, theirs in pairs:
-        held, plain = ours.data, theirs.data
+    for held, plain in nvfp4_experts(hopper.model, stored.model):
         assert isinstance(held, Nvfp4Experts) and isinstance(plain, Nvfp4Experts)
         assert held.tiled and not plain.tiled and held.w13.dim() == 5
         got, want = dequant_experts(held, torch.float32), dequant_experts(plain, torch.float32)
@@ -98,13 +91,21 @@ def test_dequant_experts_gives_the_values_the_loader_dequantizes_to(tmp_path: Pa
     path = make_tiny(tmp_path / "q", SPEC)
     kept = load_model(path, ReferenceBackend(torch.device("cpu"), keep_quantized=True))
     dense = load_model(path, ReferenceBackend(torch.device("cpu")), "float32", progress=False)
-    pairs = [
-        (ours.data, theirs.data)
-        for ours, theirs in zip(kept.model.modules(), dense.model.modules(), strict=True)
-        if isinstance(ours, Experts) and ours.fmt == "NVFP4"
-    ]
-    assert pairs, "the checkpoint has NVFP4 experts"
-    for quantized, values in pairs:
+    for quantized, values in nvfp4_experts(kept.model, dense.model):
         assert isinstance(quantized, Nvfp4Experts) and not isinstance(values, Nvfp4Experts)
         got = dequant_experts(quantized, torch.float32)
         assert torch.equal(got.w13, values.w13) and torch.equal(got.w2, values.w2)
+
+
+def nvfp4_experts(
+    ours: torch.nn.Module, theirs: torch.nn.Module
+) -> list[tuple[ExpertWeights, ExpertWeights]]:
+    """The expert weights of each NVFP4 `Experts` module of `ours` beside the same module's in
+    `theirs` (the same checkpoint loaded another way); at least one pair."""
+    pairs = [
+        (mine.data, other.data)
+        for mine, other in zip(ours.modules(), theirs.modules(), strict=True)
+        if isinstance(mine, Experts) and mine.fmt == "NVFP4"
+    ]
+    assert pairs, "the checkpoint has NVFP4 experts"
+    return pairs
