@@ -69,12 +69,15 @@ def random_kv(cfg: TextConfig, pages: int, device: torch.device) -> KVCache:
 
 
 def decode_batch(batch_size: int, context: int, page: int, device: torch.device) -> ForwardBatch:
+    """`batch_size` decode rows at `context`, each its own token (one token repeated gives the
+    rows alike hidden states, routed to the same few experts: fewer expert bytes than a real
+    batch reads) and its own pages in a shuffled order."""
     pages_each = -(-(context + 1) // page)
     order = torch.randperm(batch_size * pages_each, generator=torch.Generator().manual_seed(1))
     chunks = []
     for b in range(batch_size):
         pages = order[b * pages_each : (b + 1) * pages_each].tolist()
-        chunks.append(SeqStep([7], context, pages))
+        chunks.append(SeqStep([7 + b], context, pages))
     return ForwardBatch.build(chunks, page, device)
 
 

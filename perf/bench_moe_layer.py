@@ -7,9 +7,10 @@ An M3.1-shaped slice of `--layers` MoE layers (hidden 6144, 64/4 heads, head 128
 weights; the bf16 slice holds exactly their dequantized values, so the two compute the same
 function. Per decode step at batch 1..128 under CUDA-graph replay: µs per layer for both, and the
 quantized layer's byte floor — the weight bytes a step reads (q/k/v/indexer + o projections,
-router, shared expert, and the distinct experts the step's tokens select) over the read
-bandwidth measured in the same run. Also the largest difference between the two slices' hidden
-states (bf16 rounding only) and transformers' eager step on the bf16 weights.
+router, shared expert, and the distinct experts the step's router picked) over the read
+bandwidth measured in the same run. Also the difference between the two slices' hidden states
+(bf16 rounding, and an expert pick flipped where two scores nearly tie: the tokens whose own
+difference passes 5e-2 are counted) and transformers' eager step on the bf16 weights.
 
     python perf/bench_moe_layer.py [--layers 2] [--context 4096] [--batches 1 8 32 64 128]
         [--no-hf]
@@ -33,11 +34,12 @@ from gpu_timing import eager_us, read_bandwidth
 from m3serve.backends.hopper import HopperBackend
 from m3serve.backends.reference import dequant_experts
 from m3serve.core.graphs import DecodeGraphs
-from m3serve.kernels.moe import route_topk
 from m3serve.kernels.quant import dequant_mxfp8
+from m3serve.model.batch import ForwardBatch
 from m3serve.model.config import QuantConfig, TextConfig
 from m3serve.model.ffn import Experts
 from m3serve.model.inventory import text_inventory
+from m3serve.model.kv_cache import KVCache
 from m3serve.model.m3 import M3ForCausalLM
 from m3serve.model.params import Linear
 from m3serve.model.weights import WeightFormats
@@ -125,17 +127,40 @@ def dequantized_model(quantized: M3ForCausalLM, cfg: TextConfig) -> M3ForCausalL
     return dense.eval()
 
 
-def weight_bytes_read(model: M3ForCausalLM, hidden: torch.Tensor) -> float:
-    """Bytes of weights one step reads per layer: every projection, the router, the shared
-    expert and the distinct experts `hidden`'s tokens select (per layer, averaged)."""
+def routed_ids(
+    model: M3ForCausalLM, backend: HopperBackend, batch: ForwardBatch, kv: KVCache
+) -> list[torch.Tensor]:
+    """The expert ids each MoE layer's router picks in one eager step of `batch`."""
+    from m3serve.kernels.triton import router
+
+    picks: list[torch.Tensor] = []
+    route = router.route
+
+    def spy(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, ids = route(*args, **kwargs)
+        picks.append(ids.clone())
+        return weights, ids
+
+    router.route = spy  # type: ignore[assignment]
+    try:
+        with torch.inference_mode():
+            model.hidden_states(batch, kv)
+    finally:
+        router.route = route  # type: ignore[assignment]
+    assert backend._router is router and len(picks) == model.cfg.num_layers
+    return picks
+
+
+def weight_bytes_read(model: M3ForCausalLM, picks: list[torch.Tensor]) -> float:
+    """Bytes of weights one step reads per layer (averaged): every projection, the router, the
+    shared expert and the distinct experts the step's router picked (`routed_ids`)."""
     total = 0.0
     layers = list(model.model.layers)
-    for layer in layers:
+    for layer, ids in zip(layers, picks, strict=True):
         moe = layer.block_sparse_moe
         dense_bytes = sum(
             p.nbytes for n, p in layer.named_parameters() if ".experts." not in f".{n}"
         )
-        _, ids = route_topk(hidden, moe.gate.weight, moe.e_score_correction_bias, 4)
         distinct = int(ids.unique().numel())
         per_expert = sum(p.nbytes for p in moe.experts.parameters()) / moe.cfg.num_experts
         total += dense_bytes + distinct * per_expert
@@ -152,8 +177,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     device = torch.device("cuda")
+    torch.manual_seed(0)  # the KV cache's values: a rerun meets the same routing near-ties
     cfg = slice_config(args.layers, args.vocab)
-    quantized = quantized_model(cfg, HopperBackend(device))
+    backend = HopperBackend(device)
+    quantized = quantized_model(cfg, backend)
     dense = dequantized_model(quantized, cfg)
     read_bw = read_bandwidth()
     page = cfg.page_size
@@ -175,13 +202,17 @@ def main() -> None:
                 hidden[label] = model.hidden_states(batch, kv).float()
             del graphs
             torch.cuda.empty_cache()
-        x = torch.randn(bs, cfg.hidden_size, device=device)
-        floor_bytes = weight_bytes_read(quantized, x)
+        floor_bytes = weight_bytes_read(quantized, routed_ids(quantized, backend, batch, kv))
         row["weight_bytes_per_layer"] = floor_bytes
         row["floor_us_per_layer"] = floor_bytes / read_bw * 1e6
         row["floor_fraction"] = row["floor_us_per_layer"] / row["quantized_us_per_layer"]
         diff = (hidden["quantized"] - hidden["bf16"]).norm() / hidden["bf16"].norm()
         row["relative_difference"] = float(diff)
+        # Per token: one expert pick flipped by a near-tie moves its token's output wholly,
+        # rounding alone moves every token a little.
+        per_token = (hidden["quantized"] - hidden["bf16"]).norm(dim=-1)
+        per_token = per_token / hidden["bf16"].norm(dim=-1)
+        row["token_relative_differences"] = per_token.tolist()
         if not args.no_hf:
             try:
                 row["hf_eager_us_per_layer"] = hf_step_us(dense, cfg, bs, args.context)
@@ -195,7 +226,7 @@ def main() -> None:
     )
     print(
         f"{'batch':>5} {'quantized µs':>12} {'floor µs':>9} {'%floor':>7} {'bf16 µs':>8} "
-        f"{'×bf16':>6} {'HF µs':>8} {'×HF':>6} {'rel diff':>9}"
+        f"{'×bf16':>6} {'HF µs':>8} {'×HF':>6} {'rel diff':>9} {'tokens > 5e-2':>13}"
     )
     for r in rows:
         q = r["quantized_us_per_layer"]
@@ -204,7 +235,8 @@ def main() -> None:
         print(
             f"{r['batch']:5d} {q:12.1f} {r['floor_us_per_layer']:9.1f} "
             f"{100 * r['floor_fraction']:6.1f}% {r['bf16_us_per_layer']:8.1f} "
-            f"{r['bf16_us_per_layer'] / q:5.2f}x {hf_text} {r['relative_difference']:9.2e}"
+            f"{r['bf16_us_per_layer'] / q:5.2f}x {hf_text} {r['relative_difference']:9.2e} "
+            f"{sum(d > 5e-2 for d in r['token_relative_differences']):6d}/{r['batch']}"
         )
     out = args.out or Path(os.environ.get("OUT", "perf/results")) / "bench_moe_layer.json"
     out.parent.mkdir(parents=True, exist_ok=True)

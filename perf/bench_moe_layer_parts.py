@@ -13,12 +13,20 @@ and is timed in the same run:
   experts' first kernel until they drain). An H100, 2026-12-07: no change at batch 1, 8, 64
   (the shared GEMV still started first: the queue order of two graph branches does not decide
   it; perf/results/h100_2026-12-07c_routed_first_table/);
+* shared_rows8 / shared_rows16 / shared_rows32: at batch 1-2 the shared expert's two GEMVs
+  with 8, 16 or 32 weight rows a program (served: 4, 1536 programs for gate_up, all resident at
+  once, so the routed experts' first kernel finds no free slot until they drain); fewer, longer
+  programs leave SM slots to the routed experts. Other batches run as served. An H100,
+  2026-12-07: 157.3 / 165.0 / 197.4 µs against 161.1 served and 159.4 serial (the routed
+  gate_up then started at once, but took the bandwidth the GEMVs gave up; results in
+  perf/results/h100_2026-12-07d_shared_rows_floor/);
 * no_shared / no_routed / no_moe: the shared expert, the routed experts (the router still
   runs), or the whole MoE block replaced by zeros — what remains is the rest's cost;
 * no_pdl: no kernel launched with programmatic dependent launch (what PDL buys where used);
   no_pdl_moe: only the routed experts' kernels without it.
 
-The byte floor is the served layer's weight bytes at the read bandwidth measured in the run.
+The byte floor is the served layer's weight bytes at the read bandwidth measured in the run,
+with the experts the step's own router picked (each row a different token: `decode_batch`).
 `--kernels [VARIANT...]` also profiles replays of the layers as those variants run them (the
 served ones when none is named; torch.profiler, CUPTI sees the kernels a graph launches) and
 prints one layer's kernels in order: each one's µs, and the idle time before it on its stream
@@ -45,14 +53,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import triton
 from bench_decode_slice import decode_batch, random_kv
-from bench_moe_layer import quantized_model, slice_config, weight_bytes_read
+from bench_moe_layer import quantized_model, routed_ids, slice_config, weight_bytes_read
 from gpu_timing import read_bandwidth
 from result_json import write_result
 
 from m3serve.backends.hopper import HopperBackend
 from m3serve.model.batch import ForwardBatch
-from m3serve.model.ffn import MoE
+from m3serve.model.ffn import DenseMLP, MoE
 from m3serve.model.kv_cache import KVCache
 from m3serve.model.m3 import M3ForCausalLM
 
@@ -71,6 +80,10 @@ def variant(name: str, model: M3ForCausalLM, backend: HopperBackend) -> Iterator
             backend._side = None
         elif name == "routed_first":
             backend._beside = _routed_first(backend)  # type: ignore[method-assign]
+        elif name.startswith("shared_rows"):
+            rows = int(name.removeprefix("shared_rows"))
+            for mlp in shared:
+                mlp.forward = _shared_rows(mlp, rows)  # type: ignore[method-assign]
         elif name == "no_moe":
             MoE.forward = lambda self, x: torch.zeros_like(x)  # type: ignore[method-assign]
         elif name == "no_routed":
@@ -100,6 +113,26 @@ def _routed_first(backend: HopperBackend) -> Any:
         return a, b
 
     return beside
+
+
+def _shared_rows(mlp: DenseMLP, rows: int) -> Any:
+    """`mlp`'s forward with its GEMVs (batch 1-2) taking `rows` weight rows a program."""
+    from m3serve.kernels.triton.mxfp8_linear import Mxfp8Plan, mxfp8_linear
+
+    block_k = 4096 // rows  # the served tile's 4 KB of codes a K step (4 rows x 1024)
+
+    def linear(x: torch.Tensor, weight: Any) -> torch.Tensor:
+        plan = Mxfp8Plan(triton.next_power_of_2(x.shape[0]), rows, block_k, 1, 4, 3, gemv=True)
+        return mxfp8_linear(x, weight.codes, weight.scales, plan=plan)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 2:
+            return DenseMLP.forward(mlp, x)
+        gate_up = linear(x, mlp.gate_up_proj.data)
+        hidden = mlp.backend.swiglu(gate_up, mlp.cfg.swiglu_alpha, mlp.cfg.swiglu_limit)
+        return linear(hidden, mlp.down_proj.data)
+
+    return forward
 
 
 @contextlib.contextmanager
@@ -256,6 +289,9 @@ VARIANTS = (
     "served",
     "serial",
     "routed_first",
+    "shared_rows8",
+    "shared_rows16",
+    "shared_rows32",
     "no_pdl",
     "no_pdl_moe",
     "no_shared",
@@ -292,7 +328,7 @@ def main() -> None:
         pages = bs * (-(-(args.context + 1) // page)) + 1
         kv = random_kv(cfg, pages + 1, device)
         batch = decode_batch(bs, args.context, page, device)
-        floor = weight_bytes_read(model, torch.randn(bs, cfg.hidden_size, device=device))
+        floor = weight_bytes_read(model, routed_ids(model, backend, batch, kv))
         for name in args.variants:
             with variant(name, model, backend):
                 per_layer, rest = marginal_us(model, batch, kv, args.layers)
