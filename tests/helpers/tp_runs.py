@@ -43,6 +43,9 @@ class Setup:
     ep: int = 1
     keep_quantized: bool = False
     hopper: bool = False  # the hopper backend's Triton kernels, in the interpreter
+    # Greedy tokens of the decode: each is a paged decode step through every layer, which the
+    # Triton interpreter makes the cost of the hopper setup's test.
+    decode_tokens: int = DECODE_TOKENS
 
 
 def outputs(setup: Setup, parallel: Parallel = SINGLE) -> tuple[torch.Tensor, list[int]]:
@@ -55,7 +58,7 @@ def outputs(setup: Setup, parallel: Parallel = SINGLE) -> tuple[torch.Tensor, li
     prompt = random_prompt(5, PROMPT_LEN, model.cfg.vocab_size)
     logits = full_logits(model, prompt)
     with torch.inference_mode():
-        tokens = generate(model, prompt[:20], DECODE_TOKENS, stop_ids=[])
+        tokens = generate(model, prompt[:20], setup.decode_tokens, stop_ids=[])
     return logits, tokens
 
 
