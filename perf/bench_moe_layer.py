@@ -127,10 +127,9 @@ def dequantized_model(quantized: M3ForCausalLM, cfg: TextConfig) -> M3ForCausalL
     return dense.eval()
 
 
-def routed_ids(
-    model: M3ForCausalLM, backend: HopperBackend, batch: ForwardBatch, kv: KVCache
-) -> list[torch.Tensor]:
-    """The expert ids each MoE layer's router picks in one eager step of `batch`."""
+def routed_ids(model: M3ForCausalLM, batch: ForwardBatch, kv: KVCache) -> list[torch.Tensor]:
+    """The expert ids each MoE layer's router picks in one eager step of `batch` (the hopper
+    backend's Triton router, watched)."""
     from m3serve.kernels.triton import router
 
     picks: list[torch.Tensor] = []
@@ -147,7 +146,8 @@ def routed_ids(
             model.hidden_states(batch, kv)
     finally:
         router.route = route  # type: ignore[assignment]
-    assert backend._router is router and len(picks) == model.cfg.num_layers
+    if len(picks) != model.cfg.num_layers:
+        raise RuntimeError(f"{len(picks)} routings watched for {model.cfg.num_layers} layers")
     return picks
 
 
@@ -179,8 +179,7 @@ def main() -> None:
     device = torch.device("cuda")
     torch.manual_seed(0)  # the KV cache's values: a rerun meets the same routing near-ties
     cfg = slice_config(args.layers, args.vocab)
-    backend = HopperBackend(device)
-    quantized = quantized_model(cfg, backend)
+    quantized = quantized_model(cfg, HopperBackend(device))
     dense = dequantized_model(quantized, cfg)
     read_bw = read_bandwidth()
     page = cfg.page_size
@@ -202,7 +201,7 @@ def main() -> None:
                 hidden[label] = model.hidden_states(batch, kv).float()
             del graphs
             torch.cuda.empty_cache()
-        floor_bytes = weight_bytes_read(quantized, routed_ids(quantized, backend, batch, kv))
+        floor_bytes = weight_bytes_read(quantized, routed_ids(quantized, batch, kv))
         row["weight_bytes_per_layer"] = floor_bytes
         row["floor_us_per_layer"] = floor_bytes / read_bw * 1e6
         row["floor_fraction"] = row["floor_us_per_layer"] / row["quantized_us_per_layer"]

@@ -328,7 +328,7 @@ def main() -> None:
         pages = bs * (-(-(args.context + 1) // page)) + 1
         kv = random_kv(cfg, pages + 1, device)
         batch = decode_batch(bs, args.context, page, device)
-        floor = weight_bytes_read(model, routed_ids(model, backend, batch, kv))
+        floor = weight_bytes_read(model, routed_ids(model, batch, kv))
         for name in args.variants:
             with variant(name, model, backend):
                 per_layer, rest = marginal_us(model, batch, kv, args.layers)
