@@ -31,7 +31,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-CHUNK = 128  # pairs per program
+# Pairs per program. Both kernels hold [CHUNK, experts] one-hot tiles: at 128 experts a CHUNK of
+# 128 gave each thread 128 elements a tile and the two kernels took 25-30 µs at 256-4096 pairs;
+# 64 takes 11-18 (an H100, 2026-12-07; 32 was faster up to 512 pairs and slower past them). In a
+# decode layer they run beside the shared expert, which takes longer: the layer at batch 64 and
+# 128 timed the same with either (perf/results/h100_2026-12-07d_shared_rows_floor/).
+CHUNK = 64
 _COUNT_ROWS = 16  # chunks' counts read at a time by a placing program
 
 
