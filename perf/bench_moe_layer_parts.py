@@ -21,7 +21,8 @@ and is timed in the same run:
   gate_up then started at once, but took the bandwidth the GEMVs gave up; results in
   perf/results/h100_2026-12-07d_shared_rows_floor/);
 * no_shared / no_routed / no_moe: the shared expert, the routed experts (the router still
-  runs), or the whole MoE block replaced by zeros — what remains is the rest's cost;
+  runs), or the whole MoE block replaced by zeros — what remains is the rest's cost (their
+  layers' outputs differ, so past batch 1 the later layers may route to other experts);
 * no_pdl: no kernel launched with programmatic dependent launch (what PDL buys where used);
   no_pdl_moe: only the routed experts' kernels without it.
 
