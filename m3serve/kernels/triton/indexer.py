@@ -31,8 +31,13 @@ import triton.language as tl
 
 from m3serve.kernels.triton.launches import launch
 
-# A program streams at least this many pages: amortizes its prologue (tile lookup, q load).
+# Pages a program streams at least, to amortize its prologue (tile lookup, q load). A prefill
+# tile's queries (up to 128 rows) are as many bytes as a page of keys: two pages. A decode
+# tile's (16 rows) are an eighth of a page, and one page a program, twice the programs, scored
+# 1.0-1.5 µs faster at batch 1-8 and 1K-16K of context (5.1 -> 3.6 µs at batch 1, 4K; an H100,
+# 2026-12-07), never slower up to 64K.
 _MIN_PAGES_PER_PROGRAM = 2
+_MIN_PAGES_PER_DECODE_PROGRAM = 1
 # Score programs to aim for: several per SM (132 on an H200), so that enough page loads are in
 # flight to saturate HBM even when one request's tile is the whole batch (decode at batch 1).
 _TARGET_PROGRAMS = 1024
@@ -292,11 +297,12 @@ def _select_warps(rows: int, block_n: int) -> int:
     return min(max(rows * block_n // 512, 4), 16)
 
 
-def _pages_per_program(num_tiles: int, max_blocks: int) -> int:
+def _pages_per_program(num_tiles: int, max_blocks: int, rows: int) -> int:
     """Logical pages per score program: split the (tile, page) work into ~_TARGET_PROGRAMS
-    programs, with a floor that keeps each program's prologue amortized."""
+    programs, with a floor that keeps each program's prologue (`rows` query rows) amortized."""
     per = triton.next_power_of_2(max(-(-num_tiles * max_blocks // _TARGET_PROGRAMS), 1))
-    return max(min(per, max_blocks), min(_MIN_PAGES_PER_PROGRAM, max_blocks))
+    least = _MIN_PAGES_PER_DECODE_PROGRAM if rows <= _MIN_ROWS else _MIN_PAGES_PER_PROGRAM
+    return max(min(per, max_blocks), min(least, max_blocks))
 
 
 def block_scores(
@@ -347,9 +353,9 @@ def block_scores(
     # one needs 1 + (len - 1) // block_t tiles.
     busy = min(num_reqs + 1, num_tokens)
     num_tiles = busy + (num_tokens - busy) // block_t
-    pages_per_prog = pages_per_program or _pages_per_program(num_tiles, max_blocks)
-    grid = (num_tiles, triton.cdiv(max_blocks, pages_per_prog))
     rows = block_t * block_h
+    pages_per_prog = pages_per_program or _pages_per_program(num_tiles, max_blocks, rows)
+    grid = (num_tiles, triton.cdiv(max_blocks, pages_per_prog))
     dot_dtype = _dot_dtype(q, index_k_cache)
     launch(
         _block_scores_kernel,
@@ -381,7 +387,7 @@ def block_scores(
         Q_TO_F16=dot_dtype == tl.float16 and q.dtype == torch.bfloat16,
         num_warps=num_warps or (4 if rows <= 32 else 8),
         # Deep pipelining pays for programs that stream many pages (batch 32 at 128K: 247 vs
-        # 258 µs) and costs the two-page programs of batch 1 (11.1 vs 8.0 µs).
+        # 258 µs) and costs the short programs of batch 1 (two pages each then: 11.1 vs 8.0 µs).
         num_stages=num_stages or (5 if pages_per_prog >= 8 else 3),
     )
     return out
