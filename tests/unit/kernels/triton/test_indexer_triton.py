@@ -229,6 +229,17 @@ def test_shuffled_pages_score_like_contiguous_pages() -> None:
     torch.testing.assert_close(shuffled.scores(), contiguous.scores(), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("reqs", [[(37, 1), (22, 1)], MIXED], ids=["decode", "mixed"])
+def test_scores_do_not_depend_on_the_pages_a_program_streams(reqs: list[tuple[int, int]]) -> None:
+    # The launch splits a tile's pages among programs (one page a program at decode, two or
+    # more for prefill tiles and large grids); a page's score is one program's dot either way.
+    case = Case(reqs, seed=6)
+    served = case.scores()
+    for pages in (1, 2, 3, 8):
+        got = block_scores(*case.args(), PAGE, case.max_blocks, pages_per_program=pages)
+        assert torch.equal(got, served), f"{pages} pages a program"
+
+
 # ------------------------------------------------------------------------------ selection
 
 
