@@ -36,7 +36,7 @@ programmatic dependent launch starts early and waits on the device, so its span 
 predecessor's tail: `--kernels no_pdl` gives each kernel's own time.
 
     python perf/bench_moe_layer_parts.py [--layers 4] [--batches 1 8] [--context 4096]
-        [--kernels [VARIANT...]]
+        [--variants VARIANT...] [--rounds N] [--kernels [VARIANT...]]
 
 Prints a table; writes JSON to $OUT/bench_moe_layer_parts.json when $OUT is set, else
 perf/results/ (or --out).
@@ -314,6 +314,13 @@ def main() -> None:
         choices=VARIANTS,
         help="print one layer's kernel timeline as these variants run it (none named: served)",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="time every variant this many times, in turn, and tabulate each one's median "
+        "(a layer moves 1-2 µs from one timing to the next)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -333,19 +340,25 @@ def main() -> None:
         kv = random_kv(cfg, pages + 1, device)
         batch = decode_batch(bs, args.context, page, device)
         floor = weight_bytes_read(model, routed_ids(model, batch, kv))
-        for name in args.variants:
-            with variant(name, model, backend):
-                per_layer, rest = marginal_us(model, batch, kv, args.layers)
+        timed: dict[str, list[tuple[float, float]]] = {name: [] for name in args.variants}
+        for _ in range(args.rounds):
+            for name in args.variants:
+                with variant(name, model, backend):
+                    per_layer, rest = marginal_us(model, batch, kv, args.layers)
+                timed[name].append((per_layer, rest))
+                print(f"batch {bs:4d} {name:>13}: {per_layer:8.1f} µs/layer (rest {rest:6.1f} µs)")
+        for name, samples in timed.items():
+            per_layer_samples = [per for per, _ in samples]
             rows.append(
                 {
                     "batch": bs,
                     "variant": name,
-                    "us_per_layer": per_layer,
-                    "us_outside_layers": rest,
+                    "us_per_layer": statistics.median(per_layer_samples),
+                    "us_outside_layers": statistics.median(rest for _, rest in samples),
+                    "us_per_layer_samples": per_layer_samples,
                     "floor_us_per_layer": floor / read_bw * 1e6,
                 }
             )
-            print(f"batch {bs:4d} {name:>13}: {per_layer:8.1f} µs/layer (rest {rest:6.1f} µs)")
         for name in profiled:
             with variant(name, model, backend):
                 timeline = kernel_timeline(model, batch, kv, args.layers)
@@ -353,7 +366,8 @@ def main() -> None:
             timelines[f"{bs}/{name}"] = timeline
         del kv
         torch.cuda.empty_cache()
-    print(f"\nread bandwidth {read_bw / 1e12:.2f} TB/s; µs per MoE layer (marginal)")
+    median = f", the median of {args.rounds} timings" if args.rounds > 1 else ""
+    print(f"\nread bandwidth {read_bw / 1e12:.2f} TB/s; µs per MoE layer (marginal{median})")
     print(f"{'variant':>13} " + " ".join(f"{'B=' + str(b):>9}" for b in args.batches))
     for name in args.variants:
         cells = [r["us_per_layer"] for r in rows if r["variant"] == name]
