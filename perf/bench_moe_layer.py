@@ -21,9 +21,11 @@ Prints a table; writes JSON to $OUT/bench_moe_layer.json when $OUT is set, else 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -127,9 +129,9 @@ def dequantized_model(quantized: M3ForCausalLM, cfg: TextConfig) -> M3ForCausalL
     return dense.eval()
 
 
-def routed_ids(model: M3ForCausalLM, batch: ForwardBatch, kv: KVCache) -> list[torch.Tensor]:
-    """The expert ids each MoE layer's router picks in one eager step of `batch` (the hopper
-    backend's Triton router, watched)."""
+@contextlib.contextmanager
+def watched_routes() -> Iterator[list[torch.Tensor]]:
+    """The expert ids the hopper backend's Triton router picks inside the block, a call each."""
     from m3serve.kernels.triton import router
 
     picks: list[torch.Tensor] = []
@@ -142,10 +144,15 @@ def routed_ids(model: M3ForCausalLM, batch: ForwardBatch, kv: KVCache) -> list[t
 
     router.route = spy  # type: ignore[assignment]
     try:
-        with torch.inference_mode():
-            model.hidden_states(batch, kv)
+        yield picks
     finally:
         router.route = route  # type: ignore[assignment]
+
+
+def routed_ids(model: M3ForCausalLM, batch: ForwardBatch, kv: KVCache) -> list[torch.Tensor]:
+    """The expert ids each MoE layer's router picks in one eager step of `batch`."""
+    with torch.inference_mode(), watched_routes() as picks:
+        model.hidden_states(batch, kv)
     if len(picks) != model.cfg.num_layers:
         raise RuntimeError(f"{len(picks)} routings watched for {model.cfg.num_layers} layers")
     return picks
@@ -153,7 +160,7 @@ def routed_ids(model: M3ForCausalLM, batch: ForwardBatch, kv: KVCache) -> list[t
 
 def weight_bytes_read(model: M3ForCausalLM, picks: list[torch.Tensor]) -> float:
     """Bytes of weights one step reads per layer (averaged): every projection, the router, the
-    shared expert and the distinct experts the step's router picked (`routed_ids`)."""
+    shared expert and the distinct experts the step's router picked (`watched_routes`)."""
     total = 0.0
     layers = list(model.model.layers)
     for layer, ids in zip(layers, picks, strict=True):
@@ -189,7 +196,7 @@ def main() -> None:
     for bs in args.batches:
         batch = decode_batch(bs, args.context, page, device)
         row: dict[str, Any] = {"batch": bs, "context": args.context}
-        hidden = {}
+        hidden, routes = {}, {}
         for label, model in (("quantized", quantized), ("bf16", dense)):
             graphs = DecodeGraphs(model, kv, pages, bs, batch.page_table.shape[1])
             graphs.capture()
@@ -197,11 +204,11 @@ def main() -> None:
             row[f"{label}_us_per_layer"] = (
                 eager_us(lambda g=graphs, b=batch: g.run(b)) / args.layers
             )
-            with torch.inference_mode():
+            with torch.inference_mode(), watched_routes() as routes[label]:
                 hidden[label] = model.hidden_states(batch, kv).float()
             del graphs
             torch.cuda.empty_cache()
-        floor_bytes = weight_bytes_read(quantized, routed_ids(quantized, batch, kv))
+        floor_bytes = weight_bytes_read(quantized, routes["quantized"])
         row["weight_bytes_per_layer"] = floor_bytes
         row["floor_us_per_layer"] = floor_bytes / read_bw * 1e6
         row["floor_fraction"] = row["floor_us_per_layer"] / row["quantized_us_per_layer"]
