@@ -121,6 +121,9 @@ def warm_up(
             step.lengths.place(plan.seqs)
         runner.run(plan, layers)
         steps += 1
+    # The plans draw at half their batch sizes (rows alternate greedy and sampled); which
+    # kernels a draw takes depends on its rows.
+    runner.sampler.warm_up()
     return steps, layers
 
 

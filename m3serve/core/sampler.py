@@ -77,6 +77,13 @@ class Sampler:
         else:
             self._shared_generator.manual_seed(seed & _SEED_MASK)
 
+    def warm_up(self) -> None:
+        """Compile the device draw for every batch size it may meet (`sampling.warm_up`)."""
+        if self._device_draw is not None:
+            from m3serve.kernels.triton.sampling import warm_up
+
+            warm_up(self.vocab_size, self.device)
+
     @property
     def max_slots(self) -> int:
         return len(self._params)

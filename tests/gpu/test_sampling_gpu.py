@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from m3serve.core.trace import CompileCounter
 from m3serve.kernels.sampling import filter_probs_batch
-from m3serve.kernels.triton.sampling import greedy, sample
+from m3serve.kernels.triton.sampling import greedy, sample, warm_up
 
 DEV = torch.device("cuda")
 VOCAB = 200064
@@ -196,14 +197,37 @@ def test_reproducible_and_independent_of_the_batch_and_tuning() -> None:
         index = torch.tensor([row], device=DEV)
         alone = sample(logits[index], *knobs.rows(index).args())
         assert alone.item() == first[row].item()
-    # Tile size, warps and the candidate list are speed knobs only; candidates=64 sends most
-    # filtered rows through the whole-row fallback.
-    for kwargs in ({"block": 4096, "num_warps": 8}, {"candidates": 64}, {"block": 16384}):
+    # Tile size, warps, the candidate list and the chunks a row is spread over are speed knobs
+    # only; candidates=64 sends most filtered rows through the whole-row fallback. The default
+    # spreads these 64 rows over 8 chunks each on an H100 or H200; chunks=1 is one program a row.
+    variants = (
+        {"block": 4096, "num_warps": 8},
+        {"candidates": 64},
+        {"block": 16384},
+        {"chunks": 1},
+        {"chunks": 16, "block": 1024, "num_warps": 4},
+        {"chunks": 2, "candidates": 64},
+    )
+    for kwargs in variants:
         assert torch.equal(sample(logits, *knobs.args(), **kwargs), first), kwargs
     # The offset moves the stream.
     knobs.offsets.fill_(4)
     moved = sample(logits, *knobs.args())
     assert not torch.equal(moved[~is_greedy(knobs)], first[~is_greedy(knobs)])
+
+
+def test_after_warm_up_no_batch_size_compiles() -> None:
+    # Batches of 1-32 rows spread over chunks (32, 16, 8 of them on an H100), 300 rows take
+    # one program a row: warm_up compiled both, for every chunk count.
+    warm_up(VOCAB, DEV)
+    counter = CompileCounter()
+    try:
+        for batch in (1, 3, 17, 64, 100, 300):
+            sample(llm_logits(batch, seed=batch), *mixed_knobs(batch, seed=batch).args())
+        torch.cuda.synchronize()
+        assert counter.names == []
+    finally:
+        counter.close()
 
 
 def test_no_host_sync_and_cuda_graph_replay() -> None:

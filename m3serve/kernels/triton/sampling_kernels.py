@@ -1,6 +1,7 @@
 """The Triton kernels behind `sampling.py` (its docstring gives the semantics they implement).
 
-One program samples one row, reading the vocab in tiles:
+`sample_kernel`: one program samples one row, reading the vocab in tiles (`sampling_chunks.py`
+spreads passes 1-3 over several programs a row):
 
 1. Max pass: the largest logit m and its first index. Greedy rows stop here.
 2. Histogram pass: each token's weight relative to the max, w = exp((x - m) / T) in (0, 1],
@@ -44,15 +45,16 @@ _PIVOTS = tl.constexpr(16)
 
 
 @triton.jit
-def _row_max(row_ptr, n, BLOCK: tl.constexpr):
-    """Largest value of row[0:n] and the first index holding it (NaNs are skipped)."""
+def _row_max(row_ptr, n, first, step, BLOCK: tl.constexpr):
+    """Largest value of the row's tiles at first, first + step, ... below n, and the first index
+    holding it (NaNs are skipped). A whole row: first 0, step BLOCK."""
     offs = tl.arange(0, BLOCK)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_idx = tl.zeros([BLOCK], tl.int32)
     # Per-lane running maxima, reduced once at the end instead of once per tile. A strict >
     # keeps each lane's earliest index, so the smallest index among the lanes holding the max
     # is the row's first.
-    for start in range(0, n, BLOCK):
+    for start in range(first, n, step):
         idx = start + offs
         x = tl.load(row_ptr + idx, mask=idx < n, other=float("-inf"))
         better = x > best
@@ -64,12 +66,13 @@ def _row_max(row_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _histogram_pass(row_ptr, n, m, s2, min_p_bits, BLOCK: tl.constexpr):
-    """Counts of -log2(w) in one-octave bins, and the mass of the tokens that min-p keeps."""
+def _histogram_pass(row_ptr, n, m, s2, min_p_bits, first, step, BLOCK: tl.constexpr):
+    """Counts of -log2(w) in one-octave bins, and the mass of the tokens that min-p keeps, over
+    the tiles at first, first + step, ... below n."""
     offs = tl.arange(0, BLOCK)
     mass = tl.zeros([BLOCK], tl.float32)
     hist = tl.zeros([_BINS], tl.int32)
-    for start in range(0, n, BLOCK):
+    for start in range(first, n, step):
         idx = start + offs
         x = tl.load(row_ptr + idx, mask=idx < n, other=float("-inf"))
         t = (x - m) * s2  # log2(w) <= 0
@@ -110,13 +113,16 @@ def _bounds_from_bins(hist, kept_mass, k, top_p, has_k, has_p):
 
 
 @triton.jit
-def _gather_pass(row_ptr, n, m, s2, floor_w, ids_ptr, xs_ptr, cap, BLOCK: tl.constexpr):
-    """Copy (id, logit) of every token with w >= floor_w into the scratch list. Returns their
-    number, or some number above cap once they cannot all fit (the pass then stops early)."""
+def _gather_pass(
+    row_ptr, n, m, s2, floor_w, ids_ptr, xs_ptr, cap, first, step, BLOCK: tl.constexpr
+):
+    """Copy (id, logit) of every token with w >= floor_w in the tiles at first, first + step,
+    ... below n into the scratch list. Returns their number, or some number above cap once they
+    cannot all fit (the pass then stops early)."""
     offs = tl.arange(0, BLOCK)
     floor_bits = floor_w.to(tl.int32, bitcast=True)
     count = tl.program_id(0) * 0
-    start = count
+    start = count + first
     while (start < n) & (count <= cap):
         idx = start + offs
         x = tl.load(row_ptr + idx, mask=idx < n, other=float("-inf"))
@@ -130,7 +136,7 @@ def _gather_pass(row_ptr, n, m, s2, floor_w, ids_ptr, xs_ptr, cap, BLOCK: tl.con
             tl.store(ids_ptr + slot, idx, mask=fits)
             tl.store(xs_ptr + slot, x, mask=fits)
             count += tl.sum(hit.to(tl.int32), axis=0)
-        start += BLOCK
+        start += step
     return count
 
 
@@ -180,16 +186,20 @@ def _search(
     while (hi - lo > 1) & (count_lo - count_hi > 1):
         # In [lo, hi), increasing; the last lies strictly above lo, so each step narrows.
         pivots = lo + ((hi - lo).to(tl.int64) * step // (PIVOTS + 1)).to(tl.int32)
-        counts = tl.zeros([PIVOTS], tl.int32)
-        masses = tl.zeros([PIVOTS], tl.float32)
+        # Per-lane sums, reduced once a step: a reduction per tile waited on its cross-warp
+        # exchange every tile (over 17K candidates of a flat 200K-token row, ~0.5 ms a row).
+        lane_counts = tl.zeros([PIVOTS, BLOCK], tl.int32)
+        lane_masses = tl.zeros([PIVOTS, BLOCK], tl.float32)
         for start in range(0, n, BLOCK):
             idx = start + offs
             x = tl.load(src_ptr + idx, mask=idx < n, other=float("-inf"), cache_modifier=".cg")
             w = tl.exp2((x - m) * s2)
             key = tl.where(idx < n, w.to(tl.int32, bitcast=True), -1)
             hit = key[None, :] >= pivots[:, None]
-            counts += tl.sum(hit.to(tl.int32), axis=1)
-            masses += tl.sum(tl.where(hit, w[None, :], 0.0), axis=1)
+            lane_counts += hit.to(tl.int32)
+            lane_masses += tl.where(hit, w[None, :], 0.0)
+        counts = tl.sum(lane_counts, axis=1)
+        masses = tl.sum(lane_masses, axis=1)
         ok = masses >= need_mass if BY_MASS else counts >= need_count
         # Counts fall as the cut rises: the highest passing pivot has the smallest passing
         # count, the lowest failing one the largest failing count.
@@ -253,10 +263,21 @@ def _race_candidates(ids_ptr, xs_ptr, n, m, s2, cut, seed, off_lo, off_hi, BLOCK
 
 @triton.jit
 def _race_row(
-    row_ptr, n, m, s2, cut, seed, off_lo, off_hi, FILTERED: tl.constexpr, BLOCK: tl.constexpr
+    row_ptr,
+    n,
+    m,
+    s2,
+    cut,
+    seed,
+    off_lo,
+    off_hi,
+    first,
+    step,
+    FILTERED: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    """Race over the whole row (the tokens with weight bits >= cut if FILTERED). Returns the
-    winning token and the smallest kept logit.
+    """Race over the row's tiles at first, first + step, ... below n (the tokens with weight
+    bits >= cut if FILTERED). Returns the winning token, its score and the smallest kept logit.
 
     Tiles are [BLOCK / 4, 4], so that one Philox call feeds four consecutive tokens.
     """
@@ -266,7 +287,7 @@ def _race_row(
     best = tl.full([QUADS, 4], float("-inf"), tl.float32)
     best_id = tl.zeros([QUADS, 4], tl.int32)
     low = tl.full([QUADS, 4], float("inf"), tl.float32)
-    for start in range(0, n, BLOCK):
+    for start in range(first, n, step):
         idx = start + quad[:, None] * 4 + lane
         valid = idx < n
         x = tl.load(row_ptr + idx, mask=valid, other=float("-inf"))
@@ -290,7 +311,100 @@ def _race_row(
         low = tl.where(kept, tl.minimum(low, x), low)
     top = tl.max(best, axis=None)
     winner = tl.min(tl.where(best == top, best_id, 0x7FFFFFFF), axis=None)
-    return winner, tl.min(low, axis=None)
+    return winner, top, tl.min(low, axis=None)
+
+
+@triton.jit
+def _knobs(temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, V):
+    """A row's filters: (greedy, k, top_p, min_p, has_k, has_p, has_m, 1 / T in log2 units)."""
+    temperature = tl.load(temperature_ptr + row)
+    k = tl.load(top_k_ptr + row)
+    top_p = tl.load(top_p_ptr + row)
+    # min_p > 1 would keep nothing; the most probable token always stays.
+    min_p = tl.minimum(tl.maximum(tl.load(min_p_ptr + row), 0.0), 1.0)
+    greedy = (temperature <= 0.0) | (k == 1)
+    s2 = _LOG2E / tl.maximum(temperature, _MIN_TEMPERATURE)
+    return greedy, k, top_p, min_p, (k > 0) & (k < V), top_p < 1.0, min_p > 0.0, s2
+
+
+@triton.jit
+def _stream(seed_ptr, offset_ptr, row):
+    """The row's Philox key and counter words."""
+    seed = tl.load(seed_ptr + row)
+    offset = tl.load(offset_ptr + row)
+    off_lo = (offset & 0xFFFFFFFF).to(tl.uint32)
+    off_hi = ((offset >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    return seed, off_lo, off_hi
+
+
+@triton.jit
+def _floor(hist, kept_mass, k, top_p, min_p, has_k, has_p):
+    """The gather's floor weight: every token the filters can keep has w >= it."""
+    k_floor, p_floor = _bounds_from_bins(hist, kept_mass, k, top_p, has_k, has_p)
+    # With top-k on, top-p's mass is that of the top-k set, which the search must see whole,
+    # so the gather stops at the top-k bound. Without top-k, top-p's mass is kept_mass (from
+    # the histogram pass) and its own bound applies.
+    return tl.maximum(tl.where(has_k, k_floor, p_floor), min_p)
+
+
+@triton.jit
+def _cut_and_race(
+    row_ptr,
+    V,
+    m,
+    s2,
+    floor_w,
+    kept_mass,
+    k,
+    top_p,
+    min_p,
+    has_k,
+    has_p,
+    row_ids,
+    row_xs,
+    n_cand,
+    fits,
+    seed,
+    off_lo,
+    off_hi,
+    BLOCK: tl.constexpr,
+    CAND_BLOCK: tl.constexpr,
+):
+    """Steps 4-5 of a filtered row: the exact cuts over the n_cand gathered candidates (or,
+    unless they all `fits`, over the whole row), then the race. Returns (token, smallest kept
+    logit)."""
+    min_p_bits = min_p.to(tl.int32, bitcast=True)
+    # Every search starts at or above floor_w, where the candidates are all the tokens.
+    cut = floor_w.to(tl.int32, bitcast=True)
+    if fits:
+        if has_k:
+            cut = _search(row_xs, n_cand, m, s2, cut, n_cand, k, 0.0, False, _PIVOTS, CAND_BLOCK)
+            cut = tl.maximum(cut, min_p_bits)
+        if has_p:
+            count_lo, mass_lo = _count_mass(row_xs, n_cand, m, s2, cut, CAND_BLOCK)
+            if has_k:
+                kept_mass = mass_lo
+            need = top_p * kept_mass
+            cut = _search(row_xs, n_cand, m, s2, cut, count_lo, 0, need, True, _PIVOTS, CAND_BLOCK)
+        token, low = _race_candidates(
+            row_ids, row_xs, n_cand, m, s2, cut, seed, off_lo, off_hi, CAND_BLOCK
+        )
+    else:
+        # Same searches over the whole row: a binary step per pass, as each pass costs a full
+        # read and every extra pivot a full row of compares.
+        if has_k:
+            count_lo, _mass = _count_mass(row_ptr, V, m, s2, cut, BLOCK)
+            cut = _search(row_ptr, V, m, s2, cut, count_lo, k, 0.0, False, 1, BLOCK)
+            cut = tl.maximum(cut, min_p_bits)
+        if has_p:
+            count_lo, mass_lo = _count_mass(row_ptr, V, m, s2, cut, BLOCK)
+            if has_k:
+                kept_mass = mass_lo
+            cut = _search(row_ptr, V, m, s2, cut, count_lo, 0, top_p * kept_mass, True, 1, BLOCK)
+        token, _top, low = _race_row(
+            row_ptr, V, m, s2, cut, seed, off_lo, off_hi, 0, BLOCK, True, BLOCK
+        )
+    return token, low
 
 
 @triton.jit
@@ -313,90 +427,39 @@ def sample_kernel(
     CAND_BLOCK: tl.constexpr,
     WRITE_FLOOR: tl.constexpr,
 ):
+    """One program a row: the passes over the vocab one after the other."""
     pid = tl.program_id(0)
     row_ptr = logits_ptr + pid.to(tl.int64) * stride_row
-    temperature = tl.load(temperature_ptr + pid)
-    k = tl.load(top_k_ptr + pid)
-    top_p = tl.load(top_p_ptr + pid)
-    # min_p > 1 would keep nothing; the most probable token always stays.
-    min_p = tl.minimum(tl.maximum(tl.load(min_p_ptr + pid), 0.0), 1.0)
-    min_p_bits = min_p.to(tl.int32, bitcast=True)
-    has_k = (k > 0) & (k < V)
-    has_p = top_p < 1.0
-    has_m = min_p > 0.0
-    if (temperature <= 0.0) | (k == 1):
-        top, token = _row_max(row_ptr, V, BLOCK)
+    greedy, k, top_p, min_p, has_k, has_p, has_m, s2 = _knobs(
+        temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, pid, V
+    )
+    if greedy:
+        top, token = _row_max(row_ptr, V, 0, BLOCK, BLOCK)
         low = top
     else:
-        seed = tl.load(seed_ptr + pid)
-        offset = tl.load(offset_ptr + pid)
-        off_lo = (offset & 0xFFFFFFFF).to(tl.uint32)
-        off_hi = ((offset >> 32) & 0xFFFFFFFF).to(tl.uint32)
-        s2 = _LOG2E / tl.maximum(temperature, _MIN_TEMPERATURE)
+        seed, off_lo, off_hi = _stream(seed_ptr, offset_ptr, pid)
         if has_k | has_p | has_m:
-            m, _argmax = _row_max(row_ptr, V, BLOCK)
-            k_floor = min_p * 0.0
-            p_floor = k_floor
-            kept_mass = k_floor
+            m, _argmax = _row_max(row_ptr, V, 0, BLOCK, BLOCK)
+            hist = tl.zeros([_BINS], tl.int32)
+            kept_mass = min_p * 0.0
             if has_k | has_p:
-                hist, kept_mass = _histogram_pass(row_ptr, V, m, s2, min_p_bits, BLOCK)
-                k_floor, p_floor = _bounds_from_bins(hist, kept_mass, k, top_p, has_k, has_p)
-            # With top-k on, top-p's mass is that of the top-k set, which the search must see
-            # whole, so the gather stops at the top-k bound. Without top-k, top-p's mass is
-            # kept_mass (from the histogram pass) and its own bound applies.
-            floor_w = tl.maximum(tl.where(has_k, k_floor, p_floor), min_p)
+                min_p_bits = min_p.to(tl.int32, bitcast=True)
+                hist, kept_mass = _histogram_pass(row_ptr, V, m, s2, min_p_bits, 0, BLOCK, BLOCK)
+            floor_w = _floor(hist, kept_mass, k, top_p, min_p, has_k, has_p)
             row_ids = ids_ptr + pid.to(tl.int64) * cap
             row_xs = xs_ptr + pid.to(tl.int64) * cap
-            n_cand = _gather_pass(row_ptr, V, m, s2, floor_w, row_ids, row_xs, cap, BLOCK)
+            n_cand = _gather_pass(row_ptr, V, m, s2, floor_w, row_ids, row_xs, cap, 0, BLOCK, BLOCK)
             # Other threads of this program read the scratch list back.
             tl.debug_barrier()
-            fits = n_cand <= cap
-            # Every search starts at or above floor_w, where the candidates are all the tokens.
-            cut = floor_w.to(tl.int32, bitcast=True)
-            if fits:
-                if has_k:
-                    cut = _search(
-                        row_xs, n_cand, m, s2, cut, n_cand, k, 0.0, False, _PIVOTS, CAND_BLOCK
-                    )
-                    cut = tl.maximum(cut, min_p_bits)
-                if has_p:
-                    count_lo, mass_lo = _count_mass(row_xs, n_cand, m, s2, cut, CAND_BLOCK)
-                    if has_k:
-                        kept_mass = mass_lo
-                    cut = _search(
-                        row_xs,
-                        n_cand,
-                        m,
-                        s2,
-                        cut,
-                        count_lo,
-                        0,
-                        top_p * kept_mass,
-                        True,
-                        _PIVOTS,
-                        CAND_BLOCK,
-                    )
-                token, low = _race_candidates(
-                    row_ids, row_xs, n_cand, m, s2, cut, seed, off_lo, off_hi, CAND_BLOCK
-                )
-            else:
-                # Same searches over the whole row: a binary step per pass, as each pass costs
-                # a full read and every extra pivot a full row of compares.
-                if has_k:
-                    count_lo, _mass = _count_mass(row_ptr, V, m, s2, cut, BLOCK)
-                    cut = _search(row_ptr, V, m, s2, cut, count_lo, k, 0.0, False, 1, BLOCK)
-                    cut = tl.maximum(cut, min_p_bits)
-                if has_p:
-                    count_lo, mass_lo = _count_mass(row_ptr, V, m, s2, cut, BLOCK)
-                    if has_k:
-                        kept_mass = mass_lo
-                    cut = _search(
-                        row_ptr, V, m, s2, cut, count_lo, 0, top_p * kept_mass, True, 1, BLOCK
-                    )
-                token, low = _race_row(row_ptr, V, m, s2, cut, seed, off_lo, off_hi, True, BLOCK)
+            token, low = _cut_and_race(
+                row_ptr, V, m, s2, floor_w, kept_mass, k, top_p, min_p, has_k, has_p,
+                row_ids, row_xs, n_cand, n_cand <= cap, seed, off_lo, off_hi, BLOCK, CAND_BLOCK,
+            )  # fmt: skip
         else:
             # No filter: the race alone, shifted by 0 instead of the max (argmax does not care).
-            token, low = _race_row(row_ptr, V, 0.0, s2, 0, seed, off_lo, off_hi, False, BLOCK)
+            token, _top, low = _race_row(
+                row_ptr, V, 0.0, s2, 0, seed, off_lo, off_hi, 0, BLOCK, False, BLOCK
+            )
     tl.store(out_ptr + pid, token.to(tl.int64))
     if WRITE_FLOOR:
         tl.store(floor_out_ptr + pid, low)
@@ -405,5 +468,5 @@ def sample_kernel(
 @triton.jit
 def greedy_kernel(logits_ptr, stride_row, out_ptr, V, BLOCK: tl.constexpr):
     row_ptr = logits_ptr + tl.program_id(0).to(tl.int64) * stride_row
-    _, token = _row_max(row_ptr, V, BLOCK)
+    _, token = _row_max(row_ptr, V, 0, BLOCK, BLOCK)
     tl.store(out_ptr + tl.program_id(0), token.to(tl.int64))

@@ -275,6 +275,31 @@ def test_tile_size_and_candidate_list_do_not_change_the_draw() -> None:
         assert torch.equal(floor, want_floor), kwargs
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"chunks": 2}, {"chunks": 4}, {"chunks": 8, "block": 64}, {"chunks": 2, "candidates": 1}],
+    ids=["2", "4", "8_narrow", "2_overflow"],
+)
+def test_rows_spread_over_chunks_draw_what_one_program_draws(kwargs: dict) -> None:
+    # candidates=1 overflows the chunks' regions: those rows take the whole-row path.
+    want, want_floor = run(STREAM_REQS)
+    got, floor = run(STREAM_REQS, **kwargs)
+    assert got == want
+    assert torch.equal(floor, want_floor)
+
+
+def test_chunked_greedy_takes_the_first_index_across_chunks() -> None:
+    # 64-wide tiles over two chunks: index 70 lies in chunk 1's first tile, 130 in chunk 0's
+    # second, so chunk 0 finds its max later in the row than chunk 1 does.
+    logits = torch.zeros(2, 256)
+    logits[:, [70, 130]] = 5.0
+    logits[1, 200] = float("nan")
+    reqs = [Req(temperature=0.0), Req(temperature=1.0, top_k=1)]
+    tokens, floor = run(reqs, logits, block=64, chunks=2)
+    assert tokens == [70, 70]
+    assert floor.tolist() == [5.0, 5.0]
+
+
 def test_offsets_move_the_stream_and_seeds_separate_streams() -> None:
     # 16 equally likely tokens: over 24 steps one stream should visit most of them.
     logits = torch.full((24, 64), -30.0)
