@@ -38,6 +38,7 @@ import torch
 import triton
 from torch import Tensor
 
+from m3serve.kernels.triton.attention.config import sm_count
 from m3serve.kernels.triton.sampling_chunks import (
     chunk_finish_kernel,
     chunk_gather_kernel,
@@ -192,7 +193,7 @@ def _auto_chunks(batch: int, vocab: int, block: int, device: torch.device) -> in
     """Chunks a row from shapes: ~2 programs an SM in all, at least one tile a chunk."""
     if device.type != "cuda" or batch == 0:
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = sm_count(device.index or 0)
     wanted = triton.next_power_of_2(-(-_CHUNK_PROGRAMS_PER_SM * sms // batch))
     tiles = -(-vocab // block)
     most = triton.next_power_of_2(tiles + 1) // 2  # the largest power of two <= tiles
@@ -220,34 +221,40 @@ def _sample_chunked(
     tiles = -(-vocab // block)
     cap = -(-2 * candidates * -(-tiles // chunks) // tiles)
     parts = batch * chunks
-
-    def scratch(*shape: int, dtype: torch.dtype = torch.float32) -> Tensor:
-        return torch.empty(shape, dtype=dtype, device=device)
-
-    pmax, parg = scratch(parts), scratch(parts, dtype=torch.int32)
-    phist, pmass = scratch(parts, 32, dtype=torch.int32), scratch(parts)
-    pcount = scratch(parts, dtype=torch.int32)
-    pscore, ptoken, plow = scratch(parts), scratch(parts, dtype=torch.int32), scratch(parts)
-    ids, xs = scratch(parts, cap, dtype=torch.int32), scratch(parts, cap)
-    list_ids, list_xs = scratch(parts, cap, dtype=torch.int32), scratch(parts, cap)
+    # Per chunk: its max, mass, race score and smallest logit; its first index at the max,
+    # candidate count, race winner and histogram; its candidates, and the row's list of them.
+    # Two allocations (each costs the step's host a few µs), cut at multiples of 16 bytes:
+    # Triton specializes on a pointer's 16-byte alignment, and a misaligned piece would compile
+    # another variant after the warm-up.
+    one, lists = _aligned(parts), [_aligned(parts * cap)] * 2
+    sizes = [one] * 3 + [one * 32, *lists]
+    ints = torch.empty(sum(sizes), dtype=torch.int32, device=device)
+    floats = torch.empty(sum(sizes), dtype=torch.float32, device=device)
+    parg, pcount, ptoken, phist, ids, list_ids = ints.split(sizes)
+    pmax, pmass, pscore, plow, xs, list_xs = floats.split(sizes)
     grid = (batch, chunks)
-    tiles = {"CHUNKS_PAD": MAX_CHUNKS, "BLOCK": block}
+    consts = {"CHUNKS_PAD": MAX_CHUNKS, "BLOCK": block}
     warps = _warps(block, num_warps)
     rows = (logits, logits.stride(0))
-    chunk_max_kernel[grid](*rows, *filters, pmax, parg, vocab, chunks, **tiles, num_warps=warps)
+    chunk_max_kernel[grid](*rows, *filters, pmax, parg, vocab, chunks, **consts, num_warps=warps)
     chunk_hist_kernel[grid](
-        *rows, *filters, pmax, phist, pmass, vocab, chunks, **tiles, num_warps=warps
+        *rows, *filters, pmax, phist, pmass, vocab, chunks, **consts, num_warps=warps
     )
     chunk_gather_kernel[grid](
         *rows, *filters, *stream, pmax, phist, pmass, pcount, pscore, ptoken, plow, ids, xs,
-        vocab, cap, chunks, **tiles, num_warps=warps,
+        vocab, cap, chunks, **consts, num_warps=warps,
     )  # fmt: skip
     chunk_finish_kernel[(batch,)](
         *rows, *filters, *stream, out, floor, pmax, parg, phist, pmass, pcount, pscore, ptoken,
-        plow, ids, xs, list_ids, list_xs, vocab, cap, chunks, **tiles,
+        plow, ids, xs, list_ids, list_xs, vocab, cap, chunks, **consts,
         CAND_BLOCK=min(block, _CAND_BLOCK), WRITE_FLOOR=write_floor,
         num_warps=_warps(min(block, _CAND_BLOCK), DEFAULT_NUM_WARPS),
     )  # fmt: skip
+
+
+def _aligned(elements: int) -> int:
+    """4-byte elements, rounded up to whole 16 bytes."""
+    return -(-elements // 4) * 4
 
 
 def warm_up(vocab: int, device: torch.device) -> None:

@@ -180,18 +180,9 @@ def chunk_gather_kernel(
         first = chunk * BLOCK
         if has_k | has_p | has_m:
             m, _mass, floor_w = _row_floor(
-                pmax_ptr,
-                phist_ptr,
-                pmass_ptr,
-                row,
-                k,
-                top_p,
-                min_p,
-                has_k,
-                has_p,
-                chunks,
+                pmax_ptr, phist_ptr, pmass_ptr, row, k, top_p, min_p, has_k, has_p, chunks,
                 CHUNKS_PAD,
-            )
+            )  # fmt: skip
             region = here.to(tl.int64) * cap
             n = _gather_pass(
                 row_ptr, V, m, s2, floor_w, ids_ptr + region, xs_ptr + region, cap, first,
