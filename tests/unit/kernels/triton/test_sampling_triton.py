@@ -17,6 +17,8 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 from helpers.devices import DEVICE
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from m3serve.kernels.sampling import filter_probs_batch
 from m3serve.kernels.triton.sampling import greedy, sample
@@ -284,6 +286,40 @@ def test_rows_spread_over_chunks_draw_what_one_program_draws(kwargs: dict) -> No
     # candidates=1 overflows the chunks' regions: those rows take the whole-row path.
     want, want_floor = run(STREAM_REQS)
     got, floor = run(STREAM_REQS, **kwargs)
+    assert got == want
+    assert torch.equal(floor, want_floor)
+
+
+KNOBS = st.tuples(
+    st.sampled_from([0.0, 0.5, 1.0, 1.7]),  # temperature
+    st.sampled_from([0, 1, 3, 40, 10_000]),  # top_k
+    st.sampled_from([1.0, 0.95, 0.6, 0.1]),  # top_p
+    st.sampled_from([0.0, 0.05, 0.5]),  # min_p
+    st.integers(0, 2**40),  # seed
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    vocab=st.integers(16, 700),
+    chunks=st.sampled_from([2, 4, 8]),
+    block=st.sampled_from([32, 64, 128]),
+    knobs=st.lists(KNOBS, min_size=1, max_size=4),
+    data=st.data(),
+)
+def test_chunked_draws_equal_one_program_draws(
+    vocab: int, chunks: int, block: int, knobs: list, data: st.DataObject
+) -> None:
+    # Any vocab against any tiling (chunks past the row's tiles get none), rows with masked
+    # (-inf) tokens and exact ties, every filter mix: the chunks draw one program's tokens.
+    rows = len(knobs)
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(vocab)) * 2
+    logits = torch.round(logits * 4) / 4  # coarse values: ties at the cuts
+    masked = data.draw(st.lists(st.integers(0, vocab - 1), max_size=vocab // 2))
+    logits[:, masked] = float("-inf")
+    reqs = [Req(temperature=t, top_k=k, top_p=p, min_p=m, seed=s) for t, k, p, m, s in knobs]
+    want, want_floor = run(reqs, logits, block=block, chunks=1)
+    got, floor = run(reqs, logits, block=block, chunks=chunks)
     assert got == want
     assert torch.equal(floor, want_floor)
 
