@@ -145,14 +145,15 @@ def sample(
     SM two programs, one a row on the CPU) tune speed only; the tokens drawn do not depend on
     them.
     """
-    batch, vocab = logits.shape if logits.dim() == 2 else (0, 0)
+    # The widest default tile bounds the vocab the strictest.
+    _check_logits(logits, block or DEFAULT_BLOCK)
+    batch, vocab = logits.shape
     if chunks is None:
         chunks = _auto_chunks(batch, vocab, block or CHUNK_BLOCK, logits.device)
     if chunks < 1 or chunks & (chunks - 1) or chunks > MAX_CHUNKS:
         raise ValueError(f"chunks must be a power of two in [1, {MAX_CHUNKS}], got {chunks}")
     single = chunks == 1
     block = block or (DEFAULT_BLOCK if single else CHUNK_BLOCK)
-    _check_logits(logits, block)
     device = logits.device
     if candidates < 1:
         raise ValueError(f"candidates must be >= 1, got {candidates}")
