@@ -12,7 +12,9 @@ the part of the gap beyond the step's own run (large: the engine sat idle, or wa
 something outside the step), split into the executor's wait for the plan (`idle=`) and the
 result's wait for the event loop (`lag=`), and with its launch beside the executor thread's CPU
 time in it (`cpu=`: far below the launch, the thread was kept from running) and the OS's
-preemptions of it (`preempted=`: the engine was short of CPU, not of the GIL);
+preemptions of it (`preempted=`: the engine was short of CPU, not of the GIL); where the trace
+logged them, the medians of `wait=` (while the step ran, the executor's wait for the plan after
+next: the round trip through the event loop) and `ahead=` (building or launching that step);
 `--since` / `--until` keep the steps logged inside a window (one benchmark level of a longer
 run), as HH:MM:SS of the log's clock.
 
@@ -57,6 +59,7 @@ LINE = re.compile(
     r"(?: idle=([\d.]+)ms lag=([\d.]+)ms)?(?: launch=([\d.]+)ms)?"
     r"(?: gc=([\d.]+)ms(?:\(full ([\d.]+)\))?)?(?: budget=(\d+))?(?: build=([\d.]+)ms)?"
     r"(?: cpu=([\d.]+)ms)?(?: preempted=(\d+))?(?: device=([\d.]+)ms)?"
+    r"(?: wait=([\d.]+)ms ahead=([\d.]+)ms)?"
 )
 
 
@@ -86,6 +89,10 @@ class Step(NamedTuple):
     launch_cpu_ms: float = 0.0  # the executor thread's CPU time in the launch (`cpu=`)
     preempted: int = 0  # the OS's involuntary switches away from it in the run (`preempted=`)
     device_ms: float = 0.0  # its kernels' device time (`device=`; 0: not logged)
+    # While it ran: the wait for the plan after next, and building or launching that step
+    # (`wait=`, `ahead=`; 0: not logged).
+    wait_ms: float = 0.0
+    ahead_ms: float = 0.0
 
 
 class Pause(NamedTuple):
@@ -121,8 +128,9 @@ def read_trace(path: Path) -> tuple[list[Step], list[Pause]]:
         budget = int(m[15]) if m[15] else 0
         preempted = int(m[18]) if m[18] else 0
         device = float(m[19]) if m[19] else 0.0
+        wait, ahead = (float(m[i]) if m[i] else 0.0 for i in (20, 21))
         head = (_stamp(m[1]), int(m[2]), m[3], int(m[4]), int(m[5]), *numbers)
-        tail = (gc_ms, budget, idle, lag, launch, full, build, cpu, preempted, device)
+        tail = (gc_ms, budget, idle, lag, launch, full, build, cpu, preempted, device, wait, ahead)
         rows.append(Step(*head, *tail))
     return rows, pauses
 
@@ -269,6 +277,18 @@ def weighted_percentile(values: list[tuple[float, int]], q: float) -> float:
     return ordered[-1][0]
 
 
+def _ahead(wait_ms: float, ahead_ms: float) -> str:
+    return f" (wait {wait_ms:4.2f} ahead {ahead_ms:4.2f})"
+
+
+def _ahead_medians(launched: list[Step]) -> str:
+    """The medians of `wait=` and `ahead=` over the steps that launched one ahead."""
+    if not launched:
+        return ""
+    wait = statistics.median(r.wait_ms for r in launched)
+    return _ahead(wait, statistics.median(r.ahead_ms for r in launched))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("log", type=Path)
@@ -302,6 +322,7 @@ def main() -> None:
             f"idle {med['idle_ms']:4.2f} lag {med['lag_ms']:4.2f}"
             + (f" launch {med['launch_ms']:4.2f}" if med["launch_ms"] else "")
             + (f" device {med['device_ms']:5.2f}" if med["device_ms"] else "")
+            + _ahead_medians([r for _, r in items if r.ahead_ms])
             + (f" (built in it: n {len(built)}, {statistics.median(built):.2f})" if built else "")
             + (f"  gc {paused:.1f} ms in all" if paused else "")
             + (f" ({full:.1f} in full collections)" if full else "")
@@ -323,6 +344,7 @@ def main() -> None:
                 + (launch if step.launch_ms else "")
                 + (f"  preempted {step.preempted}" if step.preempted else "")
                 + (f"  device {step.device_ms:.2f}" if step.device_ms else "")
+                + (_ahead(step.wait_ms, step.ahead_ms) if step.ahead_ms else "")
             )
     if args.itl:
         _print_token_gaps(rows)

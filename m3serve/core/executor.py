@@ -91,6 +91,10 @@ class Executor:
         self._prepared: StepPlan | None = None  # the last plan handed to `prepare`
         # Set by the event loop when it planned nothing after the last result handed over.
         self._nothing_planned = threading.Event()
+        # The running job's `while_device_runs`, for the step trace: seconds from the hand-over
+        # (or its start) to the next step's plan, and building or launching that step.
+        self.plan_wait_s = 0.0
+        self.ahead_s = 0.0
         self._thread = threading.Thread(target=self._work, name="m3serve-executor", daemon=True)
         self._thread.start()
 
@@ -110,6 +114,7 @@ class Executor:
         handed_over = self._publish_pending() and self._wait_for_plans
         if self._prepare is None:
             return
+        started = time.perf_counter()
         deadline = time.monotonic() + _PLAN_WAIT_S
         while not done() or (
             handed_over and not self._nothing_planned.is_set() and time.monotonic() < deadline
@@ -117,10 +122,13 @@ class Executor:
             plan = self._next_step()
             if plan is not None:
                 self._prepared = plan
+                found = time.perf_counter()
+                self.plan_wait_s = found - started
                 try:
                     self._prepare(plan)
                 except Exception:  # the step builds its batch itself, and fails there if it must
                     log.exception("building step %d ahead failed", plan.step)
+                self.ahead_s = time.perf_counter() - found
                 return
             with self._queue.not_empty:
                 if not self._queue.queue:
@@ -150,6 +158,7 @@ class Executor:
     def _work(self) -> None:
         while (item := self._queue.get()) is not None:
             fn, future, what, plan = item
+            self.plan_wait_s = self.ahead_s = 0.0
             if not future.set_running_or_notify_cancel():
                 self._publish_pending()
                 if plan is None or plan is not self._prepared:

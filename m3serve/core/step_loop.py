@@ -148,6 +148,7 @@ class StepLoop:
             launch_cpu,
             preempted,
             device or 0.0,
+            ahead=(self.executor.plan_wait_s, self.executor.ahead_s),
         )
         if self.served_budget is not None:
             # The step's device time where known: a step launched ahead may have run in part

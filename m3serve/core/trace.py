@@ -217,6 +217,12 @@ class StepRecord:
     # Its kernels' device time, from the first to the draw (core/device_clock.py; 0: not known,
     # a CPU): with steps launched ahead, part of a step may run before its run began.
     device_ms: float = 0.0
+    # While its kernels ran (a GPU's executor, core/executor.py): from the hand-over of the
+    # step before's result (the event loop plans the step after next from it) to that plan's
+    # arrival, and the time building or launching it. Where the two outlast `device_ms`, the
+    # round trip through the event loop, not the device, set the step's pace.
+    wait_ms: float = 0.0
+    ahead_ms: float = 0.0
     finished_at: float = 0.0  # perf_counter() when the run ended
 
     @property
@@ -239,6 +245,8 @@ class StepRecord:
         cpu = f" cpu={self.launch_cpu_ms:.2f}ms" if self.launch_ms else ""
         preempted = f" preempted={self.preempted}" if self.preempted else ""
         device = f" device={self.device_ms:.2f}ms" if self.device_ms else ""
+        if self.ahead_ms:
+            device += f" wait={self.wait_ms:.2f}ms ahead={self.ahead_ms:.2f}ms"
         return (
             f"step {self.plan.step} {kind} batch={len(self.plan.seqs)} "
             f"tokens={self.tokens}{loads} host={host:.2f}ms (plan {self.schedule_ms:.2f} + "
@@ -291,12 +299,15 @@ class StepTrace:
         launch_cpu_seconds: float = 0.0,
         preempted: int = 0,
         device_seconds: float = 0.0,
+        ahead: tuple[float, float] = (0.0, 0.0),
     ) -> None:
         """Called by the executor thread as a run of `seconds` ends, `launch_seconds` of it
         until its kernels were queued (0: not known), `build_seconds` of that building its
         batch (0: built ahead), `launch_cpu_seconds` the thread's CPU time in the launch;
         `preempted`: the OS's involuntary switches away from the thread during the run;
-        `device_seconds`: its kernels' device time (0: not known)."""
+        `device_seconds`: its kernels' device time (0: not known); `ahead`: while its kernels
+        ran, the wait for the next step's plan and the seconds building or launching that step
+        (core/executor.py; (0, 0): none was)."""
         now = time.perf_counter()
         idle = now - seconds - self._last_run_end if self._last_run_end is not None else 0.0
         self._last_run_end = now
@@ -308,6 +319,7 @@ class StepTrace:
             record.launch_cpu_ms = launch_cpu_seconds * 1e3
             record.preempted = preempted
             record.device_ms = device_seconds * 1e3
+            record.wait_ms, record.ahead_ms = ahead[0] * 1e3, ahead[1] * 1e3
             record.idle_ms = max(idle, 0.0) * 1e3
             record.finished_at = now
             record.compiled = self.compiles.since(compiles_before)

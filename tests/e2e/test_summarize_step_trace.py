@@ -315,3 +315,33 @@ def test_the_slowest_steps_show_their_launch_beside_its_cpu_time_and_preemptions
     out = capsys.readouterr().out.splitlines()
     slowest = out[out.index("--- the 1 longest gaps from the step before") + 1]
     assert slowest.endswith("launch 22.00 (cpu 1.50)  preempted 2  device 21.50")
+
+
+def test_the_wait_for_the_next_plan_and_its_launch_ahead_are_read_and_summarized(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Decode steps that waited 0.7 ms for the plan after next and launched it in 0.5 ms
+    (`wait=`, `ahead=`): parsed, and their medians over the steps that launched one ahead in
+    the per-kind line; a step that launched nothing ahead logs neither."""
+    records = []
+    for i, (wait, ahead) in enumerate(((0.6, 0.5), (0.7, 0.5), (0.8, 0.5), (0.0, 0.0))):
+        record = StepRecord(
+            StepPlan(step=i + 1, seqs=[SeqStep(None, 10, [0], slot=0)]),
+            schedule_ms=0.1,
+            run_ms=1.8,
+            process_ms=0.05,
+            launch_ms=0.01,
+            device_ms=0.9,
+            wait_ms=wait,
+            ahead_ms=ahead,
+        )
+        records.append((f"16:00:00,{2 * i:03d}", record))
+    log = _write_log(tmp_path, records)
+    assert [(r.wait_ms, r.ahead_ms) for r in steps(log)] == [
+        (0.6, 0.5), (0.7, 0.5), (0.8, 0.5), (0.0, 0.0)
+    ]  # fmt: skip
+    assert "ahead=" not in records[-1][1].line()
+    monkeypatch.setattr("sys.argv", ["summarize_step_trace.py", str(log)])
+    main()
+    decode = next(line for line in capsys.readouterr().out.splitlines() if "decode" in line)
+    assert "device  0.90 (wait 0.75 ahead 0.50)" in decode  # steps 2 and 3 (1 has no gap)

@@ -163,9 +163,9 @@ def test_a_batch_built_ahead_runs_although_a_request_in_it_ended_meanwhile(
     built_in_run: dict[int, bool] = {}  # by step: whether the trace got a `build=` time
     ran_trace = core.trace.ran
 
-    def spy_ran(step, seconds, compiles, launch=0.0, build=0.0, *usage):  # type: ignore[no-untyped-def]
+    def spy_ran(step, seconds, compiles, launch=0.0, build=0.0, *usage, **more):  # type: ignore[no-untyped-def]
         built_in_run[step] = build > 0.0
-        return ran_trace(step, seconds, compiles, launch, build, *usage)
+        return ran_trace(step, seconds, compiles, launch, build, *usage, **more)
 
     monkeypatch.setattr(core.trace, "ran", spy_ran)
     _stopping_beside_running(core, greedy, stop, ends_at)

@@ -183,6 +183,45 @@ def test_with_launches_ahead_the_plan_from_a_handed_over_result_is_waited_for() 
         gpu.executor.close()
 
 
+def test_the_wait_for_the_next_plan_and_its_build_are_timed_per_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The step trace's `wait=` and `ahead=`: a run that waits ~50 ms for the event loop's plan
+    and builds it in ~20 ms reports about that; the run after it, which builds nothing, 0."""
+    monkeypatch.setattr(executor, "_PLAN_WAIT_S", 10 * TIMEOUT)  # only the loop's word ends it
+    hooks: dict[int, Callable[[], None]] = {}
+    timed: dict[int, tuple[float, float]] = {}
+
+    def run(p: StepPlan) -> StepResult:
+        if p.step in hooks:
+            hooks[p.step]()
+        return StepResult(step=p.step, slots=[], tokens=[])
+
+    gpu = Executor(run, lambda p: time.sleep(0.02), wait_for_plans=True)
+    try:
+
+        def ahead_and_read(step: int) -> None:
+            gpu.while_device_runs(lambda: True)
+            timed[step] = (gpu.plan_wait_s, gpu.ahead_s)
+
+        release = threading.Event()
+        hooks[0] = lambda: release.wait(TIMEOUT)
+        hooks[1] = lambda: ahead_and_read(1)
+        hooks[2] = lambda: ahead_and_read(2)
+        first = gpu.submit(plan(0))
+        second = gpu.submit(plan(1))
+        # "The event loop" plans step 2 50 ms after it took step 0's result.
+        first.add_done_callback(lambda _: threading.Timer(0.05, gpu.submit, [plan(2)]).start())
+        second.add_done_callback(lambda _: gpu.nothing_planned())  # and nothing after step 2
+        release.set()
+        assert second.result(TIMEOUT).step == 1
+    finally:
+        gpu.close()
+    wait, ahead = timed[1]
+    assert 0.04 <= wait < 5.0 and 0.015 <= ahead < 5.0
+    assert timed[2] == (0.0, 0.0)  # nothing was planned after it: no wait, nothing built
+
+
 def test_a_loop_that_planned_nothing_ends_the_wait_for_its_plan(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -81,12 +81,12 @@ def test_a_launch_logs_the_executor_threads_cpu_time_in_it_and_its_preemptions(
 ) -> None:
     """A 20 ms launch on 1.2 ms of the thread's CPU: the thread was kept from running, and
     preempted says whether by the OS; a step without a launch logs neither (nor a device time,
-    which a step has only on a GPU)."""
+    which a step has only on a GPU, nor the wait for the next plan and its launch ahead)."""
     trace = StepTrace(log_every_step=True)
     trace.planned(plan(DECODE, step=5), 0.0)
     trace.ran(
         5, 0.022, trace.compiles.count, 0.020, 0.0, launch_cpu_seconds=0.0012, preempted=3,
-        device_seconds=0.021,
+        device_seconds=0.021, ahead=(0.0005, 0.0003),
     )  # fmt: skip
     trace.planned(plan(PREFILL, step=6), 0.0)
     trace.ran(6, 0.004, trace.compiles.count)  # a prompt chunk alone samples nothing
@@ -94,8 +94,11 @@ def test_a_launch_logs_the_executor_threads_cpu_time_in_it_and_its_preemptions(
         trace.processed(5, 0.0)
         trace.processed(6, 0.0)
     starved, chunk = (r.getMessage() for r in caplog.records)
-    assert starved.endswith(" launch=20.00ms cpu=1.20ms preempted=3 device=21.00ms")
+    assert starved.endswith(
+        " launch=20.00ms cpu=1.20ms preempted=3 device=21.00ms wait=0.50ms ahead=0.30ms"
+    )
     assert "cpu=" not in chunk and "preempted=" not in chunk and "device=" not in chunk
+    assert "ahead=" not in chunk
     trace.close()
 
 
