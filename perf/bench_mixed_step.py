@@ -67,7 +67,9 @@ def runner_for(
     sampler = Sampler(max(batches), cfg.vocab_size, device)
     runner = StepRunner(model, kv, page, sampler, GrammarMatchers(cfg.vocab_size), {}, None)
     if backend.capturable:
-        runner.graphs = DecodeGraphs(model, kv, usable, max(batches), row_pages)
+        # Drawing their rows' tokens themselves, as the server's do (core/graphs.py).
+        draw = runner.graph_draw()
+        runner.graphs = DecodeGraphs(model, kv, usable, max(batches), row_pages, draw)
         runner.graphs.capture()
         runner.piecewise = PiecewiseGraphs(model, kv, usable, max(batches) + chunk)
         runner.piecewise.capture()

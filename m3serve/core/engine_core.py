@@ -204,8 +204,10 @@ class EngineCore(StepLoop):
                 self._warm_up(args, context, slots)
         # ------------------------------------------------------------------ CUDA graphs
         with self.startup.phase("CUDA graphs"):
+            # Speculative steps draw through their own path; a follower rank draws nothing.
+            draw = self.runner.graph_draw() if self.spec is None and self.ranks.size == 1 else None
             self.runner.graphs = capture_graphs(
-                args, self.backend, self.model, self.kv, self.budget, context, slots
+                args, self.backend, self.model, self.kv, self.budget, context, slots, draw
             )
             if self.spec is not None and self.runner.graphs is not None:
                 graphs = self.runner.graphs

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from m3serve.core.grammar import GrammarCompiler, GrammarUnavailable
-from m3serve.core.graphs import DecodeGraphs
+from m3serve.core.graphs import DecodeGraphs, GraphDraw
 from m3serve.core.hicache.prefix_cache import HiPrefixCache
 from m3serve.core.hicache.storage_tier import ActorLink, StorageTier, page_key_root
 from m3serve.core.hicache.tier import HostTier
@@ -135,14 +135,16 @@ def capture_graphs(
     budget: KVBudget,
     context: int,
     slots: int,
+    draw: GraphDraw | None = None,
 ) -> DecodeGraphs | None:
-    """The decode CUDA graphs; None where they are off or the backend cannot capture."""
+    """The decode CUDA graphs (drawing their rows' tokens themselves with `draw`); None where
+    they are off or the backend cannot capture."""
     kernel = args.kernel
     max_bs = kernel.cuda_graph_max_bs_decode or DEFAULT_GRAPH_MAX_BS
     if kernel.disable_cuda_graph or not backend.capturable:
         return None
     max_pages = min(-(-context // budget.page_size), budget.num_pages)
-    graphs = DecodeGraphs(model, kv, budget.num_pages, min(max_bs, slots), max_pages)
+    graphs = DecodeGraphs(model, kv, budget.num_pages, min(max_bs, slots), max_pages, draw)
     graphs.capture()
     return graphs
 

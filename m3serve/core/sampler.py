@@ -10,7 +10,7 @@ any batch. The math is `m3serve.kernels.sampling` (torch) or, on a GPU, the Trit
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -23,6 +23,16 @@ from m3serve.kernels.sampling import (
 from m3serve.model.host_copy import upload, upload_many
 from m3serve.runtime.messages import SamplingParams, TokenLogprob
 
+# The device draw's knobs in order (temperature, top_k, top_p, min_p, seed, draw count): each
+# one's dtype, and its value in a CUDA graph's padding rows (greedy: temperature 0).
+DRAW_KNOBS: tuple[tuple[torch.dtype, float], ...] = (
+    (torch.float32, 0.0),
+    (torch.int32, 0),
+    (torch.float32, 1.0),
+    (torch.float32, 0.0),
+    (torch.int64, 0),
+    (torch.int64, 0),
+)
 _SEED_MASK = (1 << 64) - 1  # torch generators take a 64-bit seed; a request may send any int
 _SEED_MASK_63 = (1 << 63) - 1  # the Triton kernel takes the seed as an int64
 
@@ -83,6 +93,11 @@ class Sampler:
             from m3serve.kernels.triton.sampling import warm_up
 
             warm_up(self.vocab_size, self.device)
+
+    @property
+    def device_draw(self) -> Callable[..., torch.Tensor] | None:
+        """The Triton draw (kernels/triton/sampling.py `sample`), where there is one."""
+        return self._device_draw
 
     @property
     def max_slots(self) -> int:
@@ -275,22 +290,45 @@ class Sampler:
         assert self._device_draw is not None
         # One copy up, each knob its own contiguous view in the dtype the kernel takes (no
         # column copies or casts on the device: each was a kernel launch a step).
-        temperature, top_k, top_p, min_p, seeds, steps = upload_many(
-            [
-                ([p.temperature for p in params], torch.float32),
-                ([max(p.top_k, 0) for p in params], torch.int32),
-                ([p.top_p for p in params], torch.float32),
-                ([p.min_p for p in params], torch.float32),
-                ([self._seeds[s] for s in slots], torch.int64),
-                ([self._steps[s] for s in slots], torch.int64),
-            ],
-            self.device,
-        )
-        for slot in slots:
-            self._steps[slot] += 1
-        return self._device_draw(
-            logits.contiguous(), temperature, top_k, top_p, min_p, seeds, steps
-        )
+        dtypes = [dtype for dtype, _ in DRAW_KNOBS]
+        knobs = upload_many(list(zip(self._knobs(slots, params), dtypes, strict=True)), self.device)
+        return self._device_draw(logits.contiguous(), *knobs)
+
+    def graph_knobs(self, slots: Sequence[int], rows: int) -> list[list[int] | list[float]] | None:
+        """The device draw's knobs (`DRAW_KNOBS`) for a CUDA graph that samples `rows` rows
+        itself (core/graphs.py), the slots' rows first, then padding; the slots' draws are
+        counted as `sample` counts them. None where a row needs what only `sample` does:
+        penalties, logprobs, or no device draw at all (a grammar's mask: the caller's check)."""
+        if self._device_draw is None or len(slots) > rows:
+            return None
+        params = [self._active(slot) for slot in slots]
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"a slot appears twice in {list(slots)}")
+        if any(p.logprobs or _has_penalty(p) for p in params):
+            return None
+        pad = rows - len(slots)
+        knobs = self._knobs(slots, params)
+        for knob, (_, fill) in zip(knobs, DRAW_KNOBS, strict=True):
+            knob.extend([fill] * pad)  # type: ignore[list-item]
+        return knobs
+
+    def _knobs(
+        self, slots: Sequence[int], params: list[SamplingParams]
+    ) -> list[list[int] | list[float]]:
+        """Each row's temperature, top_k, top_p, min_p, seed and draw count, as the device draw
+        takes them; a sampled row's draw count goes up by one (greedy rows draw no noise)."""
+        steps = [self._steps[s] for s in slots]
+        for slot, p in zip(slots, params, strict=True):
+            if not p.greedy:
+                self._steps[slot] += 1
+        return [
+            [p.temperature for p in params],
+            [max(p.top_k, 0) for p in params],
+            [p.top_p for p in params],
+            [p.min_p for p in params],
+            [self._seeds[s] for s in slots],
+            steps,
+        ]
 
     def _race_noise(self, probs: torch.Tensor, slots: list[int]) -> torch.Tensor:
         """Exp(1) noise shaped like probs [n, V]. A seeded slot fills its row from its own

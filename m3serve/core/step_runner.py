@@ -40,14 +40,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from m3serve.core.device_clock import DeviceSpan, seconds_of, start_span
-from m3serve.core.graphs import DecodeGraphs
+from m3serve.core.graphs import DecodeGraphs, GraphDraw
 from m3serve.core.hicache.copier import LayerLoad
 from m3serve.core.hicache.tier import HostTier
 from m3serve.core.matchers import GrammarMatchers
 from m3serve.core.media import ReqMedia, step_embeds
 from m3serve.core.piecewise import PiecewiseGraphs
 from m3serve.core.ranks import MediaShare, TokenShare
-from m3serve.core.sampler import Sampler
+from m3serve.core.sampler import DRAW_KNOBS, Sampler
 from m3serve.model.batch import ForwardBatch
 from m3serve.model.host_copy import Download, upload, upload_many
 from m3serve.model.kv_cache import KVCache
@@ -101,7 +101,8 @@ class StepRunner:
         self.media_share: MediaShare | None = None
         # Speculative decoding (set by the engine core): every step runs through it.
         self.spec: SpecStep | None = None
-        self.last_tokens = torch.zeros(sampler.num_slots, dtype=torch.int64, device=self.device)
+        # One entry per slot, and a scratch one past them that CUDA graphs' padding rows write.
+        self.last_tokens = torch.zeros(sampler.num_slots + 1, dtype=torch.int64, device=self.device)
         # Each slot's stop ids, and the slots whose last sampled token ended their request
         # (their rows in a step planned before the CPU saw it are dropped).
         self._stops: dict[int, frozenset[int]] = {}
@@ -160,13 +161,17 @@ class StepRunner:
         9.7 ms on the H200, where served ones took 6.0)."""
         batch = ForwardBatch.build(seqs, self.page_size, self.device)
         decode = all(seq.extend == 1 for seq in seqs)
-        logits = self.logits(batch, decode_only=decode)
-        if decode:
-            slots = list(range(len(seqs)))
-            for slot in range(self._timing_slots, len(seqs)):
-                self.sampler.start(slot, sampling or SamplingParams(), [1])
-            self._timing_slots = max(self._timing_slots, len(seqs))
-            self.sampler.sample(logits, slots)[0].tolist()
+        if not decode:
+            self.logits(batch, decode_only=False)
+            return
+        slots = list(range(len(seqs)))
+        for slot in range(self._timing_slots, len(seqs)):
+            self.sampler.start(slot, sampling or SamplingParams(), [1])
+        self._timing_slots = max(self._timing_slots, len(seqs))
+        drawn = self._graph_draw(batch, slots, len(seqs), None, None)
+        if drawn is None:
+            drawn = self.sampler.sample(self.logits(batch, decode_only=True), slots)
+        drawn[0].tolist()
 
     def logits(
         self, batch: ForwardBatch, decode_only: bool, load: LayerLoad | None = None
@@ -209,10 +214,14 @@ class StepRunner:
         if spec is not None:
             return spec.run(plan.step, seqs, batch, self, sampled, load, layers)
         slots = [seq.slot for seq in seqs if seq.sample]
-        if layers is not None:
-            logits = self.model(batch, self.kv, layers)
-        else:
+        if layers is None:
+            drawn = self._graph_draw(batch, slots, len(seqs), load, self._span)
+            if drawn is not None:
+                ids, logprobs, ended = self._take_rows(*drawn, slots, dead)
+                return _result(plan.step, sampled, slots, ids, logprobs, ended)
             logits = self.logits(batch, len(slots) == len(seqs), load)
+        else:
+            logits = self.model(batch, self.kv, layers)
         if not slots:
             return _result(plan.step, sampled, [], [], [], [])
         if self.share is not None and not self.share.leader:
@@ -284,8 +293,10 @@ class StepRunner:
         sampled = [seq.slot for seq in plan.seqs if seq.sample]
         slots = [seq.slot for seq in seqs if seq.sample]
         span = start_span(self.device)
-        logits = self.logits(batch, len(slots) == len(seqs))
-        tokens, logprobs = self._queue_draw(logits, slots, span)
+        drawn = self._graph_draw(batch, slots, len(seqs), None, span)
+        if drawn is None:
+            drawn = self._queue_draw(self.logits(batch, len(slots) == len(seqs)), slots, span)
+        tokens, logprobs = drawn
         decoding = {seq.slot for seq in seqs if seq.input_ids is None}
         download = Download(tokens)
         self._ahead = _Ahead(plan, sampled, slots, decoding, set(dead), download, logprobs, span)
@@ -320,6 +331,16 @@ class StepRunner:
         have ended: their rows are drawn (under --tp rank 0 shares every row's token) and come
         back as SKIPPED_TOKEN."""
         tokens, logprobs = self._queue_draw(logits, slots, self._span)
+        return self._take_rows(tokens, logprobs, slots, dead)
+
+    def _take_rows(
+        self,
+        tokens: torch.Tensor,
+        logprobs: list[TokenLogprob | None],
+        slots: list[int],
+        dead: frozenset[int],
+    ) -> tuple[list[int], list[TokenLogprob | None], list[bool]]:
+        """`sample_rows` once the rows' draw is queued: the tokens on the host, settled."""
         # A step launched ahead in `launched` queues behind this one: only a copy queued now
         # leaves these tokens ahead of it (without that, `tolist` waits for nothing more).
         copy = Download(tokens) if self.launch_ahead else tokens
@@ -340,6 +361,41 @@ class StepRunner:
             self.last_tokens[index] = upload(ids, torch.int64, self.device)
         self._note_ended(slots, ids, ended)
         return ids, ended
+
+    def graph_draw(self) -> GraphDraw | None:
+        """What decode graphs need to draw this runner's rows themselves (`_graph_draw`);
+        None where the sampler has no device draw."""
+        sample = self.sampler.device_draw
+        return None if sample is None else GraphDraw(sample, DRAW_KNOBS, self.last_tokens)
+
+    def _graph_draw(
+        self,
+        batch: ForwardBatch,
+        slots: list[int],
+        rows: int,
+        load: LayerLoad | None,
+        span: DeviceSpan | None,
+    ) -> tuple[torch.Tensor, list[TokenLogprob | None]] | None:
+        """The forward and the rows' draw in one decode graph, queued (core/graphs.py
+        `run_and_draw`): the tokens on the device, also as the slots' next inputs, as
+        `_queue_draw` gives them. None where the step or a row needs more than the draw (a
+        prompt chunk, images, a grammar's mask, penalties, logprobs) or no graph draws."""
+        graphs = self.graphs
+        if graphs is None or not graphs.draws or len(slots) != rows or self.share is not None:
+            return None
+        if batch.override_rows is not None or not graphs.fits(batch):
+            return None
+        if any(self.matchers.constrains(slot) for slot in slots):
+            return None
+        knobs = self.sampler.graph_knobs(slots, graphs.bucket(rows))
+        if knobs is None:
+            return None
+        if load is not None:
+            load.wait_all()  # a replayed graph has no per-layer hook
+        tokens = graphs.run_and_draw(batch, knobs, slots)
+        if span is not None:
+            span.stop()
+        return tokens, [None] * rows
 
     def _queue_draw(
         self, logits: torch.Tensor, slots: list[int], span: DeviceSpan | None

@@ -6,7 +6,8 @@ A plain `.to(cuda)` from pageable memory synchronizes with the stream, so every 
 before it must finish first. A copy from pinned memory is queued behind them instead. Pinning a
 fresh block per array cost ~50 µs of host time each on the H200 (a served decode step made ~15:
 18 % of the executor thread), so the arrays pass through one pinned staging buffer per device,
-and `upload_many` sends a step's several arrays in a single copy.
+and `upload_many` sends a step's several arrays in a single copy. `Packed` keeps a CUDA graph's
+static input arrays in one allocation, refilled the same way, in one copy.
 """
 
 from __future__ import annotations
@@ -49,6 +50,41 @@ def upload_many(
     arrays = [np.asarray(v, dtype=_NUMPY[dtype]) for v, dtype in items]
     arrays = [a if a.flags.c_contiguous else a.copy() for a in arrays]
     return _staging(device).send(arrays, [dtype for _, dtype in items])
+
+
+class Packed:
+    """Fixed-size arrays (a CUDA graph's static inputs) as views of one device allocation, each
+    at a 64-byte boundary, so that `fill` writes them all in a single host-to-device copy."""
+
+    def __init__(self, specs: Sequence[tuple[int, torch.dtype]], device: torch.device) -> None:
+        """`specs`: each array's length and dtype."""
+        self.offsets, total = [], 0
+        for length, dtype in specs:
+            self.offsets.append(total)
+            total += _aligned(length * dtype.itemsize)
+        self.buffer = torch.zeros(total, dtype=torch.uint8, device=device)
+        self.dtypes = [dtype for _, dtype in specs]
+        self.views = [
+            self.buffer[at : at + length * dtype.itemsize].view(dtype)
+            for at, (length, dtype) in zip(self.offsets, specs, strict=True)
+        ]
+
+    def fill(self, values: Sequence[Values]) -> None:
+        """Every array's values (each its array's length), in one copy queued on the current
+        stream behind the work before it."""
+        if len(values) != len(self.views):
+            raise ValueError(f"{len(values)} arrays for {len(self.views)} views")
+        arrays = []
+        for v, view, dtype in zip(values, self.views, self.dtypes, strict=True):
+            array = np.ascontiguousarray(v, dtype=_NUMPY[dtype])
+            if array.shape != (view.numel(),):
+                raise ValueError(f"an array of shape {array.shape} for a view of {view.numel()}")
+            arrays.append(array)
+        if self.buffer.device.type != "cuda":
+            for array, view in zip(arrays, self.views, strict=True):
+                view.copy_(torch.from_numpy(array))
+            return
+        _staging(self.buffer.device).send_into(self.buffer, self.offsets, arrays)
 
 
 _STAGING: dict[torch.device, _Staging] = {}
@@ -121,6 +157,23 @@ class _Staging:
             sent[offset : offset + array.nbytes].view(dtype).view(array.shape)
             for array, offset, dtype in zip(arrays, offsets, dtypes, strict=True)
         ]
+
+    def send_into(self, dest: torch.Tensor, offsets: list[int], arrays: list[np.ndarray]) -> None:
+        """`arrays` into `dest` (uint8, on the device) at `offsets`, in one copy of the span
+        they cover (the bytes between them are copied too: `dest`'s padding)."""
+        total = offsets[-1] + arrays[-1].nbytes
+        if total > self.chunk_bytes:
+            raise ValueError(f"{total} bytes do not fit a staging part of {self.chunk_bytes}")
+        with self.lock:
+            if self.used + _aligned(total) > self.chunk_bytes:
+                self._next_chunk()
+            start = self.chunk * self.chunk_bytes + self.used
+            for array, offset in zip(arrays, offsets, strict=True):
+                at = start + offset
+                self.host[at : at + array.nbytes] = array.view(np.uint8)
+            self.used += _aligned(total)
+            self.streams.add(torch.cuda.current_stream(self.device))
+            dest[:total].copy_(self.buffer[start : start + total], non_blocking=True)
 
     def _next_chunk(self) -> None:
         fences = []

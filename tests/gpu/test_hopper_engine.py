@@ -11,6 +11,7 @@ from helpers.devices import CPU_REFERENCE
 from helpers.greedy import engine_outputs, first_divergence
 from helpers.hf_oracle import full_logits, random_prompt
 
+from m3serve import Engine
 from m3serve.model.build import load_model
 from m3serve.model.tiny.checkpoint import TinySpec
 
@@ -91,3 +92,29 @@ def test_steps_launched_ahead_give_the_tokens_of_steps_run_one_by_one(path: Path
     ahead = outputs(path, backend="hopper", dtype="bfloat16")
     serial = outputs(path, backend="hopper", dtype="bfloat16", disable_overlap_schedule=True)
     assert ahead == serial
+
+
+def sampled_outputs(path: Path, **server_args: object) -> list[list[int]]:
+    """Seeded top-p draws beside greedy rows and a penalized row, in one batch."""
+    params = [
+        {"temperature": 1.0, "top_p": 0.9, "seed": 7, "max_new_tokens": 24},
+        {"temperature": 0.0, "max_new_tokens": 24},
+        {"temperature": 0.8, "top_k": 20, "seed": 11, "max_new_tokens": 24},
+        {"temperature": 1.0, "seed": 5, "frequency_penalty": 0.5, "max_new_tokens": 8},
+        {"temperature": 1.0, "min_p": 0.05, "seed": 3, "max_new_tokens": 24},
+    ]
+    with Engine(
+        str(path), single_process=True, max_total_tokens=65536, skip_warmup=True, **server_args
+    ) as engine:
+        results = engine.generate(input_ids=PROMPTS, sampling_params=params)
+    return [r["output_ids"] for r in results]
+
+
+def test_graphs_that_draw_their_rows_give_the_eager_draws(path: Path) -> None:
+    """Decode graphs draw their rows' tokens themselves (core/graphs.py): seeded draws equal
+    those of the eager sampler, step for step. While the penalized request runs its batch
+    samples outside the graph; once it has ended the graph draws the other rows."""
+    eager = sampled_outputs(path, backend="hopper", dtype="bfloat16", disable_cuda_graph=True)
+    graphs = sampled_outputs(path, backend="hopper", dtype="bfloat16", cuda_graph_max_bs_decode=8)
+    assert graphs == eager
+    assert len({tuple(out) for out in graphs}) == len(graphs)

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from m3serve.model.batch import ForwardBatch
-from m3serve.model.host_copy import Download, upload, upload_many
+from m3serve.model.host_copy import Download, Packed, upload, upload_many
 from m3serve.model.slot_pages import SlotPages
 from m3serve.runtime.messages import SeqStep
 
@@ -48,6 +48,27 @@ def test_staging_wraps_around_without_overwriting_queued_copies() -> None:
     torch.cuda.synchronize()
     for values, (a, b) in zip(sent, got, strict=True):
         assert a.tolist() == values.tolist() and b.tolist() == values[:3].tolist()
+
+
+def test_packed_fills_queue_behind_the_work_before_them_without_a_sync() -> None:
+    """A graph's static arrays refilled many times while the stream is busy: no sync, and
+    each fill is what the work queued after it reads (a copy of its values taken then)."""
+    device = torch.device("cuda")
+    packed = Packed([(5, torch.float32), (5, torch.int64)], device)
+    busy = torch.randn(4096, 4096, device=device)
+    seen = []
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for i in range(3000):  # ~0.4 MB: into a second part of the staging ring
+            if i % 500 == 0:
+                busy @ busy
+            packed.fill([[i + 0.5] * 5, list(range(i, i + 5))])
+            seen.append([v.clone() for v in packed.views])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for i, (floats, ints) in enumerate(seen):
+        assert floats.tolist() == [i + 0.5] * 5 and ints.tolist() == list(range(i, i + 5))
 
 
 def test_a_download_waits_for_its_own_tokens_not_for_work_queued_after() -> None:

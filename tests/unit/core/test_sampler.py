@@ -257,6 +257,50 @@ def test_the_device_draw_gets_each_knob_in_its_own_dtype_and_offsets_that_advanc
     assert calls[0][5].tolist() == [0, 0] and offsets.tolist() == [1, 1]
 
 
+def test_graph_knobs_are_the_device_draws_then_greedy_padding() -> None:
+    """A CUDA graph that draws its rows (core/graphs.py) gets the knobs `sample` would give
+    the device draw, the graph's batch long (padding: greedy), and the same draw counts: a
+    draw in a graph and one outside it continue one stream."""
+    sampler = new_sampler()
+    calls: list[tuple[torch.Tensor, ...]] = []
+
+    def probe(logits: torch.Tensor, *knobs: torch.Tensor) -> torch.Tensor:
+        calls.append(knobs)
+        return torch.zeros(logits.shape[0], dtype=torch.int64)
+
+    sampler._device_draw = probe
+    sampler.start(0, params(temperature=0.7, top_p=0.9, seed=5), [1])
+    sampler.start(2, params(temperature=0.0), [1])
+    sampler.start(3, params(temperature=1.2, top_k=40, seed=6), [1])
+    knobs = sampler.graph_knobs([3, 2, 0], 4)
+    assert knobs is not None
+    temperature, top_k, top_p, min_p, seeds, offsets = knobs
+    assert temperature == pytest.approx([1.2, 0.0, 0.7, 0.0])
+    assert top_k == [40, 0, 0, 0] and top_p == pytest.approx([1.0, 1.0, 0.9, 1.0])
+    assert min_p == pytest.approx([0.0] * 4) and offsets == [0, 0, 0, 0]
+    assert seeds[3] == 0
+    sampler.sample(torch.zeros(2, VOCAB), [3, 0])  # the next draw, outside a graph
+    assert calls[-1][4].tolist() == [seeds[0], seeds[2]]
+    assert calls[-1][5].tolist() == [1, 1]  # each row drew once in the graph
+    again = sampler.graph_knobs([3, 2, 0], 4)
+    assert again is not None and again[5] == [2, 0, 2, 0]  # the greedy row counts no draws
+
+
+def test_graph_knobs_leave_penalties_and_logprobs_to_sample() -> None:
+    sampler = new_sampler()
+    assert sampler.graph_knobs([0], 1) is None  # a CPU sampler has no device draw
+    sampler._device_draw = lambda logits, *knobs: torch.zeros(logits.shape[0], dtype=torch.int64)
+    sampler.start(0, params(temperature=1.0), [1])
+    sampler.start(1, params(temperature=1.0, presence_penalty=0.5), [1])
+    sampler.start(2, params(temperature=1.0, logprobs=True), [1])
+    assert sampler.graph_knobs([0, 1], 2) is None and sampler.graph_knobs([2, 0], 2) is None
+    assert sampler.graph_knobs([0, 2], 1) is None  # more rows than the graph has
+    knobs = sampler.graph_knobs([0], 2)
+    assert knobs is not None and knobs[5] == [0, 0]  # no draw counted by the refusals
+    with pytest.raises(ValueError, match="twice"):
+        sampler.graph_knobs([0, 0], 2)
+
+
 @CUDA_ONLY
 def test_cuda_matches_the_contract_without_syncs() -> None:
     device = torch.device("cuda")

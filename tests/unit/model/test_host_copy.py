@@ -1,12 +1,13 @@
 """`upload` and `upload_many`: a step's small host arrays onto the device, values and dtype kept;
-`Download`: device values back."""
+`Download`: device values back; `Packed`: a graph's static arrays in one allocation."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
-from m3serve.model.host_copy import Download, _per_device, upload, upload_many
+from m3serve.model.host_copy import Download, Packed, _per_device, upload, upload_many
 
 
 def test_upload_keeps_values_and_takes_the_asked_dtype() -> None:
@@ -46,3 +47,20 @@ def test_each_device_gets_one_staging_entry_made_on_first_use() -> None:
     first = _per_device(table, device, lambda d: made.append(d) or object())
     assert _per_device(table, device, lambda d: made.append(d) or object()) is first
     assert made == [device]
+
+
+def test_packed_views_sit_at_64_byte_boundaries_of_one_allocation_and_fill_in_order() -> None:
+    packed = Packed([(3, torch.float32), (5, torch.int32), (2, torch.int64)], torch.device("cpu"))
+    assert packed.offsets == [0, 64, 128]
+    base = packed.buffer.data_ptr()
+    assert [v.data_ptr() - base for v in packed.views] == packed.offsets
+    assert [(v.dtype, v.numel()) for v in packed.views] == [
+        (torch.float32, 3), (torch.int32, 5), (torch.int64, 2)
+    ]  # fmt: skip
+    packed.fill([[0.5, 1.0, 2.0], np.arange(5), [7, -1]])
+    assert packed.views[0].tolist() == [0.5, 1.0, 2.0]
+    assert packed.views[1].tolist() == [0, 1, 2, 3, 4] and packed.views[2].tolist() == [7, -1]
+    with pytest.raises(ValueError, match="shape"):
+        packed.fill([[0.5], np.arange(5), [7, -1]])
+    with pytest.raises(ValueError, match="2 arrays for 3"):
+        packed.fill([[0.5, 1.0, 2.0], np.arange(5)])

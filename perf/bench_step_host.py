@@ -1,0 +1,300 @@
+"""Where the host time of a served decode step goes: the engine's step runner on a checkpoint,
+its steps built and launched ahead as the server does (`StepRunner.prepare`, --launch-ahead),
+timed part by part on the host.
+
+At concurrency 1 the server's decode step is bound by the host, not the device: on an H100
+serving the 4-layer M3.1-shaped slice a batch-1 step ran 1.39 ms against 0.90 ms of device time,
+the executor thread busy ~76 % of a core (perf/results/h100_2026-12-07e_sampler_chunks/). This
+runs the same calls the executor makes for each step, without the event loop: for each batch
+size, `--iters` steps of decode rows over `--context` tokens, each step's `prepare` (building the
+batch, queueing its forward and draw) behind a spin kernel so that no call waits for the device,
+then its `run` (taking the tokens), each batch size twice: the rows drawn in the decode graph
+(core/graphs.py, the server's default) and drawn outside it (`Sampler.sample`, the way steps
+with penalties or logprobs still go). Each part's host time is its wall time around the call
+(inclusive: a part's time holds the parts it calls), median per step; then, for the first batch
+size, torch's profiler (host time of each op and CUDA call, per step) and cProfile (Python
+functions by their own time).
+
+    python perf/bench_step_host.py --model-path DIR [--batches 1 16 64] [--context 1024]
+        [--iters 300] [--profile-iters 100] [--greedy] [--out PATH]
+
+Prints tables; writes JSON to $OUT/bench_step_host.json when $OUT is set, else perf/results/
+(or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from bench_mixed_step import add_copy_flag, runner_for
+from result_json import write_result
+from torch.profiler import ProfilerActivity, profile
+
+import m3serve.core.step_runner as step_runner_module
+from m3serve.core.step_runner import StepRunner
+from m3serve.model.slot_pages import SlotPages
+from m3serve.runtime.messages import SamplingParams, SeqStep, StepPlan
+
+# Spin ahead of each step's launch (~3 ms at H100/H200 clocks): longer than its host work, so
+# nothing the host does waits for the device, as while the step before runs when served.
+SPIN_CYCLES = 5_000_000
+# The runner's parts timed, as (owner attribute path, method name); "" is the runner itself.
+PARTS = [
+    ("", "prepare"),
+    ("", "_build"),
+    ("slot_pages", "update"),
+    ("", "_fill_slot_tokens"),
+    ("", "_launches_ahead"),
+    ("", "_launch_ahead"),
+    ("", "logits"),
+    ("", "_graph_draw"),
+    ("graphs", "run_and_draw"),
+    ("graphs", "_load"),
+    ("", "_queue_draw"),
+    ("matchers", "fill"),
+    ("sampler", "sample"),
+    ("sampler", "_draw_on_device"),
+    ("sampler", "_device_draw"),
+    ("", "run"),
+    ("", "_take_tokens"),
+    ("", "_settle"),
+]
+# Module-level names the runner calls, timed likewise.
+MODULE_PARTS = ["Download", "upload", "start_span", "seconds_of"]
+
+
+class Timers:
+    """Each part's wall time summed per step (a part called twice in a step counts both)."""
+
+    def __init__(self) -> None:
+        self.current: dict[str, float] = defaultdict(float)
+        self.steps: list[dict[str, float]] = []
+
+    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.current[name] += time.perf_counter() - started
+
+        return timed
+
+    def end_step(self) -> None:
+        self.steps.append(dict(self.current))
+        self.current.clear()
+
+    def medians_us(self) -> dict[str, float]:
+        names = {name for step in self.steps for name in step}
+        return {
+            name: 1e6 * statistics.median(step.get(name, 0.0) for step in self.steps)
+            for name in sorted(names)
+        }
+
+
+@contextmanager
+def timed_parts(runner: StepRunner, timers: Timers) -> Iterator[None]:
+    """The runner's parts wrapped by `timers` inside the block, put back after it."""
+    undo: list[Callable[[], None]] = []
+    for path, name in PARTS:
+        owner = runner if not path else getattr(runner, path, None)
+        fn = getattr(owner, name, None) if owner is not None else None
+        if fn is None:
+            continue
+        label = f"{path}.{name}" if path else name
+        setattr(owner, name, timers.wrap(label, fn))
+        undo.append(lambda owner=owner, name=name, fn=fn: delattr_or_set(owner, name, fn))
+    for name in MODULE_PARTS:
+        fn = getattr(step_runner_module, name)
+        setattr(step_runner_module, name, timers.wrap(name, fn))
+        undo.append(lambda name=name, fn=fn: setattr(step_runner_module, name, fn))
+    try:
+        yield
+    finally:
+        for put_back in reversed(undo):
+            put_back()
+
+
+def delattr_or_set(owner: Any, name: str, fn: Any) -> None:
+    """Put `fn` back: a bound method goes by dropping the instance attribute that hid it."""
+    if name in vars(owner) and getattr(type(owner), name, None) is not None:
+        delattr(owner, name)
+    else:
+        setattr(owner, name, fn)
+
+
+class Steps:
+    """Decode plans for `batch` slots over `context` tokens, one position further each step."""
+
+    def __init__(self, batch: int, context: int, page: int, row_pages: int, greedy: bool) -> None:
+        self.batch, self.context, self.page, self.row_pages = batch, context, page, row_pages
+        self.params = SamplingParams(temperature=0.0) if greedy else SamplingParams(top_p=0.95)
+        self.step = 0
+
+    def first(self) -> StepPlan:
+        """The slots' first step: a one-token prompt at the context's end, the whole page list."""
+        seqs = [
+            SeqStep(
+                [1 + b],
+                self.context,
+                list(range(b * self.row_pages, (b + 1) * self.row_pages)),
+                slot=b,
+                new_request=True,
+            )
+            for b in range(self.batch)
+        ]
+        self.step = 1
+        return StepPlan(
+            step=0,
+            seqs=seqs,
+            sampling=dict.fromkeys(range(self.batch), self.params),
+            prompt_ids={b: [1 + b] for b in range(self.batch)},
+        )
+
+    def next(self) -> StepPlan:
+        """A decode step: every slot's last token, no page change."""
+        start = self.context + self.step
+        seqs = [
+            SeqStep(None, start, [], slot=b, page_start=self.row_pages) for b in range(self.batch)
+        ]
+        plan = StepPlan(step=self.step, seqs=seqs)
+        self.step += 1
+        return plan
+
+
+def one_step(runner: StepRunner, plan: StepPlan, spin: bool) -> tuple[float, float]:
+    """(host seconds of `prepare`, of `run`) of one decode step launched ahead."""
+    if spin:
+        torch.cuda._sleep(SPIN_CYCLES)
+    started = time.perf_counter()
+    runner.prepare(plan)
+    prepared = time.perf_counter()
+    runner.run(plan)
+    return prepared - started, time.perf_counter() - prepared
+
+
+@contextmanager
+def eager_draw(runner: StepRunner, eager: bool) -> Iterator[None]:
+    """With `eager`, steps draw outside their decode graph (`Sampler.sample`), as every step
+    did before graphs drew their rows (and as steps with penalties or logprobs still do)."""
+    if eager:
+        runner._graph_draw = lambda *args: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        vars(runner).pop("_graph_draw", None)
+
+
+def measure(runner: StepRunner, steps: Steps, iters: int, spin: bool) -> dict[str, Any]:
+    runner.run(steps.first())
+    for _ in range(20):  # warm: allocator, staging ring, first replays
+        one_step(runner, steps.next(), spin)
+    timers = Timers()
+    prepare, run = [], []
+    with timed_parts(runner, timers):
+        for _ in range(iters):
+            a, b = one_step(runner, steps.next(), spin)
+            prepare.append(a)
+            run.append(b)
+            timers.end_step()
+    parts = timers.medians_us()
+    return {
+        "prepare_us": 1e6 * statistics.median(prepare),
+        "run_us": 1e6 * statistics.median(run),
+        "parts_us": parts,
+    }
+
+
+def profiles(runner: StepRunner, steps: Steps, iters: int, spin: bool) -> dict[str, str]:
+    """torch's profiler table (host self time per op, per step) and cProfile's top functions."""
+    on_gpu = runner.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(iters):
+            one_step(runner, steps.next(), spin)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+    calls = defaultdict(int)
+    for event in prof.key_averages():
+        calls[event.key] = event.count
+    launches = {
+        key: count / iters
+        for key, count in calls.items()
+        if key.startswith(("cuda", "cu")) and on_gpu
+    }
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(iters):
+        one_step(runner, steps.next(), spin)
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+    return {"torch": table, "cprofile": text.getvalue(), "driver_calls_per_step": launches}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--iters", type=int, default=300)
+    parser.add_argument("--profile-iters", type=int, default=100)
+    parser.add_argument("--greedy", action="store_true", help="greedy rows (default: top-p .95)")
+    parser.add_argument("--out", type=Path)
+    add_copy_flag(parser)
+    args = parser.parse_args()
+    total = args.context + 1 + 20 * len(args.batches) + (args.iters + 2 * args.profile_iters + 25)
+    total += args.iters * len(args.batches)
+    runner = runner_for(args.model_path, args.batches, 0, total, args.mxfp8_bf16_copy)
+    page = runner.page_size
+    row_pages = -(-(total + 1) // page)
+    runner.slot_pages = SlotPages(runner.sampler.num_slots, runner.kv.num_pages, runner.device)
+    spin = runner.device.type == "cuda"
+    runner.launch_ahead = spin  # the server's default: where launches are asynchronous
+    rows: list[dict[str, Any]] = []
+    found: dict[str, Any] = {}
+    for batch in args.batches:
+        for draw in ("graph", "eager"):
+            steps = Steps(batch, args.context, page, row_pages, args.greedy)
+            with eager_draw(runner, draw == "eager"):
+                row = {"batch": batch, "draw": draw, **measure(runner, steps, args.iters, spin)}
+                rows.append(row)
+                if batch == args.batches[0]:
+                    found[draw] = profiles(runner, steps, args.profile_iters, spin)
+    names = sorted({n for row in rows for n in row["parts_us"]})
+    print(f"host µs per step, median of {args.iters} (inclusive; device {runner.device});")
+    print("draw: in the decode graph (the server's default) or eager (Sampler.sample)")
+    print(f"{'part':<28}" + "".join(f"{'B' + str(r['batch']) + r['draw'][0]:>10}" for r in rows))
+    for label in ["prepare_us", "run_us"]:
+        print(f"{label:<28}" + "".join(f"{r[label]:>10.1f}" for r in rows))
+    for name in names:
+        print(f"{name:<28}" + "".join(f"{r['parts_us'].get(name, 0.0):>10.1f}" for r in rows))
+    for draw, profiled in found.items():
+        what = f"batch {args.batches[0]}, draw {draw}, {args.profile_iters} steps"
+        print(f"\n== torch profiler, {what}")
+        print(profiled["torch"])
+        print("driver calls per step:", profiled["driver_calls_per_step"])
+        print(f"\n== cProfile, {what}")
+        print(profiled["cprofile"])
+    result = {
+        "device": str(torch.cuda.get_device_name() if spin else runner.device),
+        "context": args.context,
+        "iters": args.iters,
+        "greedy": args.greedy,
+        "rows": rows,
+        "driver_calls_per_step": {d: p["driver_calls_per_step"] for d, p in found.items()},
+    }
+    print("wrote", write_result(result, "bench_step_host", args.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""perf/bench_step_host.py on the built-in tiny checkpoint (CPU): every batch size is timed with
+its rows drawn in the decode graph and outside it, each part of a step's host time reported."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from m3serve.model.tiny.default import default_model_path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_cpu_run_writes_each_batch_both_ways_with_its_parts(tmp_path: Path) -> None:
+    out = tmp_path / "host.json"
+    command = [
+        sys.executable, "perf/bench_step_host.py", "--model-path", str(default_model_path()),
+        "--batches", "1", "2", "--context", "12", "--iters", "3", "--profile-iters", "2",
+        "--out", str(out), "--no-mxfp8-bf16-copy",
+    ]  # fmt: skip
+    run = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads(out.read_text())
+    rows = [(r["batch"], r["draw"]) for r in report["rows"]]
+    assert rows == [(1, "graph"), (1, "eager"), (2, "graph"), (2, "eager")]
+    for row in report["rows"]:
+        assert row["prepare_us"] > 0 and row["run_us"] > 0
+        assert row["parts_us"]["_build"] > 0 and row["parts_us"]["sampler.sample"] > 0
+    assert "== cProfile, batch 1, draw graph" in run.stdout
