@@ -4,7 +4,8 @@ arrives as a token bitmask, applied after the penalties, so that greedy takes th
 token and a draw never lands on a masked one.
 
 Each row's token is independent of the rows beside it: a seeded request gets the same tokens in
-any batch. The math is `m3serve.kernels.sampling` (torch) or, on a GPU, the Triton sampler.
+any batch. The math is `m3serve.kernels.sampling` (torch) or, on a GPU, the Triton sampler, which
+a decode CUDA graph may also run itself with the knobs `graph_knobs` gives it (core/graphs.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 It builds the forward batch, picks how the forward runs (a decode CUDA graph, piecewise graphs
 around eager attention, or eagerly), runs a step's HiCache load-backs layer by layer inside it,
-draws each sampled row's token and keeps the per-slot state that lives on this thread: the
+draws each sampled row's token (inside the decode graph where the rows need nothing but the
+draw: `_graph_draw`) and keeps the per-slot state that lives on this thread: the
 sampler's, the grammar matchers', the device table of each slot's last token (the next decode
 input, before the CPU has seen it) and which slots just sampled the token that ends their
 request. Everything here runs on the executor thread; the engine core plans on its event loop.

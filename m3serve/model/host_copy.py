@@ -162,6 +162,9 @@ class _Staging:
         """`arrays` into `dest` (uint8, on the device) at `offsets`, in one copy of the span
         they cover (the bytes between them are copied too: `dest`'s padding)."""
         total = offsets[-1] + arrays[-1].nbytes
+        if torch.cuda.is_current_stream_capturing():
+            # A captured copy would read this staging address again at every replay.
+            raise RuntimeError("static arrays are filled outside a CUDA graph capture")
         if total > self.chunk_bytes:
             raise ValueError(f"{total} bytes do not fit a staging part of {self.chunk_bytes}")
         with self.lock:

@@ -92,6 +92,12 @@ def _write_log(tmp_path: Path, records: list[tuple[str, StepRecord]]) -> Path:
     return log
 
 
+def _one_row_decode(step: int, **fields: Any) -> StepRecord:
+    """A decode step of one row planned in 0.1 ms and processed in 0.05, with `fields`."""
+    plan = StepPlan(step=step, seqs=[SeqStep(None, 10, [0], slot=0)])
+    return StepRecord(plan, schedule_ms=0.1, process_ms=0.05, **fields)
+
+
 def test_gaps_are_between_consecutive_steps_and_windows_cut_by_clock(tmp_path: Path) -> None:
     log = _log(
         tmp_path,
@@ -272,14 +278,7 @@ def test_steps_that_built_their_own_batch_are_counted_per_kind(
 ) -> None:
     records = []
     for i, build_ms in enumerate((0.0, 0.8, 0.0, 1.2)):
-        record = StepRecord(
-            StepPlan(step=i + 1, seqs=[SeqStep(None, 10, [0], slot=0)]),
-            schedule_ms=0.1,
-            run_ms=2.0,
-            process_ms=0.05,
-            launch_ms=1.5,
-            build_ms=build_ms,
-        )
+        record = _one_row_decode(i + 1, run_ms=2.0, launch_ms=1.5, build_ms=build_ms)
         records.append((f"16:00:00,{2 * i:03d}", record))
     monkeypatch.setattr("sys.argv", ["summarize_step_trace.py", str(_write_log(tmp_path, records))])
     main()
@@ -325,15 +324,8 @@ def test_the_wait_for_the_next_plan_and_its_launch_ahead_are_read_and_summarized
     the per-kind line; a step that launched nothing ahead logs neither."""
     records = []
     for i, (wait, ahead) in enumerate(((0.6, 0.5), (0.7, 0.5), (0.8, 0.5), (0.0, 0.0))):
-        record = StepRecord(
-            StepPlan(step=i + 1, seqs=[SeqStep(None, 10, [0], slot=0)]),
-            schedule_ms=0.1,
-            run_ms=1.8,
-            process_ms=0.05,
-            launch_ms=0.01,
-            device_ms=0.9,
-            wait_ms=wait,
-            ahead_ms=ahead,
+        record = _one_row_decode(
+            i + 1, run_ms=1.8, launch_ms=0.01, device_ms=0.9, wait_ms=wait, ahead_ms=ahead
         )
         records.append((f"16:00:00,{2 * i:03d}", record))
     log = _write_log(tmp_path, records)

@@ -230,10 +230,8 @@ def test_empty_batch() -> None:
 # ------------------------------------------------------------------------------------ CUDA
 
 
-def test_the_device_draw_gets_each_knob_in_its_own_dtype_and_offsets_that_advance() -> None:
-    """The kernel's contract (kernels/triton/sampling.py `sample`): temperature, top_p, min_p
-    float32, top_k int32 (0: off), seeds and offsets int64, each [B] contiguous; a row's offset
-    is its draw count. Recorded here from a CPU sampler with the kernel swapped for a probe."""
+def probed_sampler() -> tuple[Sampler, list[tuple[torch.Tensor, ...]]]:
+    """A CPU sampler whose device draw is a probe: the knobs of each call, and tokens 0."""
     sampler = new_sampler()
     calls: list[tuple[torch.Tensor, ...]] = []
 
@@ -242,6 +240,14 @@ def test_the_device_draw_gets_each_knob_in_its_own_dtype_and_offsets_that_advanc
         return torch.zeros(logits.shape[0], dtype=torch.int64)
 
     sampler._device_draw = probe
+    return sampler, calls
+
+
+def test_the_device_draw_gets_each_knob_in_its_own_dtype_and_offsets_that_advance() -> None:
+    """The kernel's contract (kernels/triton/sampling.py `sample`): temperature, top_p, min_p
+    float32, top_k int32 (0: off), seeds and offsets int64, each [B] contiguous; a row's offset
+    is its draw count. Recorded here from a CPU sampler with the kernel swapped for a probe."""
+    sampler, calls = probed_sampler()
     sampler.start(0, params(temperature=0.7, top_k=-1, top_p=0.9, min_p=0.05, seed=5), [1])
     sampler.start(3, params(temperature=1.2, top_k=40, seed=6), [1])
     for _ in range(2):
@@ -261,14 +267,7 @@ def test_graph_knobs_are_the_device_draws_then_greedy_padding() -> None:
     """A CUDA graph that draws its rows (core/graphs.py) gets the knobs `sample` would give
     the device draw, the graph's batch long (padding: greedy), and the same draw counts: a
     draw in a graph and one outside it continue one stream."""
-    sampler = new_sampler()
-    calls: list[tuple[torch.Tensor, ...]] = []
-
-    def probe(logits: torch.Tensor, *knobs: torch.Tensor) -> torch.Tensor:
-        calls.append(knobs)
-        return torch.zeros(logits.shape[0], dtype=torch.int64)
-
-    sampler._device_draw = probe
+    sampler, calls = probed_sampler()
     sampler.start(0, params(temperature=0.7, top_p=0.9, seed=5), [1])
     sampler.start(2, params(temperature=0.0), [1])
     sampler.start(3, params(temperature=1.2, top_k=40, seed=6), [1])
