@@ -252,9 +252,12 @@ class EngineCore(StepLoop):
         self._ready_compiles = self.trace.compiles.count
         if self.device.type == "cuda":
             device = self.device
-            self.trace.watch_allocator(
-                lambda: torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
-            )
+
+            def allocations() -> tuple[int, int]:
+                stats = torch.cuda.memory_stats(device)
+                return stats.get("num_alloc_retries", 0), stats.get("num_device_alloc", 0)
+
+            self.trace.watch_allocator(allocations)
         log.info("%s", self.startup.line())
 
     def info(self) -> dict[str, Any]:

@@ -20,8 +20,9 @@ server must never do after it reported ready. With the trace on, `GcPauses` adds
 collector's time between a step's planning and its processing (`gc=`), the other stall a
 Python server has, and each collection of a millisecond or more gets a line of its own
 (`gc pause ...`: its generation, the objects it freed and the thread that waited it out).
-On a GPU the trace also watches the CUDA caching allocator (`AllocRetries`): an allocation it
-had to retry after freeing its cache waited for the device, a stall no other field shows.
+On a GPU the trace also watches the CUDA caching allocator (`AllocWatch`): an allocation it
+had to retry after freeing its cache waited for the device, and one that took new memory from
+the device (cudaMalloc) held the host for as long, stalls no other field shows.
 """
 
 from __future__ import annotations
@@ -160,14 +161,16 @@ class GcPauses:
 ALLOC_CHECK_EVERY = 64
 
 
-class AllocRetries:
-    """Allocations the CUDA caching allocator had to retry. One that finds neither a cached
-    block nor free device memory frees every cached block (cudaFree, which first waits for all
-    the work queued on the device) and allocates again: milliseconds in whichever step asked,
-    seen only as a slow launch. `read` gives the allocator's running count; a rise is logged
-    with the steps it happened in, checked every ALLOC_CHECK_EVERY runs."""
+class AllocWatch:
+    """Allocations the CUDA caching allocator had to retry, and those it took from the device.
+    One that finds neither a cached block nor free device memory frees every cached block
+    (cudaFree, which first waits for all the work queued on the device) and allocates again;
+    one that finds no cached block takes new device memory (cudaMalloc, which the host waits
+    for): milliseconds in whichever step asked, seen only as a slow launch. `read` gives the
+    allocator's running counts of both; a rise is logged with the steps it happened in,
+    checked every ALLOC_CHECK_EVERY runs."""
 
-    def __init__(self, read: Callable[[], int]) -> None:
+    def __init__(self, read: Callable[[], tuple[int, int]]) -> None:
         self._read = read
         self._seen = read()
         self._runs = 0
@@ -180,12 +183,16 @@ class AllocRetries:
         self._runs += 1
         if self._runs % ALLOC_CHECK_EVERY:
             return
-        count = self._read()
-        if count > self._seen:
+        counts = self._read()
+        retried, taken = (now - before for now, before in zip(counts, self._seen, strict=True))
+        if retried > 0:
             log.info("CUDA allocator: %d allocations retried after freeing its cache (each "
-                     "waits for the device) in steps %d-%d", count - self._seen,
-                     self._first_step, step)  # fmt: skip
-        self._seen = count
+                     "waits for the device) in steps %d-%d", retried, self._first_step,
+                     step)  # fmt: skip
+        if taken > 0:
+            log.info("CUDA allocator: %d allocations took new device memory (cudaMalloc: the "
+                     "host waits) in steps %d-%d", taken, self._first_step, step)  # fmt: skip
+        self._seen = counts
         self._first_step = None
 
 
@@ -267,13 +274,13 @@ class StepTrace:
         self._records: dict[int, StepRecord] = {}
         self._last_run_end: float | None = None  # executor thread only
         self._serving = False  # a step has been planned: start-up is over
-        self.alloc: AllocRetries | None = None
+        self.alloc: AllocWatch | None = None
 
-    def watch_allocator(self, read: Callable[[], int]) -> None:
-        """With the trace on, log the CUDA allocator's retried allocations from here on
-        (`read`: its running count)."""
+    def watch_allocator(self, read: Callable[[], tuple[int, int]]) -> None:
+        """With the trace on, log the CUDA allocator's retried allocations and those that took
+        new device memory from here on (`read`: its running counts of both)."""
         if self.log_every_step:
-            self.alloc = AllocRetries(read)
+            self.alloc = AllocWatch(read)
 
     def planned(self, plan: StepPlan, seconds: float, budget: int = 0) -> None:
         """`budget`: the mixed-step prompt budget the plan was held to (0: none)."""

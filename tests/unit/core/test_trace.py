@@ -269,20 +269,26 @@ def test_a_step_without_a_collection_logs_no_gc_field(caplog: pytest.LogCaptureF
 def test_retried_cuda_allocations_are_logged_with_the_steps_they_happened_in(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    retries = [3]  # the allocator's running count: start-up's retries are not logged
+    counts = [3, 40]  # the allocator's running counts: start-up's are not logged
     trace = StepTrace(log_every_step=True)
-    trace.watch_allocator(lambda: retries[0])
+    trace.watch_allocator(lambda: (counts[0], counts[1]))
     every = trace_module.ALLOC_CHECK_EVERY
     with caplog.at_level(logging.INFO, logger="m3serve.core.trace"):
-        for step in range(1, every + 1):  # no retry in the first window
+        for step in range(1, every + 1):  # nothing in the first window
             trace.ran(step, 0.001, trace.compiles.count)
         for step in range(every + 1, 2 * every + 1):
             if step == every + 5:
-                retries[0] = 5
+                counts[0] = 5
             trace.ran(step, 0.001, trace.compiles.count)
-    (line,) = [r.getMessage() for r in caplog.records]
-    assert line.startswith("CUDA allocator: 2 allocations retried")
-    assert line.endswith(f"in steps {every + 1}-{2 * every}")
+        for step in range(2 * every + 1, 3 * every + 1):
+            if step == 2 * every + 9:
+                counts[1] = 43
+            trace.ran(step, 0.001, trace.compiles.count)
+    retried, taken = [r.getMessage() for r in caplog.records]
+    assert retried.startswith("CUDA allocator: 2 allocations retried")
+    assert retried.endswith(f"in steps {every + 1}-{2 * every}")
+    assert taken.startswith("CUDA allocator: 3 allocations took new device memory")
+    assert taken.endswith(f"in steps {2 * every + 1}-{3 * every}")
 
 
 def test_the_allocator_is_not_read_without_the_trace() -> None:
