@@ -16,7 +16,8 @@ preemptions of it (`preempted=`: the engine was short of CPU, not of the GIL); w
 logged them, the medians of `wait=` (while the step ran, the executor's wait for the plan after
 next: the round trip through the event loop) and `ahead=` (building or launching that step);
 `--since` / `--until` keep the steps logged inside a window (one benchmark level of a longer
-run), as HH:MM:SS of the log's clock.
+run), as HH:MM:SS of the log's clock. The CUDA allocator's logged retries and new device
+allocations (cudaMalloc) in the window are summed at the end, by the steps they happened in.
 
 `--itl` rebuilds the gaps between a request's tokens from the trace alone (`token_gaps`) and
 prints their percentiles with what the tail is made of: on the H200 slice at C = 16 they came
@@ -69,6 +70,22 @@ PAUSE = re.compile(
 )
 
 
+ALLOC = re.compile(
+    r"^(\S+ \S+) .*CUDA allocator: (\d+) allocations (retried|took new device memory).* "
+    r"in steps (\d+)-(\d+)"
+)
+
+
+class Allocs(NamedTuple):
+    """One logged rise of the CUDA allocator's counts (core/trace.py `AllocWatch`)."""
+
+    stamp: float
+    count: int
+    kind: str  # "retried" or "took new device memory"
+    first: int  # the steps it happened in
+    last: int
+
+
 class Step(NamedTuple):
     stamp: float  # the log line's time, seconds
     step: int
@@ -105,7 +122,7 @@ class Pause(NamedTuple):
     thread: str
 
 
-Row = TypeVar("Row", Step, Pause)
+Row = TypeVar("Row", Step, Pause, Allocs)
 
 
 def _stamp(clock: str) -> float:
@@ -133,6 +150,16 @@ def read_trace(path: Path) -> tuple[list[Step], list[Pause]]:
         tail = (gc_ms, budget, idle, lag, launch, full, build, cpu, preempted, device, wait, ahead)
         rows.append(Step(*head, *tail))
     return rows, pauses
+
+
+def allocator_lines(path: Path) -> list[Allocs]:
+    """The CUDA allocator's logged retries and new device allocations, in log order."""
+    found = []
+    for line in path.read_text(errors="replace").splitlines():
+        m = ALLOC.search(line)
+        if m:
+            found.append(Allocs(_stamp(m[1]), int(m[2]), m[3], int(m[4]), int(m[5])))
+    return found
 
 
 def steps(path: Path) -> list[Step]:
@@ -351,6 +378,18 @@ def main() -> None:
     if args.chunk_cost:
         _print_chunk_costs(rows)
     _print_gc_pauses(in_window(pauses, args.since, args.until))
+    _print_allocations(in_window(allocator_lines(args.log), args.since, args.until))
+
+
+def _print_allocations(reports: list[Allocs]) -> None:
+    """What the allocator logged in the window: each a stall of a step in its range."""
+    for kind in ("retried", "took new device memory"):
+        mine = [r for r in reports if r.kind == kind]
+        if mine:
+            ranges = ", ".join(f"{r.first}-{r.last}: {r.count}" for r in mine[:8])
+            more = " ..." if len(mine) > 8 else ""
+            total = sum(r.count for r in mine)
+            print(f"--- CUDA allocations that {kind}: {total} (by steps {ranges}{more})")
 
 
 def _print_gc_pauses(pauses: list[Pause]) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from summarize_step_trace import (
+    allocator_lines,
     chunk_costs,
     consecutive,
     gc_pauses,
@@ -337,3 +338,41 @@ def test_the_wait_for_the_next_plan_and_its_launch_ahead_are_read_and_summarized
     main()
     decode = next(line for line in capsys.readouterr().out.splitlines() if "decode" in line)
     assert "device  0.90 (wait 0.75 ahead 0.50)" in decode  # steps 2 and 3 (1 has no gap)
+
+
+def test_the_allocators_lines_in_the_window_are_summed_by_steps(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The lines the engine's AllocWatch writes (retried, new device memory) are read back."""
+    counts = [0, 0]
+    trace = StepTrace(log_every_step=True)
+    trace.watch_allocator(lambda: (counts[0], counts[1]))
+    every = trace_module.ALLOC_CHECK_EVERY
+    with caplog.at_level(logging.INFO, logger="m3serve.core.trace"):
+        for step in range(1, 3 * every + 1):
+            counts[1] += step in (3, every + 2, every + 3)
+            counts[0] += step == 2 * every + 1
+            trace.ran(step, 0.001, trace.compiles.count)
+    stamps = ["16:00:00,100", "16:00:01,100", "16:00:09,100"]
+    lines = [
+        f"2026-12-03 {clock} INFO [engine] m3serve.core.trace: {record.getMessage()}"
+        for clock, record in zip(stamps, caplog.records, strict=True)
+    ]
+    log = tmp_path / "serve.log"
+    record = _one_row_decode(1, run_ms=1.0)
+    log.write_text("\n".join([*lines, f"2026-12-03 16:00:00,000 INFO x: {record.line()}"]) + "\n")
+    found = allocator_lines(log)
+    assert [(a.kind, a.count, a.first, a.last) for a in found] == [
+        ("took new device memory", 1, 1, every),
+        ("took new device memory", 2, every + 1, 2 * every),
+        ("retried", 1, 2 * every + 1, 3 * every),
+    ]
+    argv = ["summarize_step_trace.py", str(log), "--until", "16:00:05"]
+    monkeypatch.setattr("sys.argv", argv)
+    main()
+    out = capsys.readouterr().out
+    assert f"CUDA allocations that took new device memory: 3 (by steps 1-{every}: 1, " in out
+    assert "retried" not in out  # logged after the window
