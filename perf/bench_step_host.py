@@ -49,6 +49,7 @@ from m3serve.runtime.messages import SamplingParams, SeqStep, StepPlan
 # Spin ahead of each step's launch (~3 ms at H100/H200 clocks): longer than its host work, so
 # nothing the host does waits for the device, as while the step before runs when served.
 SPIN_CYCLES = 5_000_000
+WARM_STEPS = 20  # untimed steps first: the allocator, the staging ring, the first replays
 # The runner's parts timed, as (owner attribute path, method name); "" is the runner itself.
 PARTS = [
     ("", "prepare"),
@@ -198,7 +199,7 @@ def eager_draw(runner: StepRunner, eager: bool) -> Iterator[None]:
 
 def measure(runner: StepRunner, steps: Steps, iters: int, spin: bool) -> dict[str, Any]:
     runner.run(steps.first())
-    for _ in range(20):  # warm: allocator, staging ring, first replays
+    for _ in range(WARM_STEPS):
         one_step(runner, steps.next(), spin)
     timers = Timers()
     prepare, run = [], []
@@ -252,8 +253,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     add_copy_flag(parser)
     args = parser.parse_args()
-    total = args.context + 1 + 20 * len(args.batches) + (args.iters + 2 * args.profile_iters + 25)
-    total += args.iters * len(args.batches)
+    # Each run (a batch size, a way to draw) starts over at `context`; its steps reach this far.
+    total = args.context + 1 + WARM_STEPS + args.iters + 2 * args.profile_iters
     runner = runner_for(args.model_path, args.batches, 0, total, args.mxfp8_bf16_copy)
     page = runner.page_size
     row_pages = -(-(total + 1) // page)
