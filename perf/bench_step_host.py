@@ -41,6 +41,7 @@ from bench_mixed_step import add_copy_flag, runner_for
 from result_json import write_result
 from torch.profiler import ProfilerActivity, profile
 
+import m3serve.core.step_ahead as step_ahead_module
 import m3serve.core.step_runner as step_runner_module
 from m3serve.core.step_runner import StepRunner
 from m3serve.model.slot_pages import SlotPages
@@ -71,8 +72,12 @@ PARTS = [
     ("", "_take_tokens"),
     ("", "_settle"),
 ]
-# Module-level names the runner calls, timed likewise.
-MODULE_PARTS = ["Download", "upload", "start_span", "seconds_of"]
+# Module-level names the runner calls (in a step's run, and in a step launched ahead), timed
+# likewise.
+MODULE_PARTS = [
+    (step_runner_module, ["Download", "upload", "start_span", "seconds_of"]),
+    (step_ahead_module, ["Download", "start_span", "seconds_of"]),
+]
 
 
 class Timers:
@@ -116,10 +121,11 @@ def timed_parts(runner: StepRunner, timers: Timers) -> Iterator[None]:
         label = f"{path}.{name}" if path else name
         setattr(owner, name, timers.wrap(label, fn))
         undo.append(lambda owner=owner, name=name, fn=fn: delattr_or_set(owner, name, fn))
-    for name in MODULE_PARTS:
-        fn = getattr(step_runner_module, name)
-        setattr(step_runner_module, name, timers.wrap(name, fn))
-        undo.append(lambda name=name, fn=fn: setattr(step_runner_module, name, fn))
+    for module, names in MODULE_PARTS:
+        for name in names:
+            fn = getattr(module, name)
+            setattr(module, name, timers.wrap(name, fn))
+            undo.append(lambda module=module, name=name, fn=fn: setattr(module, name, fn))
     try:
         yield
     finally:

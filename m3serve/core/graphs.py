@@ -48,6 +48,10 @@ class GraphDraw:
     knobs: Sequence[tuple[torch.dtype, float]]
     last_tokens: torch.Tensor
 
+    @property
+    def scratch_slot(self) -> int:
+        return self.last_tokens.shape[0] - 1
+
 
 @dataclass
 class _Drawn:
@@ -153,8 +157,8 @@ class DecodeGraphs:
         if len(slots) != rows:
             raise ValueError(f"{len(slots)} slots for a step of {rows} rows")
         self._load(captured, batch, rows)
-        scratch = self.draw.last_tokens.shape[0] - 1
-        drawn.inputs.fill([*knobs, [*slots, *[scratch] * (len(knobs[0]) - rows)]])
+        padding = [self.draw.scratch_slot] * (len(knobs[0]) - rows)
+        drawn.inputs.fill([*knobs, [*slots, *padding]])
         drawn.greedy = False
         captured.graph.replay()
         return drawn.tokens[:rows]
@@ -183,8 +187,7 @@ class DecodeGraphs:
     def _greedy_inputs(self, bs: int) -> list[list[float]]:
         """Knobs and slots that make every row a padding row: greedy, into the scratch slot."""
         assert self.draw is not None
-        scratch = self.draw.last_tokens.shape[0] - 1
-        return [*([fill] * bs for _, fill in self.draw.knobs), [scratch] * bs]
+        return [*([fill] * bs for _, fill in self.draw.knobs), [self.draw.scratch_slot] * bs]
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         device = self.model.device

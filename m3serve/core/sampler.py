@@ -218,6 +218,10 @@ class Sampler:
                 f"logits {tuple(logits.shape)} do not match {len(slots)} slots x "
                 f"vocab {self.vocab_size}"
             )
+        return self._slot_params(slots)
+
+    def _slot_params(self, slots: Sequence[int]) -> list[SamplingParams]:
+        """Each slot's settings; every slot once and started."""
         if len(set(slots)) != len(slots):
             raise ValueError(f"a slot appears twice in {list(slots)}")
         return [self._active(slot) for slot in slots]
@@ -302,9 +306,7 @@ class Sampler:
         penalties, logprobs, or no device draw at all (a grammar's mask: the caller's check)."""
         if self._device_draw is None or len(slots) > rows:
             return None
-        params = [self._active(slot) for slot in slots]
-        if len(set(slots)) != len(slots):
-            raise ValueError(f"a slot appears twice in {list(slots)}")
+        params = self._slot_params(slots)
         if any(p.logprobs or _has_penalty(p) for p in params):
             return None
         pad = rows - len(slots)

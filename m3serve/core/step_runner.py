@@ -15,14 +15,8 @@ built ahead stays valid, and under --tp the followers, which may already be runn
 run the same rows. A step whose rows are all dead runs no forward on a lone rank. Speculative
 steps drop dead rows instead (their verify rows' lengths move with the drafts accepted).
 
-On a GPU (--launch-ahead auto) a step is also *launched ahead* where it can be (`prepare`,
-`_launches_ahead`): its kernels are queued while the step before it still runs, before that
-step's tokens reach the host, so the device goes from one step to the next without waiting for
-the host to launch it (at batch 1 on the 4-layer slice the launch was 0.6 ms of a 1.5 ms step;
-served, +20 % output tokens/s at concurrency 64, +9 % at 16: the README's Notes). Its rows
-whose requests end on the step before are then found dead only once those tokens are in
-(`_note_ended`). Each step's tokens then come back through a copy queued right behind its
-draw (`Download`), not behind a step launched after it.
+On a GPU (--launch-ahead auto) a step is also *launched ahead* where it can be: its kernels are
+queued while the step before it still runs (core/step_ahead.py).
 
 With tensor parallelism every rank runs the same plans through its own StepRunner, and `share`
 makes each sampled step's tokens rank 0's on every rank (core/ranks.py `TokenShare`): a follower
@@ -33,7 +27,6 @@ its device and its steps queue behind rank 0's plans alone; only rank 0 encodes 
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -49,6 +42,7 @@ from m3serve.core.media import ReqMedia, step_embeds
 from m3serve.core.piecewise import PiecewiseGraphs
 from m3serve.core.ranks import MediaShare, TokenShare
 from m3serve.core.sampler import DRAW_KNOBS, Sampler
+from m3serve.core.step_ahead import LaunchedAhead, StepsAhead, step_result
 from m3serve.model.batch import ForwardBatch
 from m3serve.model.host_copy import Download, upload, upload_many
 from m3serve.model.kv_cache import KVCache
@@ -68,7 +62,7 @@ if TYPE_CHECKING:
     from m3serve.core.spec.verify_step import SpecStep
 
 
-class StepRunner:
+class StepRunner(StepsAhead):
     def __init__(
         self,
         model: M3ForCausalLM,
@@ -118,7 +112,7 @@ class StepRunner:
         # Whether `prepare` launches the steps it can (--launch-ahead; set by the engine core),
         # and the step it launched, until its run takes its tokens.
         self.launch_ahead = False
-        self._ahead: _Ahead | None = None
+        self._ahead: LaunchedAhead | None = None
         # perf_counter() when the last sampled step's kernels were all queued (0: none since
         # the caller reset it): the step trace's launch time.
         self.launched_at = 0.0
@@ -199,7 +193,7 @@ class StepRunner:
         self.build_seconds = 0.0
         seqs, dead = self._rows(plan.seqs)
         if not seqs:  # load-backs only, or every row's request ended on the step before
-            return _result(plan.step, sampled, [], [], [], [])
+            return step_result(plan.step, sampled, [], [], [], [])
         # With speculation every step, the warm-up's too, takes the spec path real steps take.
         spec = self.spec
         if spec is not None:
@@ -215,21 +209,22 @@ class StepRunner:
         if spec is not None:
             return spec.run(plan.step, seqs, batch, self, sampled, load, layers)
         slots = [seq.slot for seq in seqs if seq.sample]
+        follower = self.share is not None and not self.share.leader
+        if layers is None and slots and not follower:
+            tokens, logprobs = self._draw(batch, slots, len(seqs), load, self._span)
+            ids, logprobs, ended = self._take_rows(tokens, logprobs, slots, dead)
+            return step_result(plan.step, sampled, slots, ids, logprobs, ended)
         if layers is None:
-            drawn = self._graph_draw(batch, slots, len(seqs), load, self._span)
-            if drawn is not None:
-                ids, logprobs, ended = self._take_rows(*drawn, slots, dead)
-                return _result(plan.step, sampled, slots, ids, logprobs, ended)
             logits = self.logits(batch, len(slots) == len(seqs), load)
         else:
             logits = self.model(batch, self.kv, layers)
         if not slots:
-            return _result(plan.step, sampled, [], [], [], [])
-        if self.share is not None and not self.share.leader:
+            return step_result(plan.step, sampled, [], [], [], [])
+        if follower:
             self._take_leader_tokens(slots)
             return StepResult(step=plan.step, slots=[], tokens=[])
         ids, logprobs, ended = self.sample_rows(logits, slots, dead)
-        return _result(plan.step, sampled, slots, ids, logprobs, ended)
+        return step_result(plan.step, sampled, slots, ids, logprobs, ended)
 
     def _take_leader_tokens(self, slots: list[int]) -> None:
         """A follower (no speculation): rank 0's sampled tokens become these slots' next decode
@@ -242,87 +237,10 @@ class StepRunner:
         mine = torch.empty(len(slots), dtype=torch.int64, device=self.device)
         self.last_tokens[index] = self.share.share_ids(mine)
 
-    def prepare(self, plan: StepPlan) -> None:
-        """Build `plan`'s batch ahead, while the step before it still runs on the device, and
-        with --launch-ahead launch it there too where nothing in it needs that step's tokens on
-        the host (`_launches_ahead`); its run takes it whatever those tokens are (a request that
-        ended on one keeps its row, dead). Speculative steps are not built ahead; with tensor
-        parallelism only rank 0 has an executor that does."""
-        if self.spec is not None:
-            return
-        seqs, dead = self._rows(plan.seqs)
-        if not seqs:
-            return
-        batch = self._build(seqs)
-        if self._launches_ahead(plan):
-            self._launch_ahead(plan, seqs, dead, batch)
-        else:
-            self._prepared = (plan.step, [s.slot for s in seqs], batch)
-
-    def _launches_ahead(self, plan: StepPlan) -> bool:
-        """Whether `plan`'s kernels can be queued before the CPU has the tokens of the step in
-        flight: nothing they need comes from the host's view of those tokens (no grammar mask,
-        whose state takes them; penalty counts are kept on the device), and nothing in the step
-        waits for the device (logprobs are read back as they are drawn). Plain steps of one
-        rank only: no speculation, no page loads, no images."""
-        if not self.launch_ahead or self.share is not None:  # (`prepare`: no speculation)
-            return False
-        if (
-            self.media_share is not None
-            or plan.loads
-            or plan.backups
-            or plan.media_rows
-            or plan.step in self.step_media
-        ):
-            return False
-        grammars = self.step_grammars.get(plan.step, {})
-        sampled = [seq for seq in plan.seqs if seq.sample]
-        for seq in sampled:
-            slot = seq.slot
-            params = plan.sampling.get(slot) if seq.new_request else self.sampler.params(slot)
-            constrained = slot in grammars if seq.new_request else self.matchers.constrains(slot)
-            if params is None or params.logprobs or constrained:
-                return False
-        return bool(sampled)
-
-    def _launch_ahead(
-        self, plan: StepPlan, seqs: list[SeqStep], dead: frozenset[int], batch: ForwardBatch
-    ) -> None:
-        """Queue `plan`'s forward and draw behind the step in flight (`seqs`, `dead`: its rows
-        as `_rows` gives them; `batch`: built from them). No images: `_launches_ahead`."""
-        self._start_new_requests(plan)
-        sampled = [seq.slot for seq in plan.seqs if seq.sample]
-        slots = [seq.slot for seq in seqs if seq.sample]
-        span = start_span(self.device)
-        drawn = self._graph_draw(batch, slots, len(seqs), None, span)
-        if drawn is None:
-            drawn = self._queue_draw(self.logits(batch, len(slots) == len(seqs)), slots, span)
-        tokens, logprobs = drawn
-        decoding = {seq.slot for seq in seqs if seq.input_ids is None}
-        download = Download(tokens)
-        self._ahead = _Ahead(plan, sampled, slots, decoding, set(dead), download, logprobs, span)
-
-    def _finish_ahead(self, ahead: _Ahead) -> StepResult:
-        """The run of a step launched ahead: its tokens, once they are in."""
-        self.build_seconds = 0.0
-        self.launched()
-        ids = self._take_tokens(ahead.slots, ahead.tokens, frozenset(ahead.dead))
-        self.device_seconds = seconds_of(ahead.span)
-        ids, ended = self._settle(ahead.slots, ids)
-        return _result(ahead.plan.step, ahead.sampled, ahead.slots, ids, ahead.logprobs, ended)
-
     def _build(self, seqs: list[SeqStep]) -> ForwardBatch:
         batch = ForwardBatch.build(seqs, self.page_size, self.device, slot_pages=self.slot_pages)
         self._fill_slot_tokens(seqs, batch)
         return batch
-
-    def _take_prepared(self, step: int, seqs: list[SeqStep]) -> ForwardBatch | None:
-        """The batch `prepare` built for this step, if its rows are still `seqs`'. Building
-        again is safe: a row's page change sets its slot's list to the same pages again."""
-        prepared, self._prepared = self._prepared, None
-        if prepared is None or prepared[0] != step or prepared[1] != [s.slot for s in seqs]:
-            return None
-        return prepared[2]
 
     def sample_rows(
         self, logits: torch.Tensor, slots: list[int], dead: frozenset[int] = frozenset()
@@ -368,6 +286,21 @@ class StepRunner:
         None where the sampler has no device draw."""
         sample = self.sampler.device_draw
         return None if sample is None else GraphDraw(sample, DRAW_KNOBS, self.last_tokens)
+
+    def _draw(
+        self,
+        batch: ForwardBatch,
+        slots: list[int],
+        rows: int,
+        load: LayerLoad | None,
+        span: DeviceSpan | None,
+    ) -> tuple[torch.Tensor, list[TokenLogprob | None]]:
+        """The forward of `batch` (`rows` rows, `slots` the sampled ones) and their draw,
+        queued: in the decode graph where it can draw them, else outside it (`_queue_draw`)."""
+        drawn = self._graph_draw(batch, slots, rows, load, span)
+        if drawn is None:
+            drawn = self._queue_draw(self.logits(batch, len(slots) == rows, load), slots, span)
+        return drawn
 
     def _graph_draw(
         self,
@@ -515,41 +448,3 @@ def _device_done(device: torch.device) -> Callable[[], bool]:
     event = torch.cuda.Event()
     event.record()
     return event.query
-
-
-def _result(
-    step: int,
-    sampled: list[int],
-    slots: list[int],
-    ids: list[int],
-    logprobs: list[TokenLogprob | None],
-    ended: list[bool],
-) -> StepResult:
-    """The result over every row the plan samples; dropped rows get SKIPPED_TOKEN."""
-    if len(slots) == len(sampled):
-        return StepResult(
-            step=step, slots=slots, tokens=ids, logprobs=logprobs, grammar_ended=ended
-        )
-    by_slot = {slot: row for row, slot in enumerate(slots)}
-    rows = [by_slot.get(slot) for slot in sampled]
-    return StepResult(
-        step=step,
-        slots=sampled,
-        tokens=[SKIPPED_TOKEN if r is None else ids[r] for r in rows],
-        logprobs=[None if r is None else logprobs[r] for r in rows] if logprobs else [],
-        grammar_ended=[r is not None and ended[r] for r in rows] if ended else [],
-    )
-
-
-@dataclasses.dataclass
-class _Ahead:
-    """A step launched ahead: what its run needs to take its tokens."""
-
-    plan: StepPlan
-    sampled: list[int]  # the plan's sampled slots (the result's rows)
-    slots: list[int]  # the sampled rows that ran
-    decoding: set[int]  # slots of its decode rows: dead if their request ends on the step before
-    dead: set[int]
-    tokens: Download
-    logprobs: list[TokenLogprob | None]
-    span: DeviceSpan | None  # its kernels' device time (core/device_clock.py)

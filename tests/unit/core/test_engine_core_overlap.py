@@ -17,7 +17,7 @@ import pytest
 from conftest import M31_SPEC
 from helpers.core_runs import CoreRun, run_to_end
 
-from m3serve.core import step_runner
+from m3serve.core import step_ahead, step_runner
 from m3serve.core.engine_core import EngineCore
 from m3serve.core.req import Req
 from m3serve.core.step_runner import StepRunner
@@ -303,7 +303,8 @@ class _Budget:
 
 def _device_spans(core: EngineCore, monkeypatch: pytest.MonkeyPatch) -> _Budget:
     """Every step gets a device span as on a GPU, and the budget's feed is recorded."""
-    monkeypatch.setattr(step_runner, "start_span", lambda device: _Span())
+    for module in (step_runner, step_ahead):  # a step's run, and a step launched ahead
+        monkeypatch.setattr(module, "start_span", lambda device: _Span())
     budget = _Budget()
     monkeypatch.setattr(core, "served_budget", budget)
     return budget
