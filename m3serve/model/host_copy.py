@@ -69,22 +69,25 @@ class Packed:
             for at, (length, dtype) in zip(self.offsets, specs, strict=True)
         ]
 
-    def fill(self, values: Sequence[Values]) -> None:
-        """Every array's values (each its array's length), in one copy queued on the current
-        stream behind the work before it."""
-        if len(values) != len(self.views):
-            raise ValueError(f"{len(values)} arrays for {len(self.views)} views")
+    def fill(self, values: Sequence[Values], first: int = 0) -> None:
+        """The values of the arrays from the `first` on (each its array's length), in one copy
+        queued on the current stream behind the work before it."""
+        views = self.views[first:]
+        if len(values) != len(views):
+            raise ValueError(f"{len(values)} arrays for {len(views)} views")
         arrays = []
-        for v, view, dtype in zip(values, self.views, self.dtypes, strict=True):
+        for v, view, dtype in zip(values, views, self.dtypes[first:], strict=True):
             array = np.ascontiguousarray(v, dtype=_NUMPY[dtype])
             if array.shape != (view.numel(),):
                 raise ValueError(f"an array of shape {array.shape} for a view of {view.numel()}")
             arrays.append(array)
         if self.buffer.device.type != "cuda":
-            for array, view in zip(arrays, self.views, strict=True):
+            for array, view in zip(arrays, views, strict=True):
                 view.copy_(torch.from_numpy(array))
             return
-        _staging(self.buffer.device).send_into(self.buffer, self.offsets, arrays)
+        at = self.offsets[first]
+        offsets = [offset - at for offset in self.offsets[first:]]
+        _staging(self.buffer.device).send_into(self.buffer[at:], offsets, arrays)
 
 
 _STAGING: dict[torch.device, _Staging] = {}

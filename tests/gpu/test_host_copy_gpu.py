@@ -71,6 +71,16 @@ def test_packed_fills_queue_behind_the_work_before_them_without_a_sync() -> None
         assert floats.tolist() == [i + 0.5] * 5 and ints.tolist() == list(range(i, i + 5))
 
 
+def test_a_packed_fill_from_an_array_on_copies_only_those() -> None:
+    """A suffix fill (a graph's knobs without its rows) leaves the arrays before it, on the
+    device as on the CPU."""
+    device = torch.device("cuda")
+    packed = Packed([(3, torch.int64), (4, torch.float32), (2, torch.int64)], device)
+    packed.fill([[1, 2, 3], [0.5] * 4, [7, 8]])
+    packed.fill([[1.5] * 4, [-1, -2]], first=1)
+    assert [v.tolist() for v in packed.views] == [[1, 2, 3], [1.5] * 4, [-1, -2]]
+
+
 def test_a_download_waits_for_its_own_tokens_not_for_work_queued_after() -> None:
     """A step's tokens come back through a copy queued right behind them: a step launched
     after them (here a long chain of matmuls) still runs when they are in."""

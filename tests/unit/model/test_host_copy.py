@@ -64,3 +64,12 @@ def test_packed_views_sit_at_64_byte_boundaries_of_one_allocation_and_fill_in_or
         packed.fill([[0.5], np.arange(5), [7, -1]])
     with pytest.raises(ValueError, match="2 arrays for 3"):
         packed.fill([[0.5, 1.0, 2.0], np.arange(5)])
+
+
+def test_a_packed_fill_from_an_array_on_leaves_the_ones_before_it() -> None:
+    packed = Packed([(2, torch.int64), (3, torch.float32), (1, torch.int32)], torch.device("cpu"))
+    packed.fill([[4, 5], [1.5, 2.5, 3.5], [9]])
+    packed.fill([[0.25] * 3, [-3]], first=1)
+    assert [v.tolist() for v in packed.views] == [[4, 5], [0.25] * 3, [-3]]
+    with pytest.raises(ValueError, match="1 arrays for 2"):
+        packed.fill([[0.25] * 3], first=1)
