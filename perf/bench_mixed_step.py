@@ -47,6 +47,7 @@ from m3serve.core.step_cost import best_ms, fit_per_token
 from m3serve.core.step_runner import StepRunner
 from m3serve.model.build import load_model, resolve_device
 from m3serve.model.kv_cache import KVCache
+from m3serve.model.slot_pages import SlotPages
 from m3serve.runtime.messages import SeqStep
 from m3serve.runtime.sections import KernelArgs
 
@@ -66,6 +67,9 @@ def runner_for(
     kv = KVCache.allocate(cfg, usable + 1, model.dtype, device)
     sampler = Sampler(max(batches), cfg.vocab_size, device)
     runner = StepRunner(model, kv, page, sampler, GrammarMatchers(cfg.vocab_size), {}, None)
+    # Slot page lists on the device, as the engine core keeps them: decode steps go to the
+    # graphs as their rows (core/graphs.py `DecodeRows`), as served.
+    runner.slot_pages = SlotPages(sampler.num_slots, kv.num_pages, device)
     if backend.capturable:
         # Drawing their rows' tokens themselves, as the server's do (core/graphs.py).
         draw = runner.graph_draw()

@@ -2,18 +2,20 @@
 its steps built and launched ahead as the server does (`StepRunner.prepare`, --launch-ahead),
 timed part by part on the host.
 
-At concurrency 1 the server's decode step is bound by the host, not the device: on an H100
+At concurrency 1 the server's decode step was bound by the host, not the device: on an H100
 serving the 4-layer M3.1-shaped slice a batch-1 step ran 1.39 ms against 0.90 ms of device time,
 the executor thread busy ~76 % of a core (perf/results/h100_2026-12-07e_sampler_chunks/). This
 runs the same calls the executor makes for each step, without the event loop: for each batch
 size, `--iters` steps of decode rows over `--context` tokens, each step's `prepare` (building the
 batch, queueing its forward and draw) behind a spin kernel so that no call waits for the device,
-then its `run` (taking the tokens), each batch size twice: the rows drawn in the decode graph
-(core/graphs.py, the server's default) and drawn outside it (`Sampler.sample`, the way steps
-with penalties or logprobs still go). Each part's host time is its wall time around the call
-(inclusive: a part's time holds the parts it calls), median per step; then, for the first batch
-size, torch's profiler (host time of each op and CUDA call, per step) and cProfile (Python
-functions by their own time).
+then its `run` (taking the tokens), each batch size three ways: `rows`, the server's default
+(the step's rows handed to the decode graph as they are, its tokens drawn there: core/graphs.py
+`DecodeRows`); `batch`, the same with a forward batch built first and copied into the graph's
+buffers (the server's way before rows); `eager`, the rows drawn outside the graph
+(`Sampler.sample`, the way steps with penalties or logprobs go). Each part's host time is its
+wall time around the call (inclusive: a part's time holds the parts it calls), median per step;
+then, for the first batch size, torch's profiler (host time of each op and CUDA call, per step)
+and cProfile (Python functions by their own time).
 
     python perf/bench_step_host.py --model-path DIR [--batches 1 16 64] [--context 1024]
         [--iters 300] [--profile-iters 100] [--greedy] [--out PATH]
@@ -44,7 +46,6 @@ from torch.profiler import ProfilerActivity, profile
 import m3serve.core.step_ahead as step_ahead_module
 import m3serve.core.step_runner as step_runner_module
 from m3serve.core.step_runner import StepRunner
-from m3serve.model.slot_pages import SlotPages
 from m3serve.runtime.messages import SamplingParams, SeqStep, StepPlan
 
 # Spin ahead of each step's launch (~3 ms at H100/H200 clocks): longer than its host work, so
@@ -55,6 +56,7 @@ WARM_STEPS = 20  # untimed steps first: the allocator, the staging ring, the fir
 PARTS = [
     ("", "prepare"),
     ("", "_build"),
+    ("", "_decode_rows"),
     ("slot_pages", "update"),
     ("", "_fill_slot_tokens"),
     ("", "_launches_ahead"),
@@ -63,6 +65,8 @@ PARTS = [
     ("", "_graph_draw"),
     ("graphs", "run_and_draw"),
     ("graphs", "_load"),
+    ("graphs", "_load_rows"),
+    ("graphs", "_load_batch"),
     ("", "_queue_draw"),
     ("matchers", "fill"),
     ("sampler", "sample"),
@@ -191,15 +195,20 @@ def one_step(runner: StepRunner, plan: StepPlan, spin: bool) -> tuple[float, flo
     return prepared - started, time.perf_counter() - prepared
 
 
+WAYS = ("rows", "batch", "eager")
+
+
 @contextmanager
-def eager_draw(runner: StepRunner, eager: bool) -> Iterator[None]:
-    """With `eager`, steps draw outside their decode graph (`Sampler.sample`), as every step
-    did before graphs drew their rows (and as steps with penalties or logprobs still do)."""
-    if eager:
+def way(runner: StepRunner, name: str) -> Iterator[None]:
+    """Steps run `name`'s way (WAYS; the module's docstring)."""
+    if name == "batch":
+        runner._decode_rows = lambda seqs: None  # type: ignore[method-assign]
+    elif name == "eager":
         runner._graph_draw = lambda *args: None  # type: ignore[method-assign]
     try:
         yield
     finally:
+        vars(runner).pop("_decode_rows", None)
         vars(runner).pop("_graph_draw", None)
 
 
@@ -259,34 +268,34 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     add_copy_flag(parser)
     args = parser.parse_args()
-    # Each run (a batch size, a way to draw) starts over at `context`; its steps reach this far.
+    # Each run (a batch size, a way) starts over at `context`; its steps reach this far.
     total = args.context + 1 + WARM_STEPS + args.iters + 2 * args.profile_iters
     runner = runner_for(args.model_path, args.batches, 0, total, args.mxfp8_bf16_copy)
     page = runner.page_size
     row_pages = -(-(total + 1) // page)
-    runner.slot_pages = SlotPages(runner.sampler.num_slots, runner.kv.num_pages, runner.device)
     spin = runner.device.type == "cuda"
     runner.launch_ahead = spin  # the server's default: where launches are asynchronous
     rows: list[dict[str, Any]] = []
     found: dict[str, Any] = {}
     for batch in args.batches:
-        for draw in ("graph", "eager"):
+        for name in WAYS:
             steps = Steps(batch, args.context, page, row_pages, args.greedy)
-            with eager_draw(runner, draw == "eager"):
-                row = {"batch": batch, "draw": draw, **measure(runner, steps, args.iters, spin)}
+            with way(runner, name):
+                row = {"batch": batch, "way": name, **measure(runner, steps, args.iters, spin)}
                 rows.append(row)
                 if batch == args.batches[0]:
-                    found[draw] = profiles(runner, steps, args.profile_iters, spin)
+                    found[name] = profiles(runner, steps, args.profile_iters, spin)
     names = sorted({n for row in rows for n in row["parts_us"]})
     print(f"host µs per step, median of {args.iters} (inclusive; device {runner.device});")
-    print("draw: in the decode graph (the server's default) or eager (Sampler.sample)")
-    print(f"{'part':<28}" + "".join(f"{'B' + str(r['batch']) + r['draw'][0]:>10}" for r in rows))
+    print("r: rows into the graph, drawn there (served); b: a built batch, drawn there; e: rows,")
+    print("drawn outside the graph (Sampler.sample)")
+    print(f"{'part':<28}" + "".join(f"{'B' + str(r['batch']) + r['way'][0]:>10}" for r in rows))
     for label in ["prepare_us", "run_us"]:
         print(f"{label:<28}" + "".join(f"{r[label]:>10.1f}" for r in rows))
     for name in names:
         print(f"{name:<28}" + "".join(f"{r['parts_us'].get(name, 0.0):>10.1f}" for r in rows))
-    for draw, profiled in found.items():
-        what = f"batch {args.batches[0]}, draw {draw}, {args.profile_iters} steps"
+    for name, profiled in found.items():
+        what = f"batch {args.batches[0]}, {name}, {args.profile_iters} steps"
         print(f"\n== torch profiler, {what}")
         print(profiled["torch"])
         print("driver calls per step:", profiled["driver_calls_per_step"])
@@ -298,7 +307,7 @@ def main() -> None:
         "iters": args.iters,
         "greedy": args.greedy,
         "rows": rows,
-        "driver_calls_per_step": {d: p["driver_calls_per_step"] for d, p in found.items()},
+        "driver_calls_per_step": {n: p["driver_calls_per_step"] for n, p in found.items()},
     }
     print("wrote", write_result(result, "bench_step_host", args.out))
 

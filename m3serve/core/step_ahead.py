@@ -20,6 +20,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from m3serve.core.device_clock import DeviceSpan, seconds_of, start_span
+from m3serve.core.graphs import DecodeRows
 from m3serve.model.batch import ForwardBatch
 from m3serve.model.host_copy import Download
 from m3serve.runtime.messages import (
@@ -49,7 +50,7 @@ class StepsAhead:
         seqs, dead = self._rows(plan.seqs)
         if not seqs:
             return
-        batch = self._build(seqs)
+        batch = self._build(seqs, rows=plan.step not in self.step_media)
         if self._launches_ahead(plan):
             self._launch_ahead(plan, seqs, dead, batch)
         else:
@@ -86,7 +87,7 @@ class StepsAhead:
         plan: StepPlan,
         seqs: list[SeqStep],
         dead: frozenset[int],
-        batch: ForwardBatch,
+        batch: ForwardBatch | DecodeRows,
     ) -> None:
         """Queue `plan`'s forward and draw behind the step in flight (`seqs`, `dead`: its rows
         as `_rows` gives them; `batch`: built from them). No images: `_launches_ahead`."""
@@ -110,7 +111,9 @@ class StepsAhead:
         ids, ended = self._settle(ahead.slots, ids)
         return step_result(ahead.plan.step, ahead.sampled, ahead.slots, ids, ahead.logprobs, ended)
 
-    def _take_prepared(self: StepRunner, step: int, seqs: list[SeqStep]) -> ForwardBatch | None:
+    def _take_prepared(
+        self: StepRunner, step: int, seqs: list[SeqStep]
+    ) -> ForwardBatch | DecodeRows | None:
         """The batch `prepare` built for this step, if its rows are still `seqs`'. Building
         again is safe: a row's page change sets its slot's list to the same pages again."""
         prepared, self._prepared = self._prepared, None

@@ -1,12 +1,13 @@
 """StepRunner: what the executor thread does with one StepPlan.
 
-It builds the forward batch, picks how the forward runs (a decode CUDA graph, piecewise graphs
-around eager attention, or eagerly), runs a step's HiCache load-backs layer by layer inside it,
-draws each sampled row's token (inside the decode graph where the rows need nothing but the
-draw: `_graph_draw`) and keeps the per-slot state that lives on this thread: the
-sampler's, the grammar matchers', the device table of each slot's last token (the next decode
-input, before the CPU has seen it) and which slots just sampled the token that ends their
-request. Everything here runs on the executor thread; the engine core plans on its event loop.
+It builds the forward batch (or, for a plain decode step that a CUDA graph holds, hands the
+graph the step's rows as they are: `_decode_rows`), picks how the forward runs (a decode CUDA
+graph, piecewise graphs around eager attention, or eagerly), runs a step's HiCache load-backs
+layer by layer inside it, draws each sampled row's token (inside the decode graph where the rows
+need nothing but the draw: `_graph_draw`) and keeps the per-slot state that lives on this
+thread: the sampler's, the grammar matchers', the device table of each slot's last token (the
+next decode input, before the CPU has seen it) and which slots just sampled the token that ends
+their request. Everything here runs on the executor thread; the engine core plans on its event loop.
 
 Under overlap a step is planned before the CPU has seen the tokens of the step before it, so it
 may hold decode rows of requests that have just ended (their stop token, or their grammar's end).
@@ -31,10 +32,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import msgspec
+import numpy as np
 import torch
 
 from m3serve.core.device_clock import DeviceSpan, seconds_of, start_span
-from m3serve.core.graphs import DecodeGraphs, GraphDraw
+from m3serve.core.graphs import DecodeGraphs, DecodeRows, GraphDraw
 from m3serve.core.hicache.copier import LayerLoad
 from m3serve.core.hicache.tier import HostTier
 from m3serve.core.matchers import GrammarMatchers
@@ -108,7 +111,7 @@ class StepRunner(StepsAhead):
         # previous step's result there and builds the next step's batch (core/executor.py).
         self.while_device_runs: Callable[[Callable[[], bool]], None] | None = None
         # A batch built by `prepare` before its step ran: (step, the slots of its rows, batch).
-        self._prepared: tuple[int, list[int], ForwardBatch] | None = None
+        self._prepared: tuple[int, list[int], ForwardBatch | DecodeRows] | None = None
         # Whether `prepare` launches the steps it can (--launch-ahead; set by the engine core),
         # and the step it launched, until its run takes its tokens.
         self.launch_ahead = False
@@ -154,23 +157,32 @@ class StepRunner(StepsAhead):
         A slot is started once, on the first (untimed) call that uses it: a request starts its
         slot once, not every step (starting every slot each call put a batch-128 decode step at
         9.7 ms on the H200, where served ones took 6.0)."""
-        batch = ForwardBatch.build(seqs, self.page_size, self.device)
-        decode = all(seq.extend == 1 for seq in seqs)
-        if not decode:
-            self.logits(batch, decode_only=False)
+        if not all(seq.extend == 1 for seq in seqs):
+            self.logits(ForwardBatch.build(seqs, self.page_size, self.device), decode_only=False)
             return
         slots = list(range(len(seqs)))
         for slot in range(self._timing_slots, len(seqs)):
             self.sampler.start(slot, sampling or SamplingParams(), [1])
         self._timing_slots = max(self._timing_slots, len(seqs))
+        # As served: the rows on those slots, their inputs the slots' last tokens.
+        rows = [
+            msgspec.structs.replace(seq, input_ids=None, slot=slot, page_start=0)
+            for slot, seq in zip(slots, seqs, strict=True)
+        ]
+        batch = self._decode_rows(rows) or ForwardBatch.build(seqs, self.page_size, self.device)
         drawn = self._graph_draw(batch, slots, len(seqs), None, None)
         if drawn is None:
             drawn = self.sampler.sample(self.logits(batch, decode_only=True), slots)
         drawn[0].tolist()
 
     def logits(
-        self, batch: ForwardBatch, decode_only: bool, load: LayerLoad | None = None
+        self, batch: ForwardBatch | DecodeRows, decode_only: bool, load: LayerLoad | None = None
     ) -> torch.Tensor:
+        if isinstance(batch, DecodeRows):
+            assert self.graphs is not None, "decode rows are given only to a graph that holds them"
+            if load is not None:
+                load.wait_all()
+            return self.graphs.run(batch)
         if batch.override_rows is not None:  # image features: graphs embed tokens themselves
             before_layer = load.before_layer if load is not None else None
             return self.model(batch, self.kv, before_layer=before_layer)
@@ -202,7 +214,7 @@ class StepRunner(StepsAhead):
         batch = self._take_prepared(plan.step, seqs)
         if batch is None:
             started = time.perf_counter()
-            batch = self._build(seqs)
+            batch = self._build(seqs, rows=layers is None and plan.step not in self.step_media)
             self.build_seconds = time.perf_counter() - started
         self._span = start_span(self.device) if sampled else None
         batch = self._with_media(plan, seqs, batch)
@@ -237,10 +249,42 @@ class StepRunner(StepsAhead):
         mine = torch.empty(len(slots), dtype=torch.int64, device=self.device)
         self.last_tokens[index] = self.share.share_ids(mine)
 
-    def _build(self, seqs: list[SeqStep]) -> ForwardBatch:
+    def _build(self, seqs: list[SeqStep], rows: bool) -> ForwardBatch | DecodeRows:
+        """The step's input: with `rows` its rows as they are where a decode graph takes them
+        (`_decode_rows`), else its forward batch."""
+        decode = self._decode_rows(seqs) if rows else None
+        if decode is not None:
+            return decode
         batch = ForwardBatch.build(seqs, self.page_size, self.device, slot_pages=self.slot_pages)
         self._fill_slot_tokens(seqs, batch)
         return batch
+
+    def _decode_rows(self, seqs: list[SeqStep]) -> DecodeRows | None:
+        """`seqs` as the rows of a decode graph (core/graphs.py `DecodeRows`): plain decode
+        rows (their tokens on the device) of a lone rank without speculation, that a graph
+        holds; else None. Their page changes are applied to the slots' lists first."""
+        graphs, lists = self.graphs, self.slot_pages
+        if graphs is None or lists is None or self.share is not None or self.spec is not None:
+            return None
+        if len(seqs) > graphs.max_bs or any(s.input_ids is not None or s.draft for s in seqs):
+            return None
+        lists.update(seqs)
+        slots = np.fromiter((s.slot for s in seqs), np.int64, len(seqs))
+        positions = np.fromiter((s.start for s in seqs), np.int64, len(seqs))
+        held = lists.lengths[slots]
+        index = positions // self.page_size  # the page each row's new token goes to
+        short = np.flatnonzero(held <= index)
+        if len(short):
+            row = int(short[0])
+            raise ValueError(
+                f"slot {int(slots[row])}: a token at position {int(positions[row])} needs "
+                f"{int(index[row]) + 1} pages, the slot holds {int(held[row])}"
+            )
+        most = int(held.max())
+        if most > graphs.max_pages:
+            return None
+        out_slots = lists.host[slots, index] * self.page_size + positions % self.page_size
+        return DecodeRows(positions, out_slots, slots, self.last_tokens, lists.table, most)
 
     def sample_rows(
         self, logits: torch.Tensor, slots: list[int], dead: frozenset[int] = frozenset()
@@ -289,7 +333,7 @@ class StepRunner(StepsAhead):
 
     def _draw(
         self,
-        batch: ForwardBatch,
+        batch: ForwardBatch | DecodeRows,
         slots: list[int],
         rows: int,
         load: LayerLoad | None,
@@ -304,7 +348,7 @@ class StepRunner(StepsAhead):
 
     def _graph_draw(
         self,
-        batch: ForwardBatch,
+        batch: ForwardBatch | DecodeRows,
         slots: list[int],
         rows: int,
         load: LayerLoad | None,
@@ -317,7 +361,7 @@ class StepRunner(StepsAhead):
         graphs = self.graphs
         if graphs is None or not graphs.draws or len(slots) != rows or self.share is not None:
             return None
-        if batch.override_rows is not None or not graphs.fits(batch):
+        if not graphs.fits(batch):
             return None
         if any(self.matchers.constrains(slot) for slot in slots):
             return None
@@ -377,9 +421,12 @@ class StepRunner(StepsAhead):
         else:
             self._ended.discard(slot)
 
-    def _with_media(self, plan: StepPlan, seqs: list[SeqStep], batch: ForwardBatch) -> ForwardBatch:
+    def _with_media(
+        self, plan: StepPlan, seqs: list[SeqStep], batch: ForwardBatch | DecodeRows
+    ) -> ForwardBatch | DecodeRows:
         """The batch with image/video features in place of the placeholder rows it carries
-        (a follower rank has no media of its own: it takes rank 0's features)."""
+        (a follower rank has no media of its own: it takes rank 0's features). Decode rows
+        carry none: a step with images builds its batch."""
         media = self.step_media.pop(plan.step, None)
         encoder = self.model.vision
         embeds = None
@@ -387,7 +434,10 @@ class StepRunner(StepsAhead):
             embeds = step_embeds(encoder, seqs, media)
         if self.media_share is not None:
             embeds = self.media_share.share(plan.media_rows, embeds)
-        return batch if embeds is None else batch.with_embeds(*embeds)
+        if embeds is None:
+            return batch
+        assert isinstance(batch, ForwardBatch)
+        return batch.with_embeds(*embeds)
 
     def _start_new_requests(self, plan: StepPlan) -> None:
         grammars = self.step_grammars.pop(plan.step, {})
