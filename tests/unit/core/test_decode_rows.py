@@ -3,7 +3,8 @@ step_runner.py `_decode_rows`): their tokens and page lists gathered from the sl
 device instead of a built batch. With graphs that replay eagerly on the CPU, an engine core's
 greedy outputs are those it gives without graphs and those of the built-batch path through the
 same graphs, with steps launched ahead and not, while its batch grows and shrinks (padding rows)
-and its rows cross pages; steps with prompt tokens still build their batch."""
+and its rows cross pages, and when rows turn dead on a stop token and their slots serve waiting
+requests; steps with prompt tokens still build their batch."""
 
 from __future__ import annotations
 
@@ -72,16 +73,23 @@ def eager_graphs(core: EngineCore) -> DecodeGraphs:
     return graphs
 
 
-def _outputs(core: EngineCore) -> dict[str, list[int]]:
+def _outputs(
+    core: EngineCore,
+    prompts: list[list[int]] = PROMPTS,
+    outputs: list[int] = OUTPUTS,
+    stops: dict[int, int] | None = None,
+) -> dict[str, list[int]]:
+    """Greedy outputs of requests r0.. (`stops`: a stop token for some of them)."""
+    stops = stops or {}
     reqs = [
         Req(
             rid=f"r{i}",
             prompt=list(prompt),
-            sampling=SamplingParams(max_new_tokens=out, temperature=0.0, ignore_eos=True),
-            stop_ids=frozenset(),
+            sampling=SamplingParams(max_new_tokens=out, temperature=0.0),
+            stop_ids=frozenset([stops[i]] if i in stops else []),
             worker=0,
         )
-        for i, (prompt, out) in enumerate(zip(PROMPTS, OUTPUTS, strict=True))
+        for i, (prompt, out) in enumerate(zip(prompts, outputs, strict=True))
     ]
     core.scheduler.cache.reset()  # every run prefills its prompts again
     return run_to_end(core, reqs).outputs
@@ -132,3 +140,25 @@ def test_a_row_whose_slot_lacks_the_page_of_its_token_is_refused(core: EngineCor
         assert runner._decode_rows(many) is None
     finally:
         runner.graphs = None
+
+
+def test_rows_of_requests_that_stop_run_dead_and_their_slots_serve_the_next(
+    core: EngineCore,
+) -> None:
+    """Six requests on four slots, two ending on a stop token mid-way: under overlap their rows
+    in the step planned before the stop was seen run dead, and waiting requests take their
+    slots (a new page list for the slot, its tables gathered again)."""
+    prompts = [*PROMPTS, [7] * 13, [9 + i for i in range(30)], [11] * 5]
+    outputs = [*OUTPUTS, 16, 14, 9]
+    free = _outputs(core, prompts, outputs)
+    stops = {0: free["r0"][6], 2: free["r2"][3]}
+    plain = _outputs(core, prompts, outputs, stops)
+    core.runner.graphs = eager_graphs(core)
+    try:
+        with_rows = _outputs(core, prompts, outputs, stops)
+    finally:
+        core.runner.graphs = None
+    assert with_rows == plain
+    for i, stop in stops.items():
+        ended = plain[f"r{i}"]
+        assert ended[-1] == stop and len(ended) < outputs[i]
