@@ -79,6 +79,9 @@ class DecodeRows:
         return len(self.slots)
 
 
+# What a step runs from: its built batch, or a plain decode step's rows.
+StepInput = ForwardBatch | DecodeRows
+
 # A bucket's static inputs filled from the host (`_Captured.inputs`): positions, KV slots and
 # lengths (the static batch's), and the slots its rows' tokens and page lists are gathered from;
 # then, for a graph that draws, its knobs (GraphDraw.knobs' order) and the slots its tokens go to.
@@ -152,7 +155,7 @@ class DecodeGraphs:
         torch.cuda.current_stream(device).wait_stream(stream)
         log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
-    def fits(self, step: ForwardBatch | DecodeRows) -> bool:
+    def fits(self, step: StepInput) -> bool:
         if isinstance(step, DecodeRows):
             return len(step) <= self.max_bs and step.max_pages <= self.max_pages
         rows = len(step.seq_lens)
@@ -172,7 +175,7 @@ class DecodeGraphs:
         """The batch size of the graph a step of `rows` rows replays."""
         return next(size for size in self.sizes if size >= rows)
 
-    def run(self, step: ForwardBatch | DecodeRows) -> torch.Tensor:
+    def run(self, step: StepInput) -> torch.Tensor:
         """Logits [rows, vocab] of a decode step (every row's token is sampled)."""
         rows = _rows(step)
         captured = self.graphs[self.bucket(rows)]
@@ -190,7 +193,7 @@ class DecodeGraphs:
 
     def run_and_draw(
         self,
-        step: ForwardBatch | DecodeRows,
+        step: StepInput,
         knobs: Sequence[Sequence[float]],
         slots: Sequence[int],
     ) -> torch.Tensor:
@@ -263,7 +266,7 @@ class DecodeGraphs:
     def _load(
         self,
         captured: _Captured,
-        step: ForwardBatch | DecodeRows,
+        step: StepInput,
         draw_inputs: list[list[float]] | None,
     ) -> None:
         """A step into the static buffers, with `draw_inputs` (the knobs and slots of the
@@ -326,7 +329,7 @@ class DecodeGraphs:
         static.seq_lens_t[start:end].fill_(1)
 
 
-def _rows(step: ForwardBatch | DecodeRows) -> int:
+def _rows(step: StepInput) -> int:
     return len(step) if isinstance(step, DecodeRows) else len(step.seq_lens)
 
 

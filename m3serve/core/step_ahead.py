@@ -20,8 +20,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from m3serve.core.device_clock import DeviceSpan, seconds_of, start_span
-from m3serve.core.graphs import DecodeRows
-from m3serve.model.batch import ForwardBatch
+from m3serve.core.graphs import StepInput
 from m3serve.model.host_copy import Download
 from m3serve.runtime.messages import (
     SKIPPED_TOKEN,
@@ -87,7 +86,7 @@ class StepsAhead:
         plan: StepPlan,
         seqs: list[SeqStep],
         dead: frozenset[int],
-        batch: ForwardBatch | DecodeRows,
+        batch: StepInput,
     ) -> None:
         """Queue `plan`'s forward and draw behind the step in flight (`seqs`, `dead`: its rows
         as `_rows` gives them; `batch`: built from them). No images: `_launches_ahead`."""
@@ -111,9 +110,7 @@ class StepsAhead:
         ids, ended = self._settle(ahead.slots, ids)
         return step_result(ahead.plan.step, ahead.sampled, ahead.slots, ids, ahead.logprobs, ended)
 
-    def _take_prepared(
-        self: StepRunner, step: int, seqs: list[SeqStep]
-    ) -> ForwardBatch | DecodeRows | None:
+    def _take_prepared(self: StepRunner, step: int, seqs: list[SeqStep]) -> StepInput | None:
         """The batch `prepare` built for this step, if its rows are still `seqs`'. Building
         again is safe: a row's page change sets its slot's list to the same pages again."""
         prepared, self._prepared = self._prepared, None

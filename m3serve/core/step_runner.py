@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from m3serve.core.device_clock import DeviceSpan, seconds_of, start_span
-from m3serve.core.graphs import DecodeGraphs, DecodeRows, GraphDraw
+from m3serve.core.graphs import DecodeGraphs, DecodeRows, GraphDraw, StepInput
 from m3serve.core.hicache.copier import LayerLoad
 from m3serve.core.hicache.tier import HostTier
 from m3serve.core.matchers import GrammarMatchers
@@ -111,7 +111,7 @@ class StepRunner(StepsAhead):
         # previous step's result there and builds the next step's batch (core/executor.py).
         self.while_device_runs: Callable[[Callable[[], bool]], None] | None = None
         # A batch built by `prepare` before its step ran: (step, the slots of its rows, batch).
-        self._prepared: tuple[int, list[int], ForwardBatch | DecodeRows] | None = None
+        self._prepared: tuple[int, list[int], StepInput] | None = None
         # Whether `prepare` launches the steps it can (--launch-ahead; set by the engine core),
         # and the step it launched, until its run takes its tokens.
         self.launch_ahead = False
@@ -176,7 +176,7 @@ class StepRunner(StepsAhead):
         drawn[0].tolist()
 
     def logits(
-        self, batch: ForwardBatch | DecodeRows, decode_only: bool, load: LayerLoad | None = None
+        self, batch: StepInput, decode_only: bool, load: LayerLoad | None = None
     ) -> torch.Tensor:
         if isinstance(batch, DecodeRows):
             assert self.graphs is not None, "decode rows are given only to a graph that holds them"
@@ -249,7 +249,7 @@ class StepRunner(StepsAhead):
         mine = torch.empty(len(slots), dtype=torch.int64, device=self.device)
         self.last_tokens[index] = self.share.share_ids(mine)
 
-    def _build(self, seqs: list[SeqStep], rows: bool) -> ForwardBatch | DecodeRows:
+    def _build(self, seqs: list[SeqStep], rows: bool) -> StepInput:
         """The step's input: with `rows` its rows as they are where a decode graph takes them
         (`_decode_rows`), else its forward batch."""
         decode = self._decode_rows(seqs) if rows else None
@@ -333,7 +333,7 @@ class StepRunner(StepsAhead):
 
     def _draw(
         self,
-        batch: ForwardBatch | DecodeRows,
+        batch: StepInput,
         slots: list[int],
         rows: int,
         load: LayerLoad | None,
@@ -348,7 +348,7 @@ class StepRunner(StepsAhead):
 
     def _graph_draw(
         self,
-        batch: ForwardBatch | DecodeRows,
+        batch: StepInput,
         slots: list[int],
         rows: int,
         load: LayerLoad | None,
@@ -421,9 +421,7 @@ class StepRunner(StepsAhead):
         else:
             self._ended.discard(slot)
 
-    def _with_media(
-        self, plan: StepPlan, seqs: list[SeqStep], batch: ForwardBatch | DecodeRows
-    ) -> ForwardBatch | DecodeRows:
+    def _with_media(self, plan: StepPlan, seqs: list[SeqStep], batch: StepInput) -> StepInput:
         """The batch with image/video features in place of the placeholder rows it carries
         (a follower rank has no media of its own: it takes rank 0's features). Decode rows
         carry none: a step with images builds its batch."""
