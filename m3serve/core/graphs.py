@@ -155,14 +155,17 @@ class DecodeGraphs:
         torch.cuda.current_stream(device).wait_stream(stream)
         log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
+    def holds(self, rows: int, pages: int) -> bool:
+        """Whether a decode step of `rows` rows, none longer than `pages` pages, has a graph."""
+        return rows <= self.max_bs and pages <= self.max_pages
+
     def fits(self, step: StepInput) -> bool:
         if isinstance(step, DecodeRows):
-            return len(step) <= self.max_bs and step.max_pages <= self.max_pages
+            return self.holds(len(step), step.max_pages)
         rows = len(step.seq_lens)
         return (
             step.max_extend == 1
-            and rows <= self.max_bs
-            and step.page_table.shape[1] <= self.max_pages
+            and self.holds(rows, step.page_table.shape[1])
             and step.num_tokens == rows
             and step.override_rows is None
         )

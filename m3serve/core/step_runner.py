@@ -169,7 +169,9 @@ class StepRunner(StepsAhead):
             msgspec.structs.replace(seq, input_ids=None, slot=slot, page_start=0)
             for slot, seq in zip(slots, seqs, strict=True)
         ]
-        batch = self._decode_rows(rows) or ForwardBatch.build(seqs, self.page_size, self.device)
+        batch: StepInput | None = self._decode_rows(rows)
+        if batch is None:
+            batch = ForwardBatch.build(seqs, self.page_size, self.device)
         drawn = self._graph_draw(batch, slots, len(seqs), None, None)
         if drawn is None:
             drawn = self.sampler.sample(self.logits(batch, decode_only=True), slots)
@@ -266,12 +268,14 @@ class StepRunner(StepsAhead):
         graphs, lists = self.graphs, self.slot_pages
         if graphs is None or lists is None or self.share is not None or self.spec is not None:
             return None
-        if len(seqs) > graphs.max_bs or any(s.input_ids is not None or s.draft for s in seqs):
+        if any(s.input_ids is not None or s.draft for s in seqs):
             return None
-        lists.update(seqs)
+        held = np.fromiter((s.num_pages for s in seqs), np.int64, len(seqs))  # after the update
+        most = int(held.max())
+        if not graphs.holds(len(seqs), most):
+            return None
         slots = np.fromiter((s.slot for s in seqs), np.int64, len(seqs))
         positions = np.fromiter((s.start for s in seqs), np.int64, len(seqs))
-        held = lists.lengths[slots]
         index = positions // self.page_size  # the page each row's new token goes to
         short = np.flatnonzero(held <= index)
         if len(short):
@@ -280,9 +284,7 @@ class StepRunner(StepsAhead):
                 f"slot {int(slots[row])}: a token at position {int(positions[row])} needs "
                 f"{int(index[row]) + 1} pages, the slot holds {int(held[row])}"
             )
-        most = int(held.max())
-        if most > graphs.max_pages:
-            return None
+        lists.update(seqs)
         out_slots = lists.host[slots, index] * self.page_size + positions % self.page_size
         return DecodeRows(positions, out_slots, slots, self.last_tokens, lists.table, most)
 
