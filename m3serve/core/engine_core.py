@@ -249,6 +249,7 @@ class EngineCore(StepLoop):
         self.runner.while_device_runs = self.executor.while_device_runs
         self.runner.launch_ahead = ahead
         self._in_flight = None
+        self._budget_rows = {}
         self._ready_compiles = self.trace.compiles.count
         if self.device.type == "cuda":
             device = self.device

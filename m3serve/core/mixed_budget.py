@@ -18,6 +18,11 @@ core/device_clock.py: the run's wall time reads a step launched ahead short):
   0.8x down. So the budget settles on the most whole quanta (`budget_quantum`: 32 tokens) whose
   mixed steps stay within `stretch` decode steps, instead of hovering a quantum above.
 
+A step planned while requests wait for a slot carries the budget of the batch admitting them
+fills to (`Scheduler._batch_ahead`), and is judged as that batch's step: its time plus the
+decode work of the rows it lacked (the served decode means, grown past the largest measured
+batch along the last slope, as `StepCost.decode` does).
+
 The budget never leaves [1/8, 4] x the start-up one nor drops below one quantum, so a prompt
 always advances and one odd step (a garbage collection, a cold cache) moves it by one damped
 step only. `min_tokens` (`--mixed-step-min-tokens`) sets a higher floor: a step's cost is not
@@ -77,18 +82,25 @@ class MixedBudget:
         start = self.cost.mixed_budget(decodes, self.stretch, self.quantum)
         return start * self.scale[bucket(self.sizes, decodes)]
 
-    def observe(self, decodes: int, prompt_tokens: int, ms: float) -> None:
-        """One step run: `decodes` decode rows and `prompt_tokens` prompt tokens in `ms`."""
+    def observe(self, decodes: int, prompt_tokens: int, ms: float, sized_for: int = 0) -> None:
+        """One step run: `decodes` decode rows and `prompt_tokens` prompt tokens in `ms`, its
+        budget sized for a batch of `sized_for` rows (the scheduler's `_batch_ahead`; 0: its
+        own). A step sized for a batch still filling is judged as that batch's step: its time
+        plus the decode work of the rows it lacked."""
         if decodes == 0 or ms <= 0:
             return  # a step that decodes nothing stretches no stream
-        at = bucket(self.sizes, decodes)
         if prompt_tokens == 0:
+            at = bucket(self.sizes, decodes)
             mean = self.decode_ms[at]
             self.decode_ms[at] += EWMA * (min(ms, DECODE_CLIP * mean) - mean)
             return
+        if sized_for > decodes:
+            ms += envelope(self.decode_ms, sized_for) - envelope(self.decode_ms, decodes)
+            decodes = sized_for
+        at = bucket(self.sizes, decodes)
         # As the start-up budget does (StepCost.decode): no bucket's decode step counts as
         # slower than a bigger one's, so a bucket served rarely keeps no noisy start-up time.
-        decode = envelope(self.decode_ms, at)
+        decode = envelope(self.decode_ms, decodes)
         limit = self.stretch * decode
         tokens = self(decodes)
         if prompt_tokens < FULL_SHARE * tokens and ms <= limit:

@@ -55,10 +55,11 @@ class StepCost:
     mixed_fixed_ms: float = 0.0  # what a step pays for carrying any prompt chunk at all
 
     def decode(self, batch: int) -> float:
-        """The step time of the smallest measured batch >= `batch` (the largest past them), or
-        of a bigger batch where that measured faster: more rows never make a step faster, so
-        a smaller batch timed slower is noise (on the H200, 12 rows once timed 2.27 ms where 16
-        timed 1.98), and its budget would let mixed steps run past the stretch."""
+        """The step time of the smallest measured batch >= `batch` (past the largest, grown
+        along the last measured slope: `envelope`), or of a bigger batch where that measured
+        faster: more rows never make a step faster, so a smaller batch timed slower is noise
+        (on the H200, 12 rows once timed 2.27 ms where 16 timed 1.98), and its budget would
+        let mixed steps run past the stretch."""
         return envelope(self.decode_ms, batch)
 
     def mixed_budget(self, decodes: int, stretch: float, quantum: int) -> int:
@@ -85,9 +86,17 @@ def bucket(sizes: list[int], batch: int) -> int:
 
 
 def envelope(step_ms: dict[int, float], batch: int) -> float:
-    """The least step time of the measured batches >= `batch` (the largest one past them)."""
+    """The least step time of the measured batches >= `batch`; past the largest, its time grown
+    along the slope of the two largest (a decode step past the graphs' biggest batch still
+    reads the weights once and adds each row's attention: taken as the largest batch's time,
+    a batch twice as big would be budgeted half the prompt tokens its step can carry)."""
     sizes = sorted(step_ms)
-    return min(step_ms[s] for s in sizes if s >= bucket(sizes, batch))
+    time = min(step_ms[s] for s in sizes if s >= bucket(sizes, batch))
+    if batch <= sizes[-1] or len(sizes) < 2:
+        return time
+    last, before = sizes[-1], sizes[-2]
+    slope = max(step_ms[last] - step_ms[before], 0.0) / (last - before)
+    return time + slope * (batch - last)
 
 
 def fit_per_token(samples: dict[int, float]) -> float:

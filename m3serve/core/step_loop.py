@@ -38,6 +38,9 @@ class StepLoop:
     executor: Executor
     trace: StepTrace
     served_budget: MixedBudget | None = None  # the mixed-step budget, fed each step's time
+    # Step -> the decode batch its prompt budget was sized for (`Scheduler.mixed_rows`), from
+    # planning to the run that feeds the step's time back (with `served_budget` only).
+    _budget_rows: dict[int, int]
     plans: PlanChannel | None  # rank 0 of a tensor-parallel group: the followers' plans
     _sent: int | None = None  # the step whose plan went to the followers last
     _in_flight: Launched | None  # the step launched and not yet processed (overlap)
@@ -96,6 +99,8 @@ class StepLoop:
             self.inputs.keep(plan, self.scheduler.running)
             seconds = time.perf_counter() - started
             self.trace.planned(plan, seconds, budget=self.scheduler.mixed_limit)
+            if self.served_budget is not None and self.scheduler.mixed_rows:
+                self._budget_rows[plan.step] = self.scheduler.mixed_rows
         return plan
 
     def _launch(self, plan: StepPlan) -> Launched:
@@ -128,6 +133,7 @@ class StepLoop:
     def run(self, plan: StepPlan) -> StepResult:
         """One forward over the plan's tokens, and a sampled token for each seq that asks."""
         started, compiles = time.perf_counter(), self.trace.compiles.count
+        sized_for = self._budget_rows.pop(plan.step, 0) if self.served_budget is not None else 0
         cpu, switches = thread_usage()
         if self.plans is not None and self._sent != plan.step:  # the followers run it with us
             self._send(plan)
@@ -153,7 +159,7 @@ class StepLoop:
         if self.served_budget is not None:
             # The step's device time where known: a step launched ahead may have run in part
             # before its run began (core/device_clock.py).
-            _feed(self.served_budget, plan, seconds if device is None else device)
+            _feed(self.served_budget, plan, seconds if device is None else device, sized_for)
         return result
 
     def _send(self, plan: StepPlan) -> None:
@@ -162,11 +168,12 @@ class StepLoop:
         self._sent = plan.step
 
 
-def _feed(budget: MixedBudget, plan: StepPlan, seconds: float) -> None:
+def _feed(budget: MixedBudget, plan: StepPlan, seconds: float, sized_for: int = 0) -> None:
     """A step's run time, for the mixed-step budget: plain decode rows and prompt tokens only
-    (a verify row's drafts make its step a different one; a load-back adds copies)."""
+    (a verify row's drafts make its step a different one; a load-back adds copies).
+    `sized_for`: the decode batch its budget was sized for (0: its own rows)."""
     if plan.loads or any(seq.draft for seq in plan.seqs):
         return
     decodes = sum(seq.input_ids is None for seq in plan.seqs)
     prompt = sum(seq.extend for seq in plan.seqs if seq.input_ids is not None)
-    budget.observe(decodes, prompt, 1e3 * seconds)
+    budget.observe(decodes, prompt, 1e3 * seconds, sized_for)

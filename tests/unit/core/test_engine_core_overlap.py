@@ -292,13 +292,16 @@ class _Span:
 
 
 class _Budget:
-    """The mixed-step budget's feed: the ms of each step run."""
+    """The mixed-step budget's feed: the ms of each step run, and its decode rows and the
+    batch its budget was sized for."""
 
     def __init__(self) -> None:
         self.ms: list[float] = []
+        self.rows: list[tuple[int, int]] = []
 
-    def observe(self, decodes: int, prompt_tokens: int, ms: float) -> None:
+    def observe(self, decodes: int, prompt_tokens: int, ms: float, sized_for: int = 0) -> None:
         self.ms.append(ms)
+        self.rows.append((decodes, sized_for))
 
 
 def _device_spans(core: EngineCore, monkeypatch: pytest.MonkeyPatch) -> _Budget:
@@ -326,3 +329,21 @@ def test_the_mixed_step_budget_is_fed_each_steps_device_time(
     assert len(budget.ms) == 6  # the prefill, then five decode steps
     assert budget.ms == [pytest.approx(SPAN_S * 1e3)] * 6
     engine.scheduler.idle_check()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_each_step_feeds_back_the_batch_its_budget_was_planned_for(
+    core: EngineCore, overlap: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scheduler sizes a mixed step's budget for a batch (`_batch_ahead`) when it plans
+    the step; the run that feeds its time back, a step later under overlap, passes that batch
+    on, and steps without decode rows pass none."""
+    budget = _device_spans(core, monkeypatch)
+    monkeypatch.setattr(core.scheduler, "mixed_budget", lambda rows: 64)
+    monkeypatch.setattr(core.scheduler, "_batch_ahead", lambda decodes: decodes + 5)
+    _generate(core, [_req("a", frozenset(), max_new=4), _req("b", frozenset(), max_new=3)], overlap)
+
+    assert budget.rows[0] == (0, 0)  # the prefills: nothing decodes, no mixed budget
+    assert len(budget.rows) > 1
+    assert all(sized_for == decodes + 5 for decodes, sized_for in budget.rows[1:])
+    assert core._budget_rows == {}

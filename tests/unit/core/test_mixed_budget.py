@@ -145,8 +145,8 @@ class _Seen:
     def __init__(self) -> None:
         self.steps: list[tuple[int, int, float]] = []
 
-    def observe(self, decodes: int, prompt: int, ms: float) -> None:
-        self.steps.append((decodes, prompt, ms))
+    def observe(self, decodes: int, prompt: int, ms: float, sized_for: int = 0) -> None:
+        self.steps.append((decodes, prompt, ms, sized_for))
 
 
 def test_the_loop_feeds_decode_rows_and_prompt_tokens_of_plain_steps_only() -> None:
@@ -158,7 +158,24 @@ def test_the_loop_feeds_decode_rows_and_prompt_tokens_of_plain_steps_only() -> N
     _feed(seen, StepPlan(step=2, seqs=[verify, chunk]), 0.004)  # type: ignore[arg-type]
     load = StepPlan(step=3, seqs=[decode, chunk], loads=[PageCopy(1, [4], [0])])
     _feed(seen, load, 0.004)  # type: ignore[arg-type]
-    assert seen.steps == [(2, 300, 4.0)]
+    _feed(seen, StepPlan(step=4, seqs=[decode, chunk]), 0.004, sized_for=16)  # type: ignore[arg-type]
+    assert seen.steps == [(2, 300, 4.0, 0), (1, 300, 4.0, 16)]
+
+
+def test_a_step_sized_for_a_batch_still_filling_is_judged_as_that_batchs_step() -> None:
+    budget = MixedBudget(START, 2.5, PAGE)
+    budget.decode_ms[64] = 2.98
+    tokens = budget(64)
+    # 16 rows carried the 64-row budget: alone they ran well inside 16 rows' stretch, but with
+    # the 48 rows they lacked (+0.73 ms) the step is past 64 rows' 7.45 ms: the 64 bucket's
+    # budget comes down, and the 16 bucket's, which this step did not carry, stays.
+    budget.observe(16, tokens, 7.0, sized_for=64)
+    assert budget.scale[64] < 1.0
+    assert budget.scale[16] == 1.0
+    # The same step judged by its own rows would have been far over 16 rows' stretch.
+    own = MixedBudget(START, 2.5, PAGE)
+    own.observe(16, tokens, 7.0)
+    assert own.scale[16] < 1.0
 
 
 def test_slow_decode_steps_do_not_raise_the_decode_mean_past_a_fifth_a_step() -> None:

@@ -323,24 +323,86 @@ def test_steps_that_decode_carry_at_most_the_mixed_budget_of_prompt_tokens() -> 
     plans: list[StepPlan] = []
     schedule = run.scheduler.schedule
 
-    limits: list[int] = []
+    limits: list[tuple[int, int, int]] = []  # (budget, its batch, requests in the scheduler)
 
     def recording() -> StepPlan | None:
+        held = len(run.scheduler.running) + len(run.scheduler.waiting)
         plan = schedule()
         if plan is not None:
             plans.append(plan)
-            limits.append(run.scheduler.mixed_limit)
+            limits.append((run.scheduler.mixed_limit, run.scheduler.mixed_rows, held))
         return plan
 
     run.scheduler.schedule = recording  # type: ignore[method-assign]
     drive(run, arrivals=arrivals)
-    for plan, limit in zip(plans, limits, strict=True):
+    for plan, (limit, rows, held) in zip(plans, limits, strict=True):
         decodes = sum(seq.input_ids is None for seq in plan.seqs)
         prompt_tokens = sum(seq.extend for seq in plan.seqs if seq.input_ids is not None)
-        assert prompt_tokens <= (4 * decodes if decodes else 32)
+        # Sized for the batch the step fills to: its decode rows and the requests still
+        # prefilling or waiting (the cap of 8 is not reached here).
+        assert rows == (max(decodes, held) if decodes else 0)
+        assert prompt_tokens <= (4 * rows if decodes else 32)
         # What the step trace logs: the mixed budget the step was held to, 0 with no decodes.
-        assert limit == 4 * decodes
+        assert limit == 4 * rows
+    assert any(
+        rows > sum(s.input_ids is None for s in p.seqs) > 0
+        for p, (_, rows, _) in zip(plans, limits, strict=True)
+    )
     assert any(sum(s.input_ids is None for s in p.seqs) == 0 and len(p.seqs) == 1 for p in plans)
     for req in [early, *late]:
         assert run.outputs[req.rid] == reference_output(req.prompt, req.max_new, STOP)
     assert_all_pages_back(run)
+
+
+def test_while_requests_wait_the_mixed_budget_is_sized_for_the_batch_at_its_cap() -> None:
+    run = make(256, max_running_requests=4, chunked_prefill_size=64)
+    asked: list[int] = []
+    run.scheduler.mixed_budget = lambda rows: asked.append(rows) or 8
+    first = request("first", prompts(5, 1, 8, 8)[0], 20)
+    run.scheduler.add(first)
+    collect(run, run.scheduler.schedule())  # its prefill: no decode rows, no mixed budget
+    assert asked == []
+    for i, prompt in enumerate(prompts(6, 6, 30, 30)):
+        run.scheduler.add(request(f"w{i}", prompt, 4))
+    run.scheduler.schedule()
+    # One row decodes, six wait: the budget is the one for the 4 rows the batch fills to.
+    assert asked == [4] and run.scheduler.mixed_rows == 4
+
+
+def test_a_queue_fills_the_decode_batch_where_a_budget_by_its_rows_alone_holds_it_low() -> None:
+    """Closed-loop clients, 48-token prompts, 24 output tokens (23 decode steps), a budget of
+    8 + rows / 2 tokens: sized by its rows alone a step admits (8 + rows / 2) / 48 requests
+    while rows / 23 finish, so the batch settles near 5 rows of its 32; sized for the batch at
+    its cap, 24 / 48 admissions a step hold 11.5."""
+
+    def late_rows(by_rows_alone: bool) -> float:
+        run = make(4096, max_running_requests=32, chunked_prefill_size=256, max_prefill_tokens=256)
+        run.scheduler.mixed_budget = lambda rows: 8 + rows // 2
+        if by_rows_alone:
+            run.scheduler._batch_ahead = lambda decodes: decodes  # type: ignore[method-assign]
+        sampling = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+        made = 0
+
+        def client() -> Req:
+            nonlocal made
+            made += 1
+            prompt = [8 + (made * 31 + i) % 900 for i in range(48)]
+            return Req(f"c{made}", prompt, sampling, STOP, worker=0)
+
+        for _ in range(32):
+            run.scheduler.add(client())
+        rows: list[int] = []
+        for _ in range(600):
+            plan = run.scheduler.schedule()
+            assert plan is not None
+            rows.append(sum(seq.input_ids is None for seq in plan.seqs))
+            before = len(run.finishes)
+            collect(run, plan)
+            for _ in range(len(run.finishes) - before):
+                run.scheduler.add(client())  # a client sends its next request
+        late = rows[300:]
+        return sum(late) / len(late)
+
+    alone, ahead = late_rows(True), late_rows(False)
+    assert alone == pytest.approx(5, abs=1)
+    assert ahead == pytest.approx(11.5, abs=1.5)

@@ -17,7 +17,17 @@ def test_a_mixed_step_may_add_stretch_minus_one_decode_steps_of_prompt_work() ->
     assert COST.mixed_budget(16, 2.5, 128) == 256
     assert COST.mixed_budget(9, 2.5, 128) == 256  # the 16 bucket's time
     assert COST.mixed_budget(64, 2.5, 128) == 512  # 6 ms -> 600 tokens
-    assert COST.mixed_budget(200, 2.5, 128) == 512  # past the largest bucket: its time
+    # Past the largest bucket: 4 ms + (4 - 2.5) / 48 ms a row more = 8.25 ms -> 1237 tokens.
+    assert COST.mixed_budget(200, 2.5, 128) == 1152
+
+
+def test_past_the_largest_batch_a_decode_step_grows_along_the_last_measured_slope() -> None:
+    assert COST.decode(64) == 4.0
+    assert COST.decode(128) == pytest.approx(4.0 + 64 * 1.5 / 48)
+    # A largest batch timed faster than the one before it (noise) adds nothing a row.
+    flat = StepCost({16: 2.5, 64: 2.0}, prefill_ms_per_token=0.01)
+    assert flat.decode(256) == 2.0
+    assert StepCost({8: 1.0}, 0.01).decode(100) == 1.0  # one size: no slope to follow
 
 
 def test_the_fixed_cost_of_a_mixed_step_comes_off_its_prompt_work() -> None:
@@ -83,7 +93,7 @@ def test_a_smaller_batch_timed_slower_than_a_bigger_one_counts_as_the_bigger_one
     noisy = StepCost({8: 2.11, 12: 2.27, 16: 1.98, 64: 2.85}, prefill_ms_per_token=0.0069)
     assert noisy.decode(12) == noisy.decode(16) == 1.98
     assert noisy.decode(9) == 1.98 and noisy.decode(4) == 1.98
-    assert noisy.decode(64) == 2.85 and noisy.decode(200) == 2.85
+    assert noisy.decode(64) == 2.85
     assert noisy.mixed_budget(12, 2.5, 128) == noisy.mixed_budget(16, 2.5, 128)
 
 
