@@ -254,10 +254,10 @@ class Scheduler(StepCommit):
         """The decode batch a mixed step's prompt budget is sized for: while requests wait for
         a slot, the one admitting them fills to (up to --max-running-requests), else the rows
         decoding now. Sized by the rows alone, a batch below its cap admits prompts only as
-        fast as its rows finish, and stays there: an H100 serving 256 streams of 1K-token
-        prompts and 256 outputs held ~88 decode rows, the budget that many rows allow, and gave
-        23 % fewer output tokens/s than 128 streams did; sized for the batch it fills to, 256
-        streams gave 45 % more than that (18.9K tok/s against 13.0K, the same machine)."""
+        fast as its rows finish, and stays there: H100s serving 256 streams of 1K-token
+        prompts and 256 outputs held 70-90 decode rows, as many as that budget admits, and gave
+        up to 23 % fewer output tokens/s than 128 streams; sized for the batch it fills to,
+        ~165 rows and 45 % more (18.9K tok/s against 13.0K, the same machine)."""
         filling = min(len(self.running) + len(self.waiting), self.args.max_running_requests)
         return max(decodes, filling)
 
