@@ -58,7 +58,8 @@ LINE = re.compile(
     r"^(\S+ \S+) .*step (\d+) (\w+) batch=(\d+) tokens=(\d+).*host=([\d.]+)ms "
     r"\(plan ([\d.]+) \+ process ([\d.]+)\) run=([\d.]+)ms"
     r"(?: idle=([\d.]+)ms lag=([\d.]+)ms)?(?: launch=([\d.]+)ms)?"
-    r"(?: gc=([\d.]+)ms(?:\(full ([\d.]+)\))?)?(?: budget=(\d+))?(?: build=([\d.]+)ms)?"
+    r"(?: gc=([\d.]+)ms(?:\(full ([\d.]+)\))?)?"
+    r"(?: budget=(\d+)(?:\((\d+) rows\))?)?(?: build=([\d.]+)ms)?"
     r"(?: cpu=([\d.]+)ms)?(?: preempted=(\d+))?(?: device=([\d.]+)ms)?"
     r"(?: wait=([\d.]+)ms ahead=([\d.]+)ms)?"
 )
@@ -110,6 +111,9 @@ class Step(NamedTuple):
     # (`wait=`, `ahead=`; 0: not logged).
     wait_ms: float = 0.0
     ahead_ms: float = 0.0
+    # The decode batch a mixed step's budget was sized for, where more than it decoded
+    # (`budget=N(R rows)`; 0: its own rows, or not logged).
+    budget_rows: int = 0
 
 
 class Pause(NamedTuple):
@@ -140,15 +144,14 @@ def read_trace(path: Path) -> tuple[list[Step], list[Pause]]:
                 pauses.append(Pause(_stamp(p[1]), float(p[2]), int(p[3]), int(p[4]), p[5]))
             continue
         numbers = (float(m[i]) for i in (6, 7, 8, 9))
-        optional = (float(m[i]) if m[i] else 0.0 for i in (10, 11, 12, 13, 14, 16, 17))
+        optional = (float(m[i]) if m[i] else 0.0 for i in (10, 11, 12, 13, 14, 17, 18))
         idle, lag, launch, gc_ms, full, build, cpu = optional
-        budget = int(m[15]) if m[15] else 0
-        preempted = int(m[18]) if m[18] else 0
-        device = float(m[19]) if m[19] else 0.0
-        wait, ahead = (float(m[i]) if m[i] else 0.0 for i in (20, 21))
+        budget, budget_rows, preempted = (int(m[i]) if m[i] else 0 for i in (15, 16, 19))
+        device = float(m[20]) if m[20] else 0.0
+        wait, ahead = (float(m[i]) if m[i] else 0.0 for i in (21, 22))
         head = (_stamp(m[1]), int(m[2]), m[3], int(m[4]), int(m[5]), *numbers)
         tail = (gc_ms, budget, idle, lag, launch, full, build, cpu, preempted, device, wait, ahead)
-        rows.append(Step(*head, *tail))
+        rows.append(Step(*head, *tail, budget_rows))
     return rows, pauses
 
 

@@ -98,9 +98,10 @@ class StepLoop:
         if plan is not None:
             self.inputs.keep(plan, self.scheduler.running)
             seconds = time.perf_counter() - started
-            self.trace.planned(plan, seconds, budget=self.scheduler.mixed_limit)
-            if self.served_budget is not None and self.scheduler.mixed_rows:
-                self._budget_rows[plan.step] = self.scheduler.mixed_rows
+            rows = self.scheduler.mixed_rows
+            self.trace.planned(plan, seconds, self.scheduler.mixed_limit, rows)
+            if self.served_budget is not None and rows:
+                self._budget_rows[plan.step] = rows
         return plan
 
     def _launch(self, plan: StepPlan) -> Launched:

@@ -210,6 +210,9 @@ class StepRecord:
     # The mixed-step prompt budget the plan was held to (0: none): the served budget moves with
     # the steps run, and a log line of it goes out at most every 30 s.
     budget: int = 0
+    # The decode batch that budget was sized for where more than the step decodes (requests
+    # waiting for a slot: core/scheduler.py `_batch_ahead`); 0: its own rows.
+    budget_rows: int = 0
     idle_ms: float = 0.0  # the executor's wait for this plan after its previous run
     lag_ms: float = 0.0  # the finished result's wait for the event loop
     # From the run's start until its kernels were all queued (0: it samples nothing): where it
@@ -247,6 +250,8 @@ class StepRecord:
         paused = f" gc={self.gc_ms:.2f}ms{full}" if self.gc_ms >= 0.005 else ""
         kind = step_kind(self.plan)
         budget = f" budget={self.budget}" if self.budget and kind == "mixed" else ""
+        if budget and self.budget_rows:
+            budget += f"({self.budget_rows} rows)"
         launch = f" launch={self.launch_ms:.2f}ms" if self.launch_ms else ""
         build = f" build={self.build_ms:.2f}ms" if self.build_ms >= 0.005 else ""
         cpu = f" cpu={self.launch_cpu_ms:.2f}ms" if self.launch_ms else ""
@@ -282,8 +287,11 @@ class StepTrace:
         if self.log_every_step:
             self.alloc = AllocWatch(read)
 
-    def planned(self, plan: StepPlan, seconds: float, budget: int = 0) -> None:
-        """`budget`: the mixed-step prompt budget the plan was held to (0: none)."""
+    def planned(
+        self, plan: StepPlan, seconds: float, budget: int = 0, budget_rows: int = 0
+    ) -> None:
+        """`budget`: the mixed-step prompt budget the plan was held to (0: none), sized for a
+        decode batch of `budget_rows` (kept where more than the plan decodes)."""
         paused, full = 0.0, 0.0
         if self.gc is not None:  # the running totals now; processing adds them back
             paused, full = -self.gc.total_ms, -self.gc.full_ms
@@ -292,8 +300,14 @@ class StepTrace:
                 # freezes the heap before ready (~70 ms on the CPU model, 250K objects).
                 self.gc.take_long()
         self._serving = True
+        decodes = sum(seq.input_ids is None for seq in plan.seqs)
         self._records[plan.step] = StepRecord(
-            plan, seconds * 1e3, gc_ms=paused, gc_full_ms=full, budget=budget
+            plan,
+            seconds * 1e3,
+            gc_ms=paused,
+            gc_full_ms=full,
+            budget=budget,
+            budget_rows=budget_rows if budget_rows > decodes else 0,
         )
 
     def ran(

@@ -41,6 +41,7 @@ def test_the_summary_parses_the_trace_lines_the_engine_writes(tmp_path: Path) ->
             gc_ms=gc_ms,
             gc_full_ms=gc_ms * 0.8,
             budget=384,
+            budget_rows=16,
             idle_ms=0.5,
             lag_ms=0.25,
             launch_ms=launch_ms,
@@ -56,7 +57,7 @@ def test_the_summary_parses_the_trace_lines_the_engine_writes(tmp_path: Path) ->
     assert first.gc_ms == 0.0  # no pause: nothing logged
     assert first.budget == 0  # a decode step logs no budget
     assert second[5:10] == pytest.approx((0.15, 0.1, 0.05, 4.25, 1.5))
-    assert second.budget == 384
+    assert (second.budget, second.budget_rows) == (384, 16)
     assert (second.idle_ms, second.lag_ms) == (0.5, 0.25)
     assert (first.launch_ms, second.launch_ms) == (0.0, 3.75)
     assert (first.gc_full_ms, second.gc_full_ms) == (0.0, 1.2)

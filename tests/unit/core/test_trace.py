@@ -150,6 +150,20 @@ def test_a_mixed_step_logs_the_prompt_budget_it_was_held_to(
     trace.close()
 
 
+def test_a_budget_sized_for_a_batch_still_filling_logs_that_batch(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    trace = StepTrace(log_every_step=True)
+    trace.planned(plan(DECODE, PREFILL, step=8), 0.0, budget=512, budget_rows=64)
+    trace.planned(plan(DECODE, PREFILL, step=9), 0.0, budget=256, budget_rows=1)  # its own row
+    with caplog.at_level(logging.INFO, logger="m3serve.core.trace"):
+        trace.processed(8, 0.0)
+        trace.processed(9, 0.0)
+    ahead, own = [r.getMessage() for r in caplog.records]
+    assert ahead.endswith("budget=512(64 rows)") and own.endswith("budget=256")
+    trace.close()
+
+
 def test_a_step_that_compiled_is_a_warning_even_without_the_trace(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
