@@ -241,3 +241,32 @@ def test_served_steps_settle_on_pages_that_fit_the_stretch_with_one_more_not_fit
     tokens = budget(16)
     assert decode + fixed + per_token * tokens <= limit
     assert decode + fixed + per_token * (tokens + PAGE) > 0.95 * limit
+
+
+def test_a_bucket_no_decode_step_corrected_moves_as_the_nearest_corrected_one_did() -> None:
+    budget = MixedBudget(StepCost({16: 2.0, 64: 3.0, 128: 4.0}, 0.0068), 2.5, PAGE)
+    assert budget.served_means() == {16: 2.0, 64: 3.0, 128: 4.0}  # nothing served yet
+    for _ in range(200):
+        budget.observe(64, 0, 2.0)  # served 64-row steps run two thirds of the start-up time
+    means = budget.served_means()
+    assert means[64] == pytest.approx(2.0, rel=1e-3)
+    assert means[128] == pytest.approx(4.0 * 2 / 3, rel=1e-3)
+    assert means[16] == pytest.approx(2.0 * 2 / 3, rel=1e-3)
+    for _ in range(200):
+        budget.observe(16, 0, 1.0)
+    # Its own steps now: 16 keeps its mean; 128's nearest corrected bucket is still 64.
+    assert budget.served_means()[16] == pytest.approx(1.0, rel=1e-3)
+    assert budget.served_means()[128] == pytest.approx(4.0 * 2 / 3, rel=1e-3)
+
+
+def test_the_first_mixed_steps_of_a_bucket_never_served_are_judged_by_the_served_pace() -> None:
+    # Served 16-row decode steps ran at half their start-up time; no 64-row one has run. A
+    # 64-row mixed step of 6 ms is within 2.5 x 2.98 ms at the start-up pace, but past
+    # 2.5 x 1.49 at the served one: its budget comes down.
+    budget = MixedBudget(START, 2.5, PAGE)
+    for _ in range(200):
+        budget.observe(16, 0, 2.25 / 2)
+    tokens = budget(64)
+    budget.observe(64, tokens, 6.0)
+    assert budget.scale[64] < 1.0
+    assert "64: 1.49 ms" in str(budget)
