@@ -102,14 +102,14 @@ class MixedBudget:
             self.decode_ms[at] += EWMA * (min(ms, DECODE_CLIP * mean) - mean)
             self.corrected.add(at)
             return
-        means = self.served_means()
-        if sized_for > decodes:
-            ms += envelope(means, sized_for) - envelope(means, decodes)
-            decodes = sized_for
-        at = bucket(self.sizes, decodes)
         # As the start-up budget does (StepCost.decode): no bucket's decode step counts as
         # slower than a bigger one's, so a bucket served rarely keeps no noisy start-up time.
-        decode = envelope(means, decodes)
+        means = self.served_means()
+        decode = envelope(means, max(decodes, sized_for))
+        if sized_for > decodes:
+            ms += decode - envelope(means, decodes)
+            decodes = sized_for
+        at = bucket(self.sizes, decodes)
         limit = self.stretch * decode
         tokens = self(decodes)
         if prompt_tokens < FULL_SHARE * tokens and ms <= limit:

@@ -210,8 +210,8 @@ class StepRecord:
     # The mixed-step prompt budget the plan was held to (0: none): the served budget moves with
     # the steps run, and a log line of it goes out at most every 30 s.
     budget: int = 0
-    # The decode batch that budget was sized for where more than the step decodes (requests
-    # waiting for a slot: core/scheduler.py `_batch_ahead`); 0: its own rows.
+    # The decode batch that budget was sized for (core/scheduler.py `_batch_ahead`; 0: none),
+    # logged where more than the step decodes: requests were waiting for a slot.
     budget_rows: int = 0
     idle_ms: float = 0.0  # the executor's wait for this plan after its previous run
     lag_ms: float = 0.0  # the finished result's wait for the event loop
@@ -250,7 +250,7 @@ class StepRecord:
         paused = f" gc={self.gc_ms:.2f}ms{full}" if self.gc_ms >= 0.005 else ""
         kind = step_kind(self.plan)
         budget = f" budget={self.budget}" if self.budget and kind == "mixed" else ""
-        if budget and self.budget_rows:
+        if budget and self.budget_rows > sum(seq.input_ids is None for seq in self.plan.seqs):
             budget += f"({self.budget_rows} rows)"
         launch = f" launch={self.launch_ms:.2f}ms" if self.launch_ms else ""
         build = f" build={self.build_ms:.2f}ms" if self.build_ms >= 0.005 else ""
@@ -291,7 +291,7 @@ class StepTrace:
         self, plan: StepPlan, seconds: float, budget: int = 0, budget_rows: int = 0
     ) -> None:
         """`budget`: the mixed-step prompt budget the plan was held to (0: none), sized for a
-        decode batch of `budget_rows` (kept where more than the plan decodes)."""
+        decode batch of `budget_rows`."""
         paused, full = 0.0, 0.0
         if self.gc is not None:  # the running totals now; processing adds them back
             paused, full = -self.gc.total_ms, -self.gc.full_ms
@@ -300,14 +300,13 @@ class StepTrace:
                 # freezes the heap before ready (~70 ms on the CPU model, 250K objects).
                 self.gc.take_long()
         self._serving = True
-        decodes = sum(seq.input_ids is None for seq in plan.seqs)
         self._records[plan.step] = StepRecord(
             plan,
             seconds * 1e3,
             gc_ms=paused,
             gc_full_ms=full,
             budget=budget,
-            budget_rows=budget_rows if budget_rows > decodes else 0,
+            budget_rows=budget_rows,
         )
 
     def ran(
