@@ -39,6 +39,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from m3serve.backends import auto_backend, create_backend
+from m3serve.core.engine_start import capture_heads
 from m3serve.core.graphs import DecodeGraphs
 from m3serve.core.matchers import GrammarMatchers
 from m3serve.core.piecewise import PiecewiseGraphs
@@ -77,6 +78,7 @@ def runner_for(
         runner.graphs.capture()
         runner.piecewise = PiecewiseGraphs(model, kv, usable, max(batches) + chunk)
         runner.piecewise.capture()
+        runner.heads = capture_heads(model, runner, draw, max(batches))
     return runner
 
 

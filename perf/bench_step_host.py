@@ -17,8 +17,17 @@ wall time around the call (inclusive: a part's time holds the parts it calls), m
 then, for the first batch size, torch's profiler (host time of each op and CUDA call, per step)
 and cProfile (Python functions by their own time).
 
+`--chunk P` times mixed steps instead, one way (`mixed`): beside the decode rows each step
+carries a P-token chunk of a prompt (not its last: nothing sampled), on the slot after theirs,
+cycling over the prompt's first four chunks so that it attends over 0-3 chunks before it, as a
+served ~1K-token prompt does. A mixed step leaves the decode graph for the piecewise graphs and
+the eager attention of each layer (core/piecewise.py), whose launch served steps overlap with
+the step before: at 16 streams on an H100 it took ~2.6 ms of host time against ~3.2 ms of
+device time (perf/results/h100_2026-12-07f_step_host/), and so it bounds how short a mixed step
+can be made. The parts add the piecewise run, each layer's attention and its two calls.
+
     python perf/bench_step_host.py --model-path DIR [--batches 1 16 64] [--context 1024]
-        [--iters 300] [--profile-iters 100] [--greedy] [--out PATH]
+        [--iters 300] [--profile-iters 100] [--greedy] [--chunk P] [--out PATH]
 
 Prints tables; writes JSON to $OUT/bench_step_host.json when $OUT is set, else perf/results/
 (or --out).
@@ -52,7 +61,8 @@ from m3serve.runtime.messages import SamplingParams, SeqStep, StepPlan
 # nothing the host does waits for the device, as while the step before runs when served.
 SPIN_CYCLES = 5_000_000
 WARM_STEPS = 20  # untimed steps first: the allocator, the staging ring, the first replays
-# The runner's parts timed, as (owner attribute path, method name); "" is the runner itself.
+CHUNKS_CYCLED = 4  # a mixed step's chunk is one of its prompt's first four, in turn
+# The runner's parts timed, as (owner attribute path, dotted; method name); "" is the runner.
 PARTS = [
     ("", "prepare"),
     ("", "_build"),
@@ -75,6 +85,15 @@ PARTS = [
     ("", "run"),
     ("", "_take_tokens"),
     ("", "_settle"),
+    ("piecewise", "run"),
+    ("piecewise", "_pad"),
+    ("", "_head_draw"),
+    ("heads", "run"),
+    ("model", "compute_logits"),
+    ("model.layers.0", "attend"),
+    ("model.layers.1", "attend"),
+    ("model.backend", "index_topk"),
+    ("model.backend", "attention"),
 ]
 # Module-level names the runner calls (in a step's run, and in a step launched ahead), timed
 # likewise.
@@ -118,7 +137,9 @@ def timed_parts(runner: StepRunner, timers: Timers) -> Iterator[None]:
     """The runner's parts wrapped by `timers` inside the block, put back after it."""
     undo: list[Callable[[], None]] = []
     for path, name in PARTS:
-        owner = runner if not path else getattr(runner, path, None)
+        owner: Any = runner
+        for attr in path.split(".") if path else ():
+            owner = getattr(owner, attr, None)
         fn = getattr(owner, name, None) if owner is not None else None
         if fn is None:
             continue
@@ -146,11 +167,23 @@ def delattr_or_set(owner: Any, name: str, fn: Any) -> None:
 
 
 class Steps:
-    """Decode plans for `batch` slots over `context` tokens, one position further each step."""
+    """Decode plans for `batch` slots over `context` tokens, one position further each step;
+    with a `chunk`, each also carries a prompt chunk of that many tokens (the module's
+    docstring)."""
 
-    def __init__(self, batch: int, context: int, page: int, row_pages: int, greedy: bool) -> None:
+    def __init__(
+        self,
+        batch: int,
+        context: int,
+        page: int,
+        row_pages: int,
+        greedy: bool,
+        chunk: int = 0,
+        vocab: int = 2,
+    ) -> None:
         self.batch, self.context, self.page, self.row_pages = batch, context, page, row_pages
         self.params = SamplingParams(temperature=0.0) if greedy else SamplingParams(top_p=0.95)
+        self.chunk, self.vocab = chunk, vocab
         self.step = 0
 
     def first(self) -> StepPlan:
@@ -165,13 +198,19 @@ class Steps:
             )
             for b in range(self.batch)
         ]
+        slots = self.batch + (1 if self.chunk else 0)
+        if self.chunk:  # the prompt's slot: started as the rows' are, its chunks come after
+            seqs.append(SeqStep([1], 0, self._pages(self.batch), slot=self.batch, new_request=True))
         self.step = 1
         return StepPlan(
             step=0,
             seqs=seqs,
-            sampling=dict.fromkeys(range(self.batch), self.params),
-            prompt_ids={b: [1 + b] for b in range(self.batch)},
+            sampling=dict.fromkeys(range(slots), self.params),
+            prompt_ids={b: [1 + b] for b in range(slots)},
         )
+
+    def _pages(self, slot: int) -> list[int]:
+        return list(range(slot * self.row_pages, (slot + 1) * self.row_pages))
 
     def next(self) -> StepPlan:
         """A decode step: every slot's last token, no page change."""
@@ -179,6 +218,11 @@ class Steps:
         seqs = [
             SeqStep(None, start, [], slot=b, page_start=self.row_pages) for b in range(self.batch)
         ]
+        if self.chunk:
+            at = self.chunk * (self.step % CHUNKS_CYCLED)
+            ids = [1 + (at + i) * 7919 % (self.vocab - 1) for i in range(self.chunk)]
+            pages = self._pages(self.batch)
+            seqs.append(SeqStep(ids, at, pages, slot=self.batch, sample=False))
         plan = StepPlan(step=self.step, seqs=seqs)
         self.step += 1
         return plan
@@ -196,6 +240,7 @@ def one_step(runner: StepRunner, plan: StepPlan, spin: bool) -> tuple[float, flo
 
 
 WAYS = ("rows", "batch", "eager")
+MIXED_WAYS = ("mixed",)  # a step with a prompt chunk builds its batch and draws outside graphs
 
 
 @contextmanager
@@ -265,12 +310,17 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=300)
     parser.add_argument("--profile-iters", type=int, default=100)
     parser.add_argument("--greedy", action="store_true", help="greedy rows (default: top-p .95)")
+    parser.add_argument("--chunk", type=int, default=0, help="mixed steps with a P-token chunk")
     parser.add_argument("--out", type=Path)
     add_copy_flag(parser)
     args = parser.parse_args()
     # Each run (a batch size, a way) starts over at `context`; its steps reach this far.
     total = args.context + 1 + WARM_STEPS + args.iters + 2 * args.profile_iters
-    runner = runner_for(args.model_path, args.batches, 0, total, args.mxfp8_bf16_copy)
+    # A chunk's slot follows the rows' and takes a row's pages: they must hold its prompt.
+    total = max(total, CHUNKS_CYCLED * args.chunk)
+    spare = 1 if args.chunk else 0
+    batches = [b + spare for b in args.batches]
+    runner = runner_for(args.model_path, batches, args.chunk, total, args.mxfp8_bf16_copy)
     page = runner.page_size
     row_pages = -(-(total + 1) // page)
     spin = runner.device.type == "cuda"
@@ -278,15 +328,17 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     found: dict[str, Any] = {}
     for batch in args.batches:
-        for name in WAYS:
-            steps = Steps(batch, args.context, page, row_pages, args.greedy)
+        for name in MIXED_WAYS if args.chunk else WAYS:
+            vocab = runner.model.cfg.vocab_size
+            steps = Steps(batch, args.context, page, row_pages, args.greedy, args.chunk, vocab)
             with way(runner, name):
                 row = {"batch": batch, "way": name, **measure(runner, steps, args.iters, spin)}
                 rows.append(row)
                 if batch == args.batches[0]:
                     found[name] = profiles(runner, steps, args.profile_iters, spin)
     names = sorted({n for row in rows for n in row["parts_us"]})
-    print(f"host µs per step, median of {args.iters} (inclusive; device {runner.device});")
+    what = f"decode rows + a {args.chunk}-token chunk" if args.chunk else "decode"
+    print(f"host µs per {what} step, median of {args.iters} (inclusive; device {runner.device});")
     print("r: rows into the graph, drawn there (served); b: a built batch, drawn there; e: rows,")
     print("drawn outside the graph (Sampler.sample)")
     print(f"{'part':<28}" + "".join(f"{'B' + str(r['batch']) + r['way'][0]:>10}" for r in rows))
@@ -306,6 +358,7 @@ def main() -> None:
         "context": args.context,
         "iters": args.iters,
         "greedy": args.greedy,
+        "chunk": args.chunk,
         "rows": rows,
         "driver_calls_per_step": {n: p["driver_calls_per_step"] for n, p in found.items()},
     }

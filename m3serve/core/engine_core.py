@@ -49,6 +49,7 @@ import torch
 from m3serve.backends import create_backend
 from m3serve.core.engine_start import (
     capture_graphs,
+    capture_heads,
     capture_piecewise,
     grammar_compiler,
     mixed_budget,
@@ -216,6 +217,7 @@ class EngineCore(StepLoop):
             self.runner.piecewise = capture_piecewise(
                 args, self.backend, self.model, self.kv, self.budget, slots
             )
+            self.runner.heads = capture_heads(self.model, self.runner, draw, slots)
         # ------------------------------------------------------------------ scheduler
         radix = not args.cache.disable_radix_cache
         self.served_budget = budget = mixed_budget(

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from m3serve.core.grammar import GrammarCompiler, GrammarUnavailable
-from m3serve.core.graphs import DecodeGraphs, GraphDraw
+from m3serve.core.graphs import DecodeGraphs, GraphDraw, buckets_up_to
+from m3serve.core.head_draw import HeadDraws
 from m3serve.core.hicache.prefix_cache import HiPrefixCache
 from m3serve.core.hicache.storage_tier import ActorLink, StorageTier, page_key_root
 from m3serve.core.hicache.tier import HostTier
@@ -167,6 +168,22 @@ def capture_piecewise(
     piecewise = PiecewiseGraphs(model, kv, budget.num_pages, min(wanted, largest))
     piecewise.capture()
     return piecewise
+
+
+def capture_heads(
+    model: M3ForCausalLM, runner: StepRunner, draw: GraphDraw | None, slots: int
+) -> HeadDraws | None:
+    """The piecewise steps' draw graphs (core/head_draw.py), one per row bucket up to `slots`,
+    in the decode graphs' memory pool; None without piecewise graphs or a graph draw."""
+    piecewise = runner.piecewise
+    if piecewise is None or draw is None or not piecewise.capture_graphs:
+        return None
+    graphs = runner.graphs
+    heads = HeadDraws(model, piecewise.buffers.hidden, draw, buckets_up_to(slots))
+    pool = heads.capture(graphs.pool if graphs is not None else None)
+    if graphs is not None:
+        graphs.pool = pool
+    return heads
 
 
 def default_sampling(model_dir: Path) -> SamplingParams:

@@ -38,6 +38,7 @@ import torch
 
 from m3serve.core.device_clock import DeviceSpan, seconds_of, start_span
 from m3serve.core.graphs import DecodeGraphs, DecodeRows, GraphDraw, StepInput
+from m3serve.core.head_draw import HeadDraws
 from m3serve.core.hicache.copier import LayerLoad
 from m3serve.core.hicache.tier import HostTier
 from m3serve.core.matchers import GrammarMatchers
@@ -91,6 +92,7 @@ class StepRunner(StepsAhead):
         self.step_media = step_media if step_media is not None else {}
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
+        self.heads: HeadDraws | None = None  # the piecewise steps' draw (core/head_draw.py)
         # Each slot's page list on the device, when the scheduler sends page deltas (set by
         # the engine core); without it every row carries its whole list.
         self.slot_pages: SlotPages | None = None
@@ -345,6 +347,8 @@ class StepRunner(StepsAhead):
         queued: in the decode graph where it can draw them, else outside it (`_queue_draw`)."""
         drawn = self._graph_draw(batch, slots, rows, load, span)
         if drawn is None:
+            drawn = self._head_draw(batch, slots, load, span)
+        if drawn is None:
             drawn = self._queue_draw(self.logits(batch, len(slots) == rows, load), slots, span)
         return drawn
 
@@ -376,6 +380,30 @@ class StepRunner(StepsAhead):
         if span is not None:
             span.stop()
         return tokens, [None] * rows
+
+    def _head_draw(
+        self, batch: StepInput, slots: list[int], load: LayerLoad | None, span: DeviceSpan | None
+    ) -> tuple[torch.Tensor, list[TokenLogprob | None]] | None:
+        """The forward through the piecewise graphs and the sampled rows' head and draw in one
+        graph replay (core/head_draw.py), queued; None where the step does not run through the
+        piecewise graphs or a row needs more than the draw (as `_graph_draw`)."""
+        heads, piecewise = self.heads, self.piecewise
+        if heads is None or piecewise is None or self.share is not None:
+            return None
+        if not isinstance(batch, ForwardBatch) or batch.logit_rows_host is None:
+            return None
+        if batch.override_rows is not None or not piecewise.fits(batch):
+            return None
+        if not heads.holds(len(slots)) or any(self.matchers.constrains(s) for s in slots):
+            return None
+        knobs = self.sampler.graph_knobs(slots, heads.bucket(len(slots)))
+        if knobs is None:
+            return None
+        piecewise.run(batch, load.before_layer if load is not None else None)
+        tokens = heads.run(batch.logit_rows_host, knobs, slots)
+        if span is not None:
+            span.stop()
+        return tokens, [None] * len(slots)
 
     def _queue_draw(
         self, logits: torch.Tensor, slots: list[int], span: DeviceSpan | None
@@ -488,7 +516,7 @@ class StepRunner(StepsAhead):
             row += seq.extend
         if rows:
             rows_t, index = upload_many([(rows, torch.int64), (slots, torch.int64)], self.device)
-            batch.input_ids[rows_t] = self.last_tokens[index]
+            batch.input_ids.index_copy_(0, rows_t, self.last_tokens.index_select(0, index))
 
 
 def _device_done(device: torch.device) -> Callable[[], bool]:

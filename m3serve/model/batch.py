@@ -38,6 +38,9 @@ class ForwardBatch:
     # eager prefill steps only; CUDA-graph paths never carry them.
     embeds_override: torch.Tensor | None = None  # [R, hidden]
     override_rows: torch.Tensor | None = None  # [R] int64
+    # `logit_rows` on the host, where the batch was built there: a graph that draws the rows
+    # takes them in its one copy up (core/head_draw.py).
+    logit_rows_host: np.ndarray | None = None
 
     def with_embeds(self, rows: torch.Tensor, embeds: torch.Tensor) -> ForwardBatch:
         """The same batch with the embeddings of `rows` replaced by `embeds` (none: unchanged)."""
@@ -114,7 +117,10 @@ class ForwardBatch:
                 device,
             )
         )
-        page_table = pages_t if slot_pages is None else slot_pages.table[pages_t, :max_pages]
+        if slot_pages is None:
+            page_table = pages_t
+        else:  # index_select, not advanced indexing: a fraction of the host time a step
+            page_table = torch.index_select(slot_pages.table[:, :max_pages], 0, pages_t)
         return cls(
             input_ids=input_ids,
             positions=positions_t,
@@ -128,6 +134,7 @@ class ForwardBatch:
             extend_starts=extend_starts,
             max_extend=int(extends.max()),
             decode_rows=len(seqs) if (extends == 1).all() else int((extends == 1).argmin()),
+            logit_rows_host=logit_rows,
         )
 
 

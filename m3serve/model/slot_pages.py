@@ -32,8 +32,7 @@ class SlotPages:
     def update(self, seqs: Sequence[SeqStep]) -> None:
         """Apply each row's change to its slot's list: `pages` from `page_start` on, the rest
         of the old list dropped. One host-to-device copy for all rows (none if none changed)."""
-        rows: list[np.ndarray] = []
-        cols: list[np.ndarray] = []
+        flat: list[np.ndarray] = []  # entries of the flattened table
         values: list[np.ndarray] = []
         for seq in seqs:
             old, new = int(self.lengths[seq.slot]), seq.num_pages
@@ -51,15 +50,13 @@ class SlotPages:
             row[new:old] = -1
             self.lengths[seq.slot] = new
             changed = np.arange(seq.page_start, max(new, old))
-            rows.append(np.full(len(changed), seq.slot, np.int64))
-            cols.append(changed)
+            flat.append(seq.slot * self.max_pages + changed)
             values.append(row[changed])
-        if rows:
+        if flat:
+            # Flat indices and one index_copy_: a two-tensor index_put_ cost the host several
+            # times as much (its index tensors expanded and checked every step).
             index, value = upload_many(
-                [
-                    (np.stack([np.concatenate(rows), np.concatenate(cols)]), torch.int64),
-                    (np.concatenate(values), torch.int32),
-                ],
+                [(np.concatenate(flat), torch.int64), (np.concatenate(values), torch.int32)],
                 self.table.device,
             )
-            self.table[index[0], index[1]] = value
+            self.table.view(-1).index_copy_(0, index, value)

@@ -118,3 +118,29 @@ def test_graphs_that_draw_their_rows_give_the_eager_draws(path: Path) -> None:
     graphs = sampled_outputs(path, backend="hopper", dtype="bfloat16", cuda_graph_max_bs_decode=8)
     assert graphs == eager
     assert len({tuple(out) for out in graphs}) == len(graphs)
+
+
+def test_steps_with_prompt_tokens_drawn_in_graphs_give_the_eager_draws(path: Path) -> None:
+    """Steps with prompt tokens draw their sampled rows in the piecewise steps' head graphs
+    (core/head_draw.py). Two slots for five requests: later prompts prefill beside running
+    decodes (mixed steps); seeded draws equal the eager sampler's, step for step."""
+    params = [
+        {"temperature": 1.0, "top_p": 0.9, "seed": 7, "max_new_tokens": 16},
+        {"temperature": 0.0, "max_new_tokens": 12},
+        {"temperature": 0.8, "top_k": 20, "seed": 11, "max_new_tokens": 20},
+        {"temperature": 1.0, "seed": 5, "max_new_tokens": 8},
+        {"temperature": 1.0, "min_p": 0.05, "seed": 3, "max_new_tokens": 16},
+    ]
+
+    def run(**server_args: object) -> list[list[int]]:
+        with Engine(
+            str(path), single_process=True, max_total_tokens=65536, skip_warmup=True,
+            max_running_requests=2, **server_args,
+        ) as engine:  # fmt: skip
+            results = engine.generate(input_ids=PROMPTS, sampling_params=params)
+        return [r["output_ids"] for r in results]
+
+    eager = run(disable_cuda_graph=True)
+    graphs = run(cuda_graph_max_bs_decode=8)
+    assert graphs == eager
+    assert len({tuple(out) for out in graphs}) == len(graphs)

@@ -1,0 +1,131 @@
+"""The draw of a step run through the piecewise graphs: its sampled rows' logits and tokens in
+one CUDA graph per row bucket.
+
+A step with a prompt chunk leaves the decode graphs for the piecewise ones (core/piecewise.py),
+whose last piece leaves every token's final-normed hidden state in a static buffer. Its sampled
+rows then went through the head and the sampler eagerly: a gather of their hidden rows, the LM
+head, the float cast, the knobs' upload, the Triton draw's four launches (each through Triton's
+argument binding) and the token table's scatter. On the H200's host that was ~0.64 ms of a
+16-stream mixed step's ~2.4 ms launch (`perf/bench_step_host.py --chunk 256`,
+perf/results/h200_2026-12-07_mixed_launch/), and a mixed step is launched while the step before
+runs: where its launch outlasts that step, the device waits for it.
+
+Here the rows' hidden-state indices, their knobs and their slots go up in one copy and one
+replay runs the rest: the gather, the head, the draw (`GraphDraw`, as the decode graphs draw)
+and the write of the tokens to the slots' token table. Padding rows gather row 0, draw greedily
+and write the table's scratch slot. Steps whose rows need more than the draw (penalties,
+logprobs, a grammar's mask) sample as before (`StepRunner._queue_draw`).
+
+Without CUDA (`capture=False`, tests) each bucket runs the same calls eagerly over the same
+buffers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from m3serve.core.graphs import GraphDraw
+from m3serve.model.host_copy import Packed
+from m3serve.model.m3 import M3ForCausalLM
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Bucket:
+    inputs: Packed  # the hidden rows to draw from, then GraphDraw.knobs' order, then the slots
+    tokens: torch.Tensor  # [size] int64, written by the draw
+    graph: torch.cuda.CUDAGraph | None = None
+
+    @property
+    def size(self) -> int:
+        return self.tokens.numel()
+
+
+class HeadDraws:
+    def __init__(
+        self,
+        model: M3ForCausalLM,
+        hidden: torch.Tensor,
+        draw: GraphDraw,
+        sizes: Sequence[int],
+        capture: bool = True,
+    ) -> None:
+        """`hidden`: the piecewise graphs' static final-normed hidden states [N, hidden];
+        `sizes`: the row buckets, ascending."""
+        self.model = model
+        self.hidden = hidden
+        self.draw = draw
+        self.sizes = list(sizes)
+        self.capture_graphs = capture
+        self.buckets = {size: self._bucket(size) for size in self.sizes}
+
+    def holds(self, rows: int) -> bool:
+        return 0 < rows <= self.sizes[-1]
+
+    def bucket(self, rows: int) -> int:
+        """The row count of the bucket `rows` sampled rows replay."""
+        return next(size for size in self.sizes if size >= rows)
+
+    def capture(self, pool: object = None) -> object:
+        """Run each bucket once (compiling its kernels), then capture it, the largest first so
+        that smaller ones reuse its memory; `pool`: a graph memory pool to share (the decode
+        graphs': their steps never overlap these). Returns the pool used."""
+        if not self.capture_graphs:
+            return pool
+        device = self.model.device
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for size in reversed(self.sizes):
+                bucket = self.buckets[size]
+                self._forward(bucket)
+                torch.cuda.synchronize(device)
+                bucket.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(bucket.graph, pool=pool, stream=stream):
+                    self._forward(bucket)
+                pool = bucket.graph.pool()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        log.info("captured the piecewise steps' draw for row buckets up to %d", self.sizes[-1])
+        return pool
+
+    def run(
+        self, rows: np.ndarray, knobs: Sequence[Sequence[float]], slots: Sequence[int]
+    ) -> torch.Tensor:
+        """The tokens [len(rows)] int64 of the hidden states' `rows` (host indices into the
+        static buffer, the sampled rows in order), drawn with `knobs` (each the bucket's size
+        long: Sampler.graph_knobs) and written to the token table's `slots` entries."""
+        count = len(rows)
+        if len(slots) != count:
+            raise ValueError(f"{len(slots)} slots for {count} rows")
+        bucket = self.buckets[self.bucket(count)]
+        padding = bucket.size - count
+        index = np.concatenate([np.asarray(rows, np.int64), np.zeros(padding, np.int64)])
+        scratch = [self.draw.scratch_slot] * padding
+        bucket.inputs.fill([index, *knobs, [*slots, *scratch]])
+        if bucket.graph is not None:
+            bucket.graph.replay()
+        else:
+            self._forward(bucket)
+        return bucket.tokens[:count]
+
+    def _bucket(self, size: int) -> _Bucket:
+        device = self.model.device
+        specs = [(size, torch.int64), *((size, dtype) for dtype, _ in self.draw.knobs)]
+        inputs = Packed([*specs, (size, torch.int64)], device)
+        # Every row padding until a step fills it: row 0, greedy, into the scratch slot.
+        fills = [[0] * size, *([fill] * size for _, fill in self.draw.knobs)]
+        inputs.fill([*fills, [self.draw.scratch_slot] * size])
+        return _Bucket(inputs, torch.zeros(size, dtype=torch.int64, device=device))
+
+    def _forward(self, bucket: _Bucket) -> None:
+        rows, *knobs, slots = bucket.inputs.views
+        with torch.inference_mode():
+            logits = self.model.compute_logits(self.hidden.index_select(0, rows))
+            self.draw.sample(logits, *knobs, out=bucket.tokens)
+            self.draw.last_tokens.index_copy_(0, slots, bucket.tokens)
