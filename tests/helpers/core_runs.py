@@ -7,9 +7,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from m3serve.core.engine_core import EngineCore
 from m3serve.core.req import Req
+from m3serve.runtime.config import ServerArgs
+from m3serve.runtime.messages import SamplingParams
 
 # A core that keeps work it can never run would spin forever; fail instead of hanging the suite.
 MAX_STEPS = 100_000
@@ -54,6 +57,38 @@ def run_to_end(
 
     asyncio.run(go())
     return run
+
+
+def small_cpu_core(path: Path, **args: object) -> EngineCore:
+    """An fp32 engine core on the CPU with 4 slots and a 2048-token pool, plus `args`."""
+    server = ServerArgs.from_kwargs(
+        model_path=str(path), device="cpu", dtype="float32", max_total_tokens=2048,
+        max_running_requests=4, **args,
+    )  # fmt: skip
+    return EngineCore(server, path)
+
+
+def greedy_outputs(
+    core: EngineCore,
+    prompts: list[list[int]],
+    outputs: list[int],
+    stops: dict[int, int] | None = None,
+) -> dict[str, list[int]]:
+    """Greedy outputs of requests r0.. (`outputs[i]` tokens at most; `stops`: a stop token for
+    some of them), their prompts prefilled again (the prefix cache reset first)."""
+    stops = stops or {}
+    reqs = [
+        Req(
+            rid=f"r{i}",
+            prompt=list(prompt),
+            sampling=SamplingParams(max_new_tokens=out, temperature=0.0),
+            stop_ids=frozenset([stops[i]] if i in stops else []),
+            worker=0,
+        )
+        for i, (prompt, out) in enumerate(zip(prompts, outputs, strict=True))
+    ]
+    core.scheduler.cache.reset()
+    return run_to_end(core, reqs).outputs
 
 
 def closing_cores(build: Callable[..., EngineCore]) -> Iterator[Callable[..., EngineCore]]:

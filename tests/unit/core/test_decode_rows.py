@@ -17,16 +17,14 @@ import numpy as np
 import pytest
 import torch
 from conftest import M31_SPEC
-from helpers.core_runs import run_to_end
+from helpers.core_runs import greedy_outputs, small_cpu_core
 
 from m3serve.core.engine_core import EngineCore
 from m3serve.core.graphs import DecodeGraphs, DecodeRows, _Captured
-from m3serve.core.req import Req
 from m3serve.core.step_runner import StepRunner
 from m3serve.model.batch import ForwardBatch
 from m3serve.model.tiny.checkpoint import TinySpec
-from m3serve.runtime.config import ServerArgs
-from m3serve.runtime.messages import SamplingParams, SeqStep
+from m3serve.runtime.messages import SeqStep
 
 # Prompts of different lengths and outputs of different lengths: the batch runs 3 rows (the
 # 4-row graph, one padding row), then 2, then 1; a page is 4 tokens.
@@ -38,12 +36,7 @@ OUTPUTS = [30, 12, 21]
 def core(
     request: pytest.FixtureRequest, tiny_checkpoint: Callable[[TinySpec], Path]
 ) -> Iterator[EngineCore]:
-    path = tiny_checkpoint(M31_SPEC)
-    args = ServerArgs.from_kwargs(
-        model_path=str(path), device="cpu", dtype="float32", max_total_tokens=2048,
-        max_running_requests=4, launch_ahead=request.param,
-    )  # fmt: skip
-    engine = EngineCore(args, path)
+    engine = small_cpu_core(tiny_checkpoint(M31_SPEC), launch_ahead=request.param)
     yield engine
     engine.close()
 
@@ -80,19 +73,7 @@ def _outputs(
     stops: dict[int, int] | None = None,
 ) -> dict[str, list[int]]:
     """Greedy outputs of requests r0.. (`stops`: a stop token for some of them)."""
-    stops = stops or {}
-    reqs = [
-        Req(
-            rid=f"r{i}",
-            prompt=list(prompt),
-            sampling=SamplingParams(max_new_tokens=out, temperature=0.0),
-            stop_ids=frozenset([stops[i]] if i in stops else []),
-            worker=0,
-        )
-        for i, (prompt, out) in enumerate(zip(prompts, outputs, strict=True))
-    ]
-    core.scheduler.cache.reset()  # every run prefills its prompts again
-    return run_to_end(core, reqs).outputs
+    return greedy_outputs(core, prompts, outputs, stops)
 
 
 def test_decode_rows_give_the_outputs_of_built_batches_and_of_no_graphs(

@@ -14,17 +14,14 @@ import numpy as np
 import pytest
 import torch
 from conftest import M31_SPEC
-from helpers.core_runs import run_to_end
+from helpers.core_runs import greedy_outputs, small_cpu_core
 
 from m3serve.core.engine_core import EngineCore
 from m3serve.core.graphs import GraphDraw
 from m3serve.core.head_draw import HeadDraws
 from m3serve.core.piecewise import PiecewiseGraphs
-from m3serve.core.req import Req
 from m3serve.core.sampler import DRAW_KNOBS
 from m3serve.model.tiny.checkpoint import TinySpec
-from m3serve.runtime.config import ServerArgs
-from m3serve.runtime.messages import SamplingParams
 
 HIDDEN, VOCAB, SLOTS = 8, 11, 6
 
@@ -78,29 +75,15 @@ OUTPUTS = [30, 12, 21, 16, 14, 9]
 def core(
     request: pytest.FixtureRequest, tiny_checkpoint: Callable[[TinySpec], Path]
 ) -> Iterator[EngineCore]:
-    path = tiny_checkpoint(M31_SPEC)
-    args = ServerArgs.from_kwargs(
-        model_path=str(path), device="cpu", dtype="float32", max_total_tokens=2048,
-        max_running_requests=4, chunked_prefill_size=16, launch_ahead=request.param,
-    )  # fmt: skip
-    engine = EngineCore(args, path)
+    engine = small_cpu_core(
+        tiny_checkpoint(M31_SPEC), chunked_prefill_size=16, launch_ahead=request.param
+    )
     yield engine
     engine.close()
 
 
 def _outputs(core: EngineCore) -> dict[str, list[int]]:
-    reqs = [
-        Req(
-            rid=f"r{i}",
-            prompt=list(prompt),
-            sampling=SamplingParams(max_new_tokens=out, temperature=0.0),
-            stop_ids=frozenset(),
-            worker=0,
-        )
-        for i, (prompt, out) in enumerate(zip(PROMPTS, OUTPUTS, strict=True))
-    ]
-    core.scheduler.cache.reset()  # every run prefills its prompts again
-    return run_to_end(core, reqs).outputs
+    return greedy_outputs(core, PROMPTS, OUTPUTS)
 
 
 def test_steps_drawn_after_the_piecewise_graphs_give_the_eager_sampler_outputs(
