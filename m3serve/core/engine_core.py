@@ -241,6 +241,7 @@ class EngineCore(StepLoop):
             cache=cache,
             storage=self.storage,
             page_deltas=True,
+            demand=budget.demand if budget is not None else None,
         )
         if self.spec is not None:
             self.scheduler.spec_draft = self.spec.settings.block_size

@@ -23,6 +23,7 @@ from m3serve.core.hicache.tier import HostTier
 from m3serve.core.memory import KVBudget, plan_kv_budget
 from m3serve.core.mixed_budget import MixedBudget
 from m3serve.core.piecewise import DEFAULT_MAX_TOKENS, PiecewiseGraphs
+from m3serve.core.prefill_demand import PrefillDemand
 from m3serve.core.rank_join import agree_on_pages
 from m3serve.core.spec.engine import SpecPlugin
 from m3serve.core.spec.warmup import spec_max_step_tokens, spec_warmup_plans
@@ -225,7 +226,9 @@ def mixed_budget(
             runner.model.cfg.vocab_size,
         )
     quantum = budget_quantum(page)
-    served = MixedBudget(cost, stretch, quantum, args.sched.mixed_step_min_tokens)
+    margin = args.sched.mixed_step_demand_margin
+    demand = PrefillDemand(margin) if margin else None
+    served = MixedBudget(cost, stretch, quantum, args.sched.mixed_step_min_tokens, demand)
     floor = f"; never below {served.floor} tokens" if served.floor else ""
     log.info("%s%s", cost.describe(stretch, quantum), floor)
     return served

@@ -38,6 +38,9 @@ runs over it whatever it carries, so the feedback walks the budget down to one q
 prompts prefill several times slower for nothing (an H100, 12-05: beside 16 decode rows, steps
 of 0-63 and of 192-255 prompt tokens both ran 4.6 ms, the stretch 4.58). The served default is
 256 (the same H100: 29 % more output tokens/s at 16 streams, inter-token p99/p50 2.91 for 3.73).
+
+With a `demand` (`--mixed-step-demand-margin`) each budget is also capped at what its batch
+consumes (core/prefill_demand.py); a step held to that cap leaves the stretch's scale alone.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ import logging
 import math
 import time
 
+from m3serve.core.prefill_demand import PrefillDemand
 from m3serve.core.step_cost import StepCost, bucket, envelope, whole_quanta
 
 log = logging.getLogger(__name__)
@@ -69,8 +73,17 @@ REPORT_S = 30.0  # the least time between two log lines of the budgets
 class MixedBudget:
     """Callable as the scheduler's `mixed_budget(decodes)`; `observe` is fed every step run."""
 
-    def __init__(self, cost: StepCost, stretch: float, quantum: int, min_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        cost: StepCost,
+        stretch: float,
+        quantum: int,
+        min_tokens: int = 0,
+        demand: PrefillDemand | None = None,
+    ) -> None:
+        """`demand`: caps each budget at what its batch consumes (core/prefill_demand.py)."""
         self.cost = cost
+        self.demand = demand
         self.stretch = stretch
         self.quantum = quantum
         self.floor = whole_quanta(min_tokens, quantum)
@@ -82,6 +95,12 @@ class MixedBudget:
         self._reported_at = 0.0
 
     def __call__(self, decodes: int) -> int:
+        budget = self._uncapped(decodes)
+        cap = self.demand.cap(decodes, self.quantum) if self.demand is not None else None
+        return budget if cap is None else min(budget, cap)
+
+    def _uncapped(self, decodes: int) -> int:
+        """The budget of the stretch and the floor."""
         return max(whole_quanta(self._unrounded(decodes), self.quantum), self.floor)
 
     def _unrounded(self, decodes: int) -> float:
@@ -112,6 +131,8 @@ class MixedBudget:
         at = bucket(self.sizes, decodes)
         limit = self.stretch * decode
         tokens = self(decodes)
+        if tokens < self._uncapped(decodes):
+            return  # held to the demand's cap: the step says nothing of the stretch's budget
         if prompt_tokens < FULL_SHARE * tokens and ms <= limit:
             return  # a short chunk says nothing about what the budget would cost
         over = limit < ms

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 from m3serve.core.kvcache.pages import PagePool
 from m3serve.core.kvcache.radix import PrefixCache
 from m3serve.core.kvcache.slots import SlotPool
+from m3serve.core.prefill_demand import PrefillDemand
 from m3serve.core.req import Phase, Req
 from m3serve.core.spec.settings import spec_eligible
 from m3serve.core.step_commit import Outputs, StepCommit
@@ -67,14 +68,17 @@ class Scheduler(StepCommit):
         cache: PrefixCache | None = None,
         storage: StorageTier | None = None,
         page_deltas: bool = False,
+        demand: PrefillDemand | None = None,
     ) -> None:
         """`mixed_budget(decodes)`: the prompt tokens a step with that many decode rows may
         carry (core/step_cost.py); None lets every step fill the whole prefill budget.
         `cache`: the prefix cache over `num_pages` device pages, when it is not the plain one
         (HiCache's tiered cache); `storage`: HiCache's L3 tier over it. `page_deltas`: rows
         carry only the page-list changes since their slot's last step (an engine core that
-        keeps slot page lists, `SlotPages`); else every row its whole list."""
+        keeps slot page lists, `SlotPages`); else every row its whole list. `demand`: told of
+        every request that finishes (the mixed budget's cap, core/prefill_demand.py)."""
         self.args = args
+        self.demand = demand
         self.mixed_budget = mixed_budget
         # The prompt tokens the last planned step was allowed beside its decode rows by
         # `mixed_budget` (0: not limited by it); the step trace logs it with mixed steps.

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from m3serve.core.kvcache.radix import PrefixCache
 from m3serve.core.kvcache.slots import SlotPool
+from m3serve.core.prefill_demand import PrefillDemand
 from m3serve.core.req import Phase, Req
 from m3serve.runtime.messages import (
     SKIPPED_TOKEN,
@@ -69,6 +70,7 @@ class StepCommit:
     inflight_drafts: dict[int, list[int]]
     pending_errors: Outputs
     spec_accept_counts: dict[int, int]
+    demand: PrefillDemand | None  # what finished requests needed prefilled per output token
 
     def process(self, result: StepResult) -> Outputs:
         out, self.pending_errors = self.pending_errors, Outputs()
@@ -105,6 +107,8 @@ class StepCommit:
         before it are cached. Without overlap that is already all kv_len covers."""
         if req.inflight and req.finish is not None and req.finish.reason == "stop":
             req.kv_len = min(req.kv_len, len(req.key_tokens) - 1)
+        if self.demand is not None:
+            self.demand.note(len(req.prompt) - req.cached_tokens, len(req.output))
         self._finish(req)
 
     def _commit_block(self, req: Req, block: list[int], out: Outputs) -> None:

@@ -9,7 +9,7 @@ everything before is read from the cache.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -40,7 +40,7 @@ class ForwardBatch:
     override_rows: torch.Tensor | None = None  # [R] int64
     # `logit_rows` on the host, where the batch was built there: a graph that draws the rows
     # takes them in its one copy up (core/head_draw.py).
-    logit_rows_host: np.ndarray | None = None
+    logit_rows_host: np.ndarray | None = field(default=None, compare=False)
 
     def with_embeds(self, rows: torch.Tensor, embeds: torch.Tensor) -> ForwardBatch:
         """The same batch with the embeddings of `rows` replaced by `embeds` (none: unchanged)."""

@@ -98,6 +98,12 @@ class SchedArgs:
         "quantum); where a step's fixed cost fills the stretch, smaller chunks are no faster "
         "and only prefill slower",
     )
+    mixed_step_demand_margin: float = option(
+        0.0,
+        "cap each mixed step's prompt budget at this many times what its batch consumes: its "
+        "decode rows x the prompt tokens finished requests needed per output token (0: off); "
+        "spreads prefill over most steps where a mixed step's cost is mostly fixed",
+    )
 
     def __post_init__(self) -> None:
         problems = []
@@ -105,6 +111,8 @@ class SchedArgs:
             problems.append("--mixed-step-stretch must be 0 (off) or above 1")
         if self.mixed_step_min_tokens < 0:
             problems.append("--mixed-step-min-tokens must be >= 0")
+        if self.mixed_step_demand_margin < 0:
+            problems.append("--mixed-step-demand-margin must be >= 0")
         if self.max_running_requests < 1:
             problems.append("--max-running-requests must be >= 1")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:

@@ -11,9 +11,13 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from m3serve.core.mixed_budget import SCALE_MIN, MixedBudget
+from m3serve.core.prefill_demand import MIN_REQUESTS, PrefillDemand
+from m3serve.core.req import Req
+from m3serve.core.scheduler import Scheduler
 from m3serve.core.step_cost import StepCost
 from m3serve.core.step_loop import _feed
-from m3serve.runtime.messages import PageCopy, SeqStep, StepPlan
+from m3serve.runtime.config import SchedArgs
+from m3serve.runtime.messages import PageCopy, SamplingParams, SeqStep, StepPlan, StepResult
 
 PAGE = 128
 # Near the start-up measure of a 4-layer H200 slice (12-03: decode steps, 6.8 us a prompt token,
@@ -270,3 +274,42 @@ def test_the_first_mixed_steps_of_a_bucket_never_served_are_judged_by_the_served
     budget.observe(64, tokens, 6.0)
     assert budget.scale[64] < 1.0
     assert "64: 1.49 ms" in str(budget)
+
+
+def test_a_demand_caps_the_budget_at_what_the_batch_consumes_and_leaves_the_scale() -> None:
+    """1184-token prompts and 256 outputs with a margin of 1.2: 16 rows consume 74 prompt
+    tokens a step, so the budget is 96 (3 quanta), not the stretch's 384; the cap grows with
+    the rows (64: 384). Steps held to the cap do not move the stretch's scale, so the budget is
+    the stretch's again once the cap lifts."""
+    demand = PrefillDemand(1.2)
+    budget = MixedBudget(START, 2.5, 32, demand=demand)
+    uncapped = budget(16), budget(64)
+    for _ in range(MIN_REQUESTS):
+        demand.note(1184, 256)
+    assert budget(16) == 96 and uncapped[0] > 96
+    assert budget(64) == min(uncapped[1], 384) == 384
+    scale = dict(budget.scale)
+    for _ in range(50):  # short, cheap steps at the cap: room for more, but capped
+        budget.observe(16, 0, 1.99)
+        budget.observe(16, 96, 2.2)
+    assert budget.scale == scale
+
+
+def test_finished_requests_tell_the_demand_the_prompt_they_computed() -> None:
+    """A request whose prompt was partly cached counts the tokens computed, once it ends."""
+    demand = PrefillDemand(1.0)
+    scheduler = Scheduler(SchedArgs(max_running_requests=2), 64, 4, radix=True, demand=demand)
+    prompt = list(range(1, 41))
+    for rid in ("a", "b"):
+        sampling = SamplingParams(max_new_tokens=3, temperature=0.0)
+        req = Req(rid=rid, prompt=prompt, sampling=sampling, stop_ids=frozenset(), worker=0)
+        scheduler.add(req)
+        while scheduler.has_work:
+            plan = scheduler.schedule()
+            assert plan is not None
+            sampled = [seq.slot for seq in plan.seqs if seq.sample]
+            scheduler.process(StepResult(step=plan.step, slots=sampled, tokens=[7] * len(sampled)))
+    # "a" computed its 40 prompt tokens; "b" found 36 of them cached (whole pages, not the last).
+    assert demand.requests == 2
+    assert demand.prompt == pytest.approx((40 + 4) / 2)
+    assert demand.output == pytest.approx(3)

@@ -77,6 +77,7 @@ def test_defaults_are_all_supported() -> None:
         ({"max_running_requests": 0}, "--max-running-requests"),
         ({"chunked_prefill_size": 0}, "--chunked-prefill-size"),
         ({"mixed_step_min_tokens": -1}, "--mixed-step-min-tokens"),
+        ({"mixed_step_demand_margin": -0.5}, "--mixed-step-demand-margin"),
         ({"mem_fraction_static": 1.5}, "--mem-fraction-static"),
         ({"port": 0}, "--port"),
         ({"tokenizer_worker_num": 0}, "--tokenizer-worker-num"),
