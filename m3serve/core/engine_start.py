@@ -230,7 +230,8 @@ def mixed_budget(
     demand = PrefillDemand(margin) if margin else None
     served = MixedBudget(cost, stretch, quantum, args.sched.mixed_step_min_tokens, demand)
     floor = f"; never below {served.floor} tokens" if served.floor else ""
-    log.info("%s%s", cost.describe(stretch, quantum), floor)
+    cap = f"; at most {margin} x what the decode rows consume" if demand is not None else ""
+    log.info("%s%s%s", cost.describe(stretch, quantum), floor, cap)
     return served
 
 

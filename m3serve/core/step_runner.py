@@ -344,7 +344,8 @@ class StepRunner(StepsAhead):
         span: DeviceSpan | None,
     ) -> tuple[torch.Tensor, list[TokenLogprob | None]]:
         """The forward of `batch` (`rows` rows, `slots` the sampled ones) and their draw,
-        queued: in the decode graph where it can draw them, else outside it (`_queue_draw`)."""
+        queued: in the decode graph where it can draw them, after the piecewise graphs in a
+        head graph (`_head_draw`), else outside any graph (`_queue_draw`)."""
         drawn = self._graph_draw(batch, slots, rows, load, span)
         if drawn is None:
             drawn = self._head_draw(batch, slots, load, span)
