@@ -174,13 +174,15 @@ def capture_piecewise(
 def capture_heads(
     model: M3ForCausalLM, runner: StepRunner, draw: GraphDraw | None, slots: int
 ) -> HeadDraws | None:
-    """The piecewise steps' draw graphs (core/head_draw.py), one per row bucket up to `slots`,
-    in the decode graphs' memory pool; None without piecewise graphs or a graph draw."""
+    """The piecewise steps' draw graphs (core/head_draw.py), in the decode graphs' memory pool
+    and for their batch sizes (so that their logits are bounded as the decode graphs' are: a
+    step sampling more rows draws outside them); None without piecewise graphs or a draw."""
     piecewise = runner.piecewise
     if piecewise is None or draw is None or not piecewise.capture_graphs:
         return None
     graphs = runner.graphs
-    heads = HeadDraws(model, piecewise.buffers.hidden, draw, buckets_up_to(slots))
+    sizes = graphs.sizes if graphs is not None else buckets_up_to(min(slots, DEFAULT_GRAPH_MAX_BS))
+    heads = HeadDraws(model, piecewise.buffers.hidden, draw, sizes)
     pool = heads.capture(graphs.pool if graphs is not None else None)
     if graphs is not None:
         graphs.pool = pool
