@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 62, call A: HEAD's issue-11 table (budget sized ahead, never-served buckets at the
+# Stop 61, call A: HEAD's issue-11 table (budget sized ahead, never-served buckets at the
 # served pace), then where a mixed step's host launch goes (bench_step_host --chunk) at 16 rows
 # with 256- and 96-token chunks.
 nvidia-smi --query-gpu=name --format=csv,noheader

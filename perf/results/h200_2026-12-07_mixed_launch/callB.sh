@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 62, call B (warm behind A): mixed steps made short at C 16 / 64: a floor of 128
+# Stop 61, call B (warm behind A): mixed steps made short at C 16 / 64: a floor of 128
 # prompt tokens with a stretch of 2.0, and 96 with 1.8 (most steps then carry a chunk), against
 # call A's HEAD defaults (256, 2.5).
 nvidia-smi --query-gpu=name --format=csv,noheader

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 62, call E (the device time left): the draw paths' GPU tests, then new (the piecewise
+# Stop 61, call E (the device time left): the draw paths' GPU tests, then new (the piecewise
 # steps' draw in graphs) and base (7cfbce1) served at C 16 on one machine.
 nvidia-smi --query-gpu=name --format=csv,noheader
 . perf/device_env.sh
