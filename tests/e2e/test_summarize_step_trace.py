@@ -15,6 +15,7 @@ from summarize_step_trace import (
     consecutive,
     gc_pauses,
     in_window,
+    launches_by_kind,
     main,
     percentile,
     steps,
@@ -339,6 +340,31 @@ def test_the_wait_for_the_next_plan_and_its_launch_ahead_are_read_and_summarized
     main()
     decode = next(line for line in capsys.readouterr().out.splitlines() if "decode" in line)
     assert "device  0.90 (wait 0.75 ahead 0.50)" in decode  # steps 2 and 3 (1 has no gap)
+
+
+def test_each_launch_ahead_counts_for_the_kind_of_the_step_it_launched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A step's `ahead=` is the launch of the step after it: decode, decode, mixed, decode,
+    mixed, each launching the next, give mixed launches of 3.0 and 3.4 ms and decode ones of
+    0.5 and 0.7 (the last step launched nothing)."""
+
+    def mixed(step: int, ahead: float) -> StepRecord:
+        seqs = [SeqStep(None, 10, [0], slot=0), SeqStep([1] * 64, 0, [1], slot=1)]
+        record = StepRecord(StepPlan(step=step, seqs=seqs), 0.1, run_ms=3.5, process_ms=0.05)
+        record.device_ms, record.wait_ms, record.ahead_ms = 3.4, 0.5, ahead
+        return record
+
+    def decode(step: int, ahead: float) -> StepRecord:
+        return _one_row_decode(step, run_ms=1.3, device_ms=1.3, wait_ms=0.5, ahead_ms=ahead)
+
+    made = [decode(1, 0.5), decode(2, 3.0), mixed(3, 0.7), decode(4, 3.4), mixed(5, 0.0)]
+    log = _write_log(tmp_path, [(f"16:00:00,{2 * i:03d}", r) for i, r in enumerate(made)])
+    assert launches_by_kind(steps(log)) == {"decode": [0.5, 0.7], "mixed": [3.0, 3.4]}
+    monkeypatch.setattr("sys.argv", ["summarize_step_trace.py", str(log)])
+    main()
+    line = next(x for x in capsys.readouterr().out.splitlines() if "launched ahead" in x)
+    assert line.endswith("decode median 0.60 ms (n 2), mixed median 3.20 ms (n 2)")
 
 
 def test_the_allocators_lines_in_the_window_are_summed_by_steps(
