@@ -24,7 +24,8 @@ served ~1K-token prompt does. A mixed step leaves the decode graph for the piece
 the eager attention of each layer (core/piecewise.py), whose launch served steps overlap with
 the step before: at 16 streams on an H100 it took ~2.6 ms of host time against ~3.2 ms of
 device time (perf/results/h100_2026-12-07f_step_host/), and so it bounds how short a mixed step
-can be made. The parts add the piecewise run, each layer's attention and its two calls.
+can be made. The parts add the piecewise run, each layer's attention and its two calls, and the
+draw of the sampled rows (in a head graph, `_head_draw`, or outside one, `_queue_draw`).
 
     python perf/bench_step_host.py --model-path DIR [--batches 1 16 64] [--context 1024]
         [--iters 300] [--profile-iters 100] [--greedy] [--chunk P] [--out PATH]
@@ -240,7 +241,9 @@ def one_step(runner: StepRunner, plan: StepPlan, spin: bool) -> tuple[float, flo
 
 
 WAYS = ("rows", "batch", "eager")
-MIXED_WAYS = ("mixed",)  # a step with a prompt chunk builds its batch and draws outside graphs
+# A step with a prompt chunk builds its batch and draws after the piecewise graphs (in a head
+# graph where the runner has them, core/head_draw.py).
+MIXED_WAYS = ("mixed",)
 
 
 @contextmanager
