@@ -369,6 +369,26 @@ def test_while_requests_wait_the_mixed_budget_is_sized_for_the_batch_at_its_cap(
     assert asked == [4] and run.scheduler.mixed_rows == 4
 
 
+def test_the_budget_counts_only_the_waiting_requests_the_kv_pool_could_take() -> None:
+    """One request decoding (an 8-token prompt: 2 pages of 4 tokens, 14 tokens of its output
+    share reserved) and three waiting 30-token prompts, each needing 32 tokens with its output
+    share: a pool of 16 pages has room for one of them (56 - 14 = 42 tokens), so the budget is
+    sized for 2 rows; 24 pages for two (3 rows); 256 for all (4)."""
+
+    def rows_asked(num_pages: int) -> int:
+        run = make(num_pages, max_running_requests=8, chunked_prefill_size=64)
+        asked: list[int] = []
+        run.scheduler.mixed_budget = lambda rows: asked.append(rows) or 8
+        run.scheduler.add(request("first", prompts(5, 1, 8, 8)[0], 20))
+        collect(run, run.scheduler.schedule())  # its prefill: no decode rows, no budget
+        for i, prompt in enumerate(prompts(9, 3, 30, 30)):
+            run.scheduler.add(request(f"w{i}", prompt, 4))
+        run.scheduler.schedule()
+        return asked[-1]
+
+    assert [rows_asked(pages) for pages in (16, 24, 256)] == [2, 3, 4]
+
+
 def test_a_queue_fills_the_decode_batch_where_a_budget_by_its_rows_alone_holds_it_low() -> None:
     """Closed-loop clients, 48-token prompts, 24 output tokens (23 decode steps), a budget of
     8 + rows / 2 tokens: sized by its rows alone a step admits (8 + rows / 2) / 48 requests
