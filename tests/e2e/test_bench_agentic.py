@@ -23,6 +23,7 @@ from serving.variants import COLUMNS, Variant, variant
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "perf" / "bench_agentic.py"
+GREEDY = ("--extra-body", '{"temperature": 0}')
 
 
 def test_each_turn_resends_the_conversation_plus_its_new_tokens() -> None:
@@ -90,12 +91,15 @@ def test_metrics_counters_are_summed_and_differenced() -> None:
 
 
 def bench(tmp_path: Path, *flags: str) -> tuple[dict[str, Any], str]:
-    """perf/bench_agentic.py --smoke with `flags`: its JSON and its stdout."""
+    """perf/bench_agentic.py --smoke with `flags`, greedy: its JSON and its stdout. Drawn from
+    the tiny random model's sampling defaults, an answer's tokens may all detokenize to nothing
+    (special tokens, unfinished byte sequences), and its turn fails with "the stream carried no
+    content" (one CI run in ~10, 12-07)."""
     out = tmp_path / "bench_agentic.json"
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     env.pop("OUT", None)
     run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", *flags, "--out", str(out)],
+        [sys.executable, str(SCRIPT), "--smoke", *GREEDY, *flags, "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
