@@ -96,8 +96,12 @@ class MixedBudget:
 
     def __call__(self, decodes: int) -> int:
         budget = self._uncapped(decodes)
-        cap = self.demand.cap(decodes, self.quantum) if self.demand is not None else None
+        cap = self._cap(decodes)
         return budget if cap is None else min(budget, cap)
+
+    def _cap(self, decodes: int) -> int | None:
+        """The demand's cap on the budget (None: none)."""
+        return self.demand.cap(decodes, self.quantum) if self.demand is not None else None
 
     def _uncapped(self, decodes: int) -> int:
         """The budget of the stretch and the floor."""
@@ -130,8 +134,9 @@ class MixedBudget:
             decodes = sized_for
         at = bucket(self.sizes, decodes)
         limit = self.stretch * decode
-        tokens = self(decodes)
-        if tokens < self._uncapped(decodes):
+        tokens = self._uncapped(decodes)
+        cap = self._cap(decodes)
+        if cap is not None and cap < tokens:
             return  # held to the demand's cap: the step says nothing of the stretch's budget
         if prompt_tokens < FULL_SHARE * tokens and ms <= limit:
             return  # a short chunk says nothing about what the budget would cost

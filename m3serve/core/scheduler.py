@@ -269,10 +269,12 @@ class Scheduler(StepCommit):
         long prompts a full pool admits none, and a budget sized for them would only lengthen
         the steps of the batch as it is."""
         room = self.args.max_running_requests - len(self.running)
+        if not self.waiting or room <= 0:
+            return max(decodes, len(self.running))
         free = self.cache.available_pages * self.page_size - self._reserved_tokens()
         admissible = 0
-        for req in itertools.islice(self.waiting, max(room, 0)):
-            free -= len(req.key_tokens) + int(req.remaining_new * self.new_token_ratio)
+        for req in itertools.islice(self.waiting, room):
+            free -= len(req.key_tokens) + self._output_share(req)
             if free < 0:
                 break
             admissible += 1
@@ -294,7 +296,7 @@ class Scheduler(StepCommit):
         """Give a waiting request a slot and its cached prefix, if memory allows."""
         tokens = req.key_tokens
         match = self.cache.acquire(tokens)
-        reserve = self._reserved_tokens() + int(req.remaining_new * self.new_token_ratio)
+        reserve = self._reserved_tokens() + self._output_share(req)
         need_pages = -(-(len(tokens) - match.num_tokens + reserve) // self.page_size)
         slot = self.slots.alloc() if need_pages <= self.cache.available_pages else None
         # HiCache: the match's host-only part gets device pages now, its copy goes with the step.
@@ -321,10 +323,13 @@ class Scheduler(StepCommit):
         """KV the running requests will still claim: the rest of their prompt, plus a decaying
         share of their remaining output budget."""
         return sum(
-            (0 if r.prefilled else r.prefill_target - r.kv_len)
-            + int(r.remaining_new * self.new_token_ratio)
+            (0 if r.prefilled else r.prefill_target - r.kv_len) + self._output_share(r)
             for r in self.running
         )
+
+    def _output_share(self, req: Req) -> int:
+        """The KV a request's remaining output is reserved at (a decaying share of it)."""
+        return int(req.remaining_new * self.new_token_ratio)
 
     def _grow(self, req: Req, extend: int) -> bool:
         """Pages for KV positions up to kv_len + extend."""

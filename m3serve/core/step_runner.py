@@ -3,8 +3,8 @@
 It builds the forward batch (or, for a plain decode step that a CUDA graph holds, hands the
 graph the step's rows as they are: `_decode_rows`), picks how the forward runs (a decode CUDA
 graph, piecewise graphs around eager attention, or eagerly), runs a step's HiCache load-backs
-layer by layer inside it, draws each sampled row's token (inside the decode graph where the rows
-need nothing but the draw: `_graph_draw`) and keeps the per-slot state that lives on this
+layer by layer inside it, draws each sampled row's token (core/step_draw.py: inside a graph
+where the rows need nothing but the draw) and keeps the per-slot state that lives on this
 thread: the sampler's, the grammar matchers', the device table of each slot's last token (the
 next decode input, before the CPU has seen it) and which slots just sampled the token that ends
 their request. Everything here runs on the executor thread; the engine core plans on its event loop.
@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from m3serve.core.device_clock import DeviceSpan, seconds_of, start_span
-from m3serve.core.graphs import DecodeGraphs, DecodeRows, GraphDraw, StepInput
+from m3serve.core.graphs import DecodeGraphs, DecodeRows, StepInput
 from m3serve.core.head_draw import HeadDraws
 from m3serve.core.hicache.copier import LayerLoad
 from m3serve.core.hicache.tier import HostTier
@@ -45,8 +45,9 @@ from m3serve.core.matchers import GrammarMatchers
 from m3serve.core.media import ReqMedia, step_embeds
 from m3serve.core.piecewise import PiecewiseGraphs
 from m3serve.core.ranks import MediaShare, TokenShare
-from m3serve.core.sampler import DRAW_KNOBS, Sampler
+from m3serve.core.sampler import Sampler
 from m3serve.core.step_ahead import LaunchedAhead, StepsAhead, step_result
+from m3serve.core.step_draw import StepDraws
 from m3serve.model.batch import ForwardBatch
 from m3serve.model.host_copy import Download, upload, upload_many
 from m3serve.model.kv_cache import KVCache
@@ -66,7 +67,7 @@ if TYPE_CHECKING:
     from m3serve.core.spec.verify_step import SpecStep
 
 
-class StepRunner(StepsAhead):
+class StepRunner(StepsAhead, StepDraws):
     def __init__(
         self,
         model: M3ForCausalLM,
@@ -328,100 +329,6 @@ class StepRunner(StepsAhead):
             self.last_tokens[index] = upload(ids, torch.int64, self.device)
         self._note_ended(slots, ids, ended)
         return ids, ended
-
-    def graph_draw(self) -> GraphDraw | None:
-        """What decode graphs need to draw this runner's rows themselves (`_graph_draw`);
-        None where the sampler has no device draw."""
-        sample = self.sampler.device_draw
-        return None if sample is None else GraphDraw(sample, DRAW_KNOBS, self.last_tokens)
-
-    def _draw(
-        self,
-        batch: StepInput,
-        slots: list[int],
-        rows: int,
-        load: LayerLoad | None,
-        span: DeviceSpan | None,
-    ) -> tuple[torch.Tensor, list[TokenLogprob | None]]:
-        """The forward of `batch` (`rows` rows, `slots` the sampled ones) and their draw,
-        queued: in the decode graph where it can draw them, after the piecewise graphs in a
-        head graph (`_head_draw`), else outside any graph (`_queue_draw`)."""
-        drawn = self._graph_draw(batch, slots, rows, load, span)
-        if drawn is None:
-            drawn = self._head_draw(batch, slots, load, span)
-        if drawn is None:
-            drawn = self._queue_draw(self.logits(batch, len(slots) == rows, load), slots, span)
-        return drawn
-
-    def _graph_draw(
-        self,
-        batch: StepInput,
-        slots: list[int],
-        rows: int,
-        load: LayerLoad | None,
-        span: DeviceSpan | None,
-    ) -> tuple[torch.Tensor, list[TokenLogprob | None]] | None:
-        """The forward and the rows' draw in one decode graph, queued (core/graphs.py
-        `run_and_draw`): the tokens on the device, also as the slots' next inputs, as
-        `_queue_draw` gives them. None where the step or a row needs more than the draw (a
-        prompt chunk, images, a grammar's mask, penalties, logprobs) or no graph draws."""
-        graphs = self.graphs
-        if graphs is None or not graphs.draws or len(slots) != rows or self.share is not None:
-            return None
-        if not graphs.fits(batch):
-            return None
-        if any(self.matchers.constrains(slot) for slot in slots):
-            return None
-        knobs = self.sampler.graph_knobs(slots, graphs.bucket(rows))
-        if knobs is None:
-            return None
-        if load is not None:
-            load.wait_all()  # a replayed graph has no per-layer hook
-        tokens = graphs.run_and_draw(batch, knobs, slots)
-        if span is not None:
-            span.stop()
-        return tokens, [None] * rows
-
-    def _head_draw(
-        self, batch: StepInput, slots: list[int], load: LayerLoad | None, span: DeviceSpan | None
-    ) -> tuple[torch.Tensor, list[TokenLogprob | None]] | None:
-        """The forward through the piecewise graphs and the sampled rows' head and draw in one
-        graph replay (core/head_draw.py), queued; None where the step does not run through the
-        piecewise graphs or a row needs more than the draw (as `_graph_draw`)."""
-        heads, piecewise = self.heads, self.piecewise
-        if heads is None or piecewise is None or self.share is not None:
-            return None
-        if not isinstance(batch, ForwardBatch) or batch.logit_rows_host is None:
-            return None
-        if batch.override_rows is not None or not piecewise.fits(batch):
-            return None
-        if not heads.holds(len(slots)) or any(self.matchers.constrains(s) for s in slots):
-            return None
-        knobs = self.sampler.graph_knobs(slots, heads.bucket(len(slots)))
-        if knobs is None:
-            return None
-        piecewise.run(batch, load.before_layer if load is not None else None)
-        tokens = heads.run(batch.logit_rows_host, knobs, slots)
-        if span is not None:
-            span.stop()
-        return tokens, [None] * len(slots)
-
-    def _queue_draw(
-        self, logits: torch.Tensor, slots: list[int], span: DeviceSpan | None
-    ) -> tuple[torch.Tensor, list[TokenLogprob | None]]:
-        """The rows' draw, queued: the tokens on the device, also as the slots' next inputs;
-        the step's device `span` ends behind it."""
-        # After the launch, before the draw: on a GPU this host work overlaps the forward.
-        allowed = self.matchers.fill(slots)
-        index = upload(slots, torch.int64, self.device)
-        tokens, logprobs = self.sampler.sample(logits, slots, allowed, slots_t=index)
-        share = self.share
-        if share is not None and self.spec is None:  # rank 0: the followers' next inputs
-            share.share_ids(tokens)
-        self.last_tokens[index] = tokens
-        if span is not None:
-            span.stop()
-        return tokens, logprobs
 
     @staticmethod
     def _take_tokens(
