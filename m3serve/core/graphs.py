@@ -27,10 +27,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
 
+from m3serve.core.graph_set import capture_graph, capture_stream
 from m3serve.model.batch import ForwardBatch
 from m3serve.model.host_copy import Packed
 from m3serve.model.kv_cache import KVCache
@@ -139,20 +141,12 @@ class DecodeGraphs:
 
     def capture(self) -> None:
         """Capture every bucket, largest first so smaller graphs reuse its memory pool."""
-        device = self.model.device
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
+        with capture_stream(self.model.device) as stream:
             for bs in reversed(self.sizes):
                 captured = self.bucket_inputs(bs)
-                self._forward(captured)  # compile and autotune every kernel outside it
-                torch.cuda.synchronize(device)
-                captured.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(captured.graph, pool=self.pool, stream=stream):
-                    captured.logits = self._forward(captured)
-                self.pool = captured.graph.pool()
+                run = partial(self._forward, captured)
+                captured.graph, captured.logits, self.pool = capture_graph(run, stream, self.pool)
                 self.graphs[bs] = captured
-        torch.cuda.current_stream(device).wait_stream(stream)
         log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
     def holds(self, rows: int, pages: int) -> bool:

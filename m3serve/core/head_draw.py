@@ -24,27 +24,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from m3serve.core.graph_set import GraphSet
 from m3serve.core.graphs import GraphDraw
 from m3serve.model.host_copy import Packed
 from m3serve.model.m3 import M3ForCausalLM
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Bucket:
-    inputs: Packed  # the hidden rows to draw from, then GraphDraw.knobs' order, then the slots
-    tokens: torch.Tensor  # [size] int64, written by the draw
-    graph: torch.cuda.CUDAGraph | None = None
-
-    @property
-    def size(self) -> int:
-        return self.tokens.numel()
 
 
 class HeadDraws:
@@ -57,41 +46,31 @@ class HeadDraws:
         capture: bool = True,
     ) -> None:
         """`hidden`: the piecewise graphs' static final-normed hidden states [N, hidden];
-        `sizes`: the row buckets, ascending."""
+        `sizes`: the row buckets."""
         self.model = model
         self.hidden = hidden
         self.draw = draw
-        self.sizes = list(sizes)
-        self.capture_graphs = capture
-        self.buckets = {size: self._bucket(size) for size in self.sizes}
+        # A bucket's inputs: the hidden rows to draw from, then GraphDraw.knobs' order, then
+        # the slots; its output: the tokens [size] int64.
+        self.graphs = GraphSet(sizes, self._inputs, self._forward, model.device, capture)
+
+    @property
+    def sizes(self) -> list[int]:
+        return self.graphs.sizes
 
     def holds(self, rows: int) -> bool:
-        return 0 < rows <= self.sizes[-1]
+        return 0 < rows <= self.graphs.max_bs
 
     def bucket(self, rows: int) -> int:
         """The row count of the bucket `rows` sampled rows replay."""
-        return next(size for size in self.sizes if size >= rows)
+        return self.graphs.bucket(rows)
 
     def capture(self, pool: object = None) -> object:
-        """Run each bucket once (compiling its kernels), then capture it, the largest first so
-        that smaller ones reuse its memory; `pool`: a graph memory pool to share (the decode
-        graphs': their steps never overlap these). Returns the pool used."""
-        if not self.capture_graphs:
-            return pool
-        device = self.model.device
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for size in reversed(self.sizes):
-                bucket = self.buckets[size]
-                self._forward(bucket)
-                torch.cuda.synchronize(device)
-                bucket.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(bucket.graph, pool=pool, stream=stream):
-                    self._forward(bucket)
-                pool = bucket.graph.pool()
-        torch.cuda.current_stream(device).wait_stream(stream)
-        log.info("captured the piecewise steps' draw for row buckets up to %d", self.sizes[-1])
+        """Every bucket captured into `pool` (the decode graphs': their steps never overlap
+        these); the pool used."""
+        pool = self.graphs.capture(pool)
+        if self.graphs.captured:
+            log.info("captured the piecewise steps' draw for row buckets up to %d", self.sizes[-1])
         return pool
 
     def run(
@@ -103,29 +82,24 @@ class HeadDraws:
         count = len(rows)
         if len(slots) != count:
             raise ValueError(f"{len(slots)} slots for {count} rows")
-        bucket = self.buckets[self.bucket(count)]
-        padding = bucket.size - count
+        size = self.bucket(count)
+        padding = size - count
         index = np.concatenate([np.asarray(rows, np.int64), np.zeros(padding, np.int64)])
         scratch = [self.draw.scratch_slot] * padding
-        bucket.inputs.fill([index, *knobs, [*slots, *scratch]])
-        if bucket.graph is not None:
-            bucket.graph.replay()
-        else:
-            self._forward(bucket)
-        return bucket.tokens[:count]
+        self.graphs.inputs(size).fill([index, *knobs, [*slots, *scratch]])
+        return self.graphs.replay(size)[:count]
 
-    def _bucket(self, size: int) -> _Bucket:
-        device = self.model.device
+    def _inputs(self, size: int) -> Packed:
         specs = [(size, torch.int64), *((size, dtype) for dtype, _ in self.draw.knobs)]
-        inputs = Packed([*specs, (size, torch.int64)], device)
+        inputs = Packed([*specs, (size, torch.int64)], self.model.device)
         # Every row padding until a step fills it: row 0, greedy, into the scratch slot.
         fills = [[0] * size, *([fill] * size for _, fill in self.draw.knobs)]
         inputs.fill([*fills, [self.draw.scratch_slot] * size])
-        return _Bucket(inputs, torch.zeros(size, dtype=torch.int64, device=device))
+        return inputs
 
-    def _forward(self, bucket: _Bucket) -> None:
-        rows, *knobs, slots = bucket.inputs.views
-        with torch.inference_mode():
-            logits = self.model.compute_logits(self.hidden.index_select(0, rows))
-            self.draw.sample(logits, *knobs, out=bucket.tokens)
-            self.draw.last_tokens.index_copy_(0, slots, bucket.tokens)
+    def _forward(self, inputs: Packed) -> torch.Tensor:
+        rows, *knobs, slots = inputs.views
+        logits = self.model.compute_logits(self.hidden.index_select(0, rows))
+        tokens = self.draw.sample(logits, *knobs)
+        self.draw.last_tokens.index_copy_(0, slots, tokens)
+        return tokens

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from m3serve.core.graph_set import capture_graph, capture_stream
 from m3serve.model.batch import ForwardBatch
 from m3serve.model.kv_cache import KVCache
 from m3serve.model.m3 import M3ForCausalLM
@@ -108,27 +109,21 @@ class PiecewiseGraphs:
         if not self.capture_graphs:
             return
         device = self.model.device
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream), torch.inference_mode():
+        with capture_stream(device) as stream, torch.inference_mode():
             for size in reversed(self.sizes):
                 self._pad(0, size)
                 pieces = self._pieces(size)
-                for piece in pieces:
+                for piece in pieces:  # in order: each piece reads what the one before wrote
                     piece()
                 torch.cuda.synchronize(device)
                 self.replays[size] = [self._capture_one(piece, stream) for piece in pieces]
-        torch.cuda.current_stream(device).wait_stream(stream)
         log.info("captured piecewise CUDA graphs for %d token buckets up to %d",
                  len(self.sizes), self.max_tokens)  # fmt: skip
 
     def _capture_one(
         self, piece: Callable[[], None], stream: torch.cuda.Stream
     ) -> Callable[[], None]:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-            piece()
-        self.pool = graph.pool()
+        graph, _, self.pool = capture_graph(piece, stream, self.pool, warm=False)
         return graph.replay
 
     # ------------------------------------------------------------------ replay

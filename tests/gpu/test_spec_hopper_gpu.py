@@ -16,8 +16,8 @@ from helpers.draft_batch import make_draft_batch
 from helpers.greedy import engine_outputs, first_divergence
 
 from m3serve.backends import create_backend
+from m3serve.core.graph_set import GraphSet
 from m3serve.core.spec.draft_graphs import DraftGraphs
-from m3serve.core.spec.graph_set import GraphSet
 from m3serve.core.spec.verify_graphs import VerifyGraphs
 from m3serve.kernels.draft_attention import draft_attention as reference
 from m3serve.model.batch import ForwardBatch

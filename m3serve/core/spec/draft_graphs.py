@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from m3serve.core.spec.graph_set import GraphSet
+from m3serve.core.graph_set import GraphSet
 from m3serve.model.dspark import DSparkDraft
 from m3serve.model.dspark_paged import DraftKV, base_logits, greedy_tokens
 

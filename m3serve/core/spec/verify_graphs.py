@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from m3serve.core.spec.graph_set import GraphSet
+from m3serve.core.graph_set import GraphSet
 from m3serve.model.batch import ForwardBatch
 from m3serve.model.dspark_paged import target_pass
 from m3serve.model.kv_cache import KVCache

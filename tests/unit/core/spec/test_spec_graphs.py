@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from m3serve.backends.reference import ReferenceBackend
+from m3serve.core.graph_set import GraphSet
 from m3serve.core.spec.draft_graphs import DraftGraphs
-from m3serve.core.spec.graph_set import GraphSet
 from m3serve.core.spec.verify_graphs import VerifyGraphs
 from m3serve.model.batch import ForwardBatch
 from m3serve.model.build import load_model
