@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -34,6 +35,14 @@ from m3serve.model.host_copy import Packed
 from m3serve.model.m3 import M3ForCausalLM
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    packed: Packed  # the hidden rows to draw from, then GraphDraw.knobs' order, then the slots
+    # [size] int64, written by the draw. Made outside the graphs' memory pool: a graph's output
+    # made in it could share memory with the intermediates of the decode graphs in that pool.
+    tokens: torch.Tensor
 
 
 class HeadDraws:
@@ -50,8 +59,6 @@ class HeadDraws:
         self.model = model
         self.hidden = hidden
         self.draw = draw
-        # A bucket's inputs: the hidden rows to draw from, then GraphDraw.knobs' order, then
-        # the slots; its output: the tokens [size] int64.
         self.graphs = GraphSet(sizes, self._inputs, self._forward, model.device, capture)
 
     @property
@@ -86,20 +93,21 @@ class HeadDraws:
         padding = size - count
         index = np.concatenate([np.asarray(rows, np.int64), np.zeros(padding, np.int64)])
         scratch = [self.draw.scratch_slot] * padding
-        self.graphs.inputs(size).fill([index, *knobs, [*slots, *scratch]])
+        self.graphs.inputs(size).packed.fill([index, *knobs, [*slots, *scratch]])
         return self.graphs.replay(size)[:count]
 
-    def _inputs(self, size: int) -> Packed:
+    def _inputs(self, size: int) -> _Inputs:
+        device = self.model.device
         specs = [(size, torch.int64), *((size, dtype) for dtype, _ in self.draw.knobs)]
-        inputs = Packed([*specs, (size, torch.int64)], self.model.device)
+        packed = Packed([*specs, (size, torch.int64)], device)
         # Every row padding until a step fills it: row 0, greedy, into the scratch slot.
         fills = [[0] * size, *([fill] * size for _, fill in self.draw.knobs)]
-        inputs.fill([*fills, [self.draw.scratch_slot] * size])
-        return inputs
+        packed.fill([*fills, [self.draw.scratch_slot] * size])
+        return _Inputs(packed, torch.zeros(size, dtype=torch.int64, device=device))
 
-    def _forward(self, inputs: Packed) -> torch.Tensor:
-        rows, *knobs, slots = inputs.views
+    def _forward(self, inputs: _Inputs) -> torch.Tensor:
+        rows, *knobs, slots = inputs.packed.views
         logits = self.model.compute_logits(self.hidden.index_select(0, rows))
-        tokens = self.draw.sample(logits, *knobs)
-        self.draw.last_tokens.index_copy_(0, slots, tokens)
-        return tokens
+        self.draw.sample(logits, *knobs, out=inputs.tokens)
+        self.draw.last_tokens.index_copy_(0, slots, inputs.tokens)
+        return inputs.tokens

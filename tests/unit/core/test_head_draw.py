@@ -30,8 +30,8 @@ def _stand_in_heads(hidden: torch.Tensor, weight: torch.Tensor) -> HeadDraws:
     """Heads over a linear LM head whose draw writes argmax + 1000 x seed: a token says which
     hidden row and which knobs its row got."""
 
-    def sample(logits: torch.Tensor, *knobs: torch.Tensor) -> torch.Tensor:
-        return logits.argmax(-1) + 1000 * knobs[4]
+    def sample(logits: torch.Tensor, *knobs: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return out.copy_(logits.argmax(-1) + 1000 * knobs[4])
 
     model: Any = SimpleNamespace(
         device=torch.device("cpu"), compute_logits=lambda h: (h @ weight.T).float()
@@ -95,8 +95,8 @@ def test_steps_drawn_after_the_piecewise_graphs_give_the_eager_sampler_outputs(
     budget = core.budget
     piecewise = PiecewiseGraphs(core.model, core.kv, budget.num_pages, 64, capture=False)
 
-    def greedy(logits: torch.Tensor, *knobs: torch.Tensor) -> torch.Tensor:
-        return logits.argmax(-1)
+    def greedy(logits: torch.Tensor, *knobs: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return out.copy_(logits.argmax(-1))
 
     draw = GraphDraw(greedy, DRAW_KNOBS, runner.last_tokens)
     heads = HeadDraws(core.model, piecewise.buffers.hidden, draw, [1, 2, 4], capture=False)
