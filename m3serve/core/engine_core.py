@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,7 @@ from m3serve.core.step_loop import StepLoop
 from m3serve.core.step_runner import StepRunner
 from m3serve.core.trace import StartupPhases, StepTrace
 from m3serve.core.warmup import use_kernel_cache
+from m3serve.core.warmup_record import Recorder
 from m3serve.model.build import load_model, resolve_device
 from m3serve.model.kv_cache import KVCache
 from m3serve.model.parallel import Parallel, RankGroup
@@ -318,11 +320,33 @@ class EngineCore(StepLoop):
     def _warm_up(self, args: ServerArgs, context: int, slots: int) -> None:
         """Run every step shape class once (core/engine_start.py `warm_up`), then wait for the
         device, and note what it took."""
-        before = self.trace.compiles.count
-        steps, layers = warm_up(args, self.runner, self.budget, self.spec, context, slots)
+        compiles = self.trace.compiles
+        before = compiles.count
+        done = warm_up(
+            args, self.runner, self.budget, self.spec, context, slots, self._recorder(args)
+        )
         torch.cuda.synchronize(self.device)
-        compiled = self.trace.compiles.count - before
-        self.startup.note("warm-up", f"{steps} steps on layers {layers}, {compiled} kernels")
+        kernels = compiles.count - before
+        ran = f"{done.steps} steps" if not done.recorded else f"{done.steps} of {done.plans} plans"
+        self.startup.note("warm-up", f"{ran} on layers {done.layers}, {kernels} kernels")
+
+    def _recorder(self, args: ServerArgs) -> Recorder | None:
+        """Where the warm-up notes the plans that load kernels, for the next start
+        (core/warmup_record.py): one GPU rank only (ranks must run the same plans, and a
+        follower's record could differ from the leader's), and with Triton to count loads."""
+        if self.device.type != "cuda" or self.ranks.size != 1 or not self.trace.compiles.hooked:
+            return None
+        import triton
+
+        props = torch.cuda.get_device_properties(self.device)
+        sections = ("model", "backend", "cache", "sched", "parallel", "spec", "hicache")
+        parts: dict[str, Any] = {name: getattr(args, name) for name in sections}
+        parts["kernel"] = replace(args.kernel, full_warmup=False)
+        parts["versions"] = {"triton": triton.__version__, "torch": torch.__version__}
+        parts["device"] = (props.name, props.major, props.minor, props.multi_processor_count)
+        parts["model"] = self.loaded.config
+        parts["weights"] = (str(self.model.dtype), self.backend.name, self.backend.weight_formats)
+        return Recorder(cache_root() / "warmup", parts, lambda: self.trace.compiles.count)
 
     # ------------------------------------------------------------------ shutdown
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ from m3serve.core.step_cost import budget_quantum, measure_step_cost
 from m3serve.core.step_runner import StepRunner
 from m3serve.core.trace import StartupPhases
 from m3serve.core.warmup import WarmupLimits, distinct_layers, warmup_plans
+from m3serve.core.warmup_record import Recorder
 from m3serve.model.backend import Backend
 from m3serve.model.build import LoadedModel
 from m3serve.model.config import load_generation_config
@@ -90,6 +92,14 @@ def grammar_compiler(loaded: LoadedModel, vocab_size: int) -> GrammarCompiler | 
         return None
 
 
+@dataclass(frozen=True)
+class WarmedUp:
+    steps: int  # plans run
+    plans: int  # plans in the whole pass
+    layers: list[int]  # the layers they ran on
+    recorded: bool  # the plans run were those a record named (core/warmup_record.py)
+
+
 def warm_up(
     args: ServerArgs,
     runner: StepRunner,
@@ -97,10 +107,12 @@ def warm_up(
     spec: SpecPlugin | None,
     context: int,
     slots: int,
-) -> tuple[int, list[int]]:
+    recorder: Recorder | None = None,
+) -> WarmedUp:
     """Run every step shape class once (core/warmup.py), so no request waits for a compile:
-    one layer of each kind suffices, since layers of a kind launch the same kernels. Returns
-    the steps run and the layers they ran on."""
+    one layer of each kind suffices, since layers of a kind launch the same kernels. With a
+    `recorder`, only the plans its record names where it has one, else the whole pass, noting
+    the plans that brought in a kernel for the next start (core/warmup_record.py)."""
     most = max_step_tokens(args.sched, slots, budget)
     step = spec.step if spec is not None else None
     if step is not None:  # verify rows carry γ drafts each
@@ -114,19 +126,32 @@ def warm_up(
     )
     cfg = runner.model.cfg
     layers = distinct_layers(cfg.layer_types, cfg.mlp_layer_types)
-    steps = 0
     plans: Iterable[StepPlan] = warmup_plans(limits)
     if step is not None:  # the verify-step shapes, through the same SpecStep
         plans = itertools.chain(plans, spec_warmup_plans(limits, step.gamma))
-    for plan in plans:
+    record = None
+    if recorder is not None:
+        record = recorder.record(limits, layers, step.gamma if step is not None else 0)
+    chosen = record.load() if record is not None and not args.kernel.full_warmup else None
+    loaded: list[int] = []
+    steps = total = 0
+    for index, plan in enumerate(plans):
+        total += 1
+        if chosen is not None and index not in chosen:
+            continue
+        before = recorder.compiles() if recorder is not None else 0
         if step is not None:
             step.lengths.place(plan.seqs)
         runner.run(plan, layers)
         steps += 1
+        if recorder is not None and recorder.compiles() > before:
+            loaded.append(index)
+    if record is not None and chosen is None:
+        record.save(total, loaded)
     # The plans draw at half their batch sizes (rows alternate greedy and sampled); which
     # kernels a draw takes depends on its rows.
     runner.sampler.warm_up()
-    return steps, layers
+    return WarmedUp(steps, total, layers, chosen is not None)
 
 
 def capture_graphs(

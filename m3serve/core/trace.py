@@ -86,6 +86,11 @@ class CompileCounter:
         knobs.runtime.jit_post_compile_hook = self._hook
 
     @property
+    def hooked(self) -> bool:
+        """Whether it sees compiles (Triton is there)."""
+        return self._knobs is not None
+
+    @property
     def count(self) -> int:
         with self._lock:
             return len(self.names)

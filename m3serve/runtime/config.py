@@ -196,6 +196,7 @@ _HONOURED = frozenset(
         "ep_size",
         "disable_cuda_graph",
         "skip_warmup",
+        "full_warmup",
         "cuda_graph_max_bs_decode",
         "cuda_graph_max_bs_prefill",
         "cuda_graph_backend_prefill",

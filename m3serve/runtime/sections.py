@@ -332,6 +332,12 @@ class KernelArgs:
         "skip the warm-up pass that compiles every Triton kernel variant before the server is "
         "ready (requests of new shapes then wait for compiles)",
     )
+    full_warmup: bool = option(
+        False,
+        "run the whole warm-up pass even where the record of an earlier start with the same "
+        "code, device, model and settings names the few plans that load kernels "
+        "(core/warmup_record.py; one GPU)",
+    )
     cuda_graph_max_bs_decode: int | None = option(
         None, "largest decode batch replayed from a CUDA graph (hopper backend; default 128)"
     )

@@ -110,3 +110,35 @@ def test_random_steps_launch_no_variant_the_warmup_missed(
             _forward(model, kv, _random_plan(rng, limits))
     missed = traffic - warm
     assert not missed, f"{len(missed)} variants compile after warm-up:\n{describe(missed)}"
+
+
+def test_the_plans_that_launched_a_new_variant_launch_every_variant_alone(
+    model: M3ForCausalLM,
+) -> None:
+    """What a restart's warm-up record relies on (core/warmup_record.py): launch decisions
+    follow each plan's shapes alone, so the plans after which a variant had launched that no
+    plan before them did, run alone in a fresh pass, launch every variant the whole pass did."""
+    cfg = model.cfg
+    limits = WarmupLimits(
+        page_size=cfg.page_size,
+        num_pages=NUM_PAGES,
+        max_running=8,
+        max_step_tokens=72,
+        context=96 * cfg.page_size,
+    )
+    kv = KVCache.allocate(cfg, NUM_PAGES + 1, model.dtype, torch.device("cpu"))
+    needed: set[int] = set()
+    plans = 0
+    with recording(execute=False) as whole:
+        for index, plan in enumerate(warmup_plans(limits)):
+            before = len(whole)
+            _forward(model, kv, plan)
+            plans += 1
+            if len(whole) > before:
+                needed.add(index)
+    with recording(execute=False) as alone:
+        for index, plan in enumerate(warmup_plans(limits)):
+            if index in needed:
+                _forward(model, kv, plan)
+    assert alone == whole, f"missed alone:\n{describe(whole - alone)}"
+    assert len(needed) < plans / 4, f"{len(needed)} of {plans} plans"
