@@ -339,7 +339,9 @@ class EngineCore(StepLoop):
         import triton
 
         props = torch.cuda.get_device_properties(self.device)
-        sections = ("model", "backend", "cache", "sched", "parallel", "spec", "hicache")
+        # Not the scheduling section: the plans follow from the pass's limits, which hold what
+        # it changes (slots, step tokens), and A/B runs of its budget knobs keep their record.
+        sections = ("model", "backend", "cache", "parallel", "spec", "hicache")
         parts: dict[str, Any] = {name: getattr(args, name) for name in sections}
         parts["kernel"] = replace(args.kernel, full_warmup=False)
         parts["versions"] = {"triton": triton.__version__, "torch": torch.__version__}
