@@ -133,19 +133,19 @@ def warm_up(
     if recorder is not None:
         record = recorder.record(limits, layers, step.gamma if step is not None else 0)
     chosen = record.load() if record is not None and not args.kernel.full_warmup else None
-    loaded: list[int] = []
+    compiles = recorder.compiles if recorder is not None else lambda: 0
     steps = total = 0
+    loaded: list[int] = []  # the plans after which a kernel had come in
     for index, plan in enumerate(plans):
         total += 1
-        if chosen is not None and index not in chosen:
-            continue
-        before = recorder.compiles() if recorder is not None else 0
-        if step is not None:
-            step.lengths.place(plan.seqs)
-        runner.run(plan, layers)
-        steps += 1
-        if recorder is not None and recorder.compiles() > before:
-            loaded.append(index)
+        if chosen is None or index in chosen:
+            before = compiles()
+            if step is not None:
+                step.lengths.place(plan.seqs)
+            runner.run(plan, layers)
+            steps += 1
+            if compiles() > before:
+                loaded.append(index)
     if record is not None and chosen is None:
         record.save(total, loaded)
     # The plans draw at half their batch sizes (rows alternate greedy and sampled); which
