@@ -48,6 +48,20 @@ def _forward(model: M3ForCausalLM, kv: KVCache, plan: StepPlan) -> None:
         model(batch, kv)
 
 
+def _small_pass(model: M3ForCausalLM) -> tuple[WarmupLimits, KVCache]:
+    """Limits whose pass covers every kind of step in 1500 plans, and a KV cache
+    for them."""
+    cfg = model.cfg
+    limits = WarmupLimits(
+        page_size=cfg.page_size,
+        num_pages=NUM_PAGES,
+        max_running=8,
+        max_step_tokens=72,
+        context=96 * cfg.page_size,
+    )
+    return limits, KVCache.allocate(cfg, NUM_PAGES + 1, model.dtype, torch.device("cpu"))
+
+
 def _random_plan(rng: random.Random, limits: WarmupLimits) -> StepPlan:
     """A step the scheduler could plan: decodes and prefill chunks at random contexts."""
     page, budget = limits.page_size, limits.max_step_tokens
@@ -92,15 +106,7 @@ def test_random_steps_launch_no_variant_the_warmup_missed(
     # default) from 2 rows: the variants it launches must be warm too once it is on.
     split_early = replace(attention.DEFAULT_CONFIG, mixed_decode_min_rows=2)
     monkeypatch.setattr(attention, "DEFAULT_CONFIG", split_early)
-    cfg = model.cfg
-    limits = WarmupLimits(
-        page_size=cfg.page_size,
-        num_pages=NUM_PAGES,
-        max_running=8,
-        max_step_tokens=72,
-        context=96 * cfg.page_size,
-    )
-    kv = KVCache.allocate(cfg, NUM_PAGES + 1, model.dtype, torch.device("cpu"))
+    limits, kv = _small_pass(model)
     with recording(execute=False) as warm:
         for plan in warmup_plans(limits):
             _forward(model, kv, plan)
@@ -118,15 +124,7 @@ def test_the_plans_that_launched_a_new_variant_launch_every_variant_alone(
     """What a restart's warm-up record relies on (core/warmup_record.py): launch decisions
     follow each plan's shapes alone, so the plans after which a variant had launched that no
     plan before them did, run alone in a fresh pass, launch every variant the whole pass did."""
-    cfg = model.cfg
-    limits = WarmupLimits(
-        page_size=cfg.page_size,
-        num_pages=NUM_PAGES,
-        max_running=8,
-        max_step_tokens=72,
-        context=96 * cfg.page_size,
-    )
-    kv = KVCache.allocate(cfg, NUM_PAGES + 1, model.dtype, torch.device("cpu"))
+    limits, kv = _small_pass(model)
     needed: set[int] = set()
     plans = 0
     with recording(execute=False) as whole:
