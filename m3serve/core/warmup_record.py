@@ -30,6 +30,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from m3serve.core.warmup import WarmupLimits
+
 log = logging.getLogger(__name__)
 
 
@@ -52,7 +54,7 @@ def _plain(value: Any) -> Any:
     if isinstance(value, Mapping):
         return {str(k): _plain(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
     if isinstance(value, (set, frozenset)):
-        return sorted(_plain(v) for v in value)
+        return sorted((_plain(v) for v in value), key=lambda v: json.dumps(v, sort_keys=True))
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -85,8 +87,11 @@ class WarmupRecord:
             log.warning("warm-up record %s unreadable (%s): running the whole pass", self.path, exc)
             return None
         loaded = raw.get("loaded") if isinstance(raw, dict) else None
-        valid = raw.get("key") == self.key if isinstance(raw, dict) else False
-        if not valid or not isinstance(loaded, list) or not all(isinstance(i, int) for i in loaded):
+        if (
+            not isinstance(loaded, list)
+            or not all(isinstance(i, int) for i in loaded)
+            or raw.get("key") != self.key
+        ):
             log.warning("warm-up record %s malformed: running the whole pass", self.path)
             return None
         return frozenset(loaded)
@@ -113,6 +118,6 @@ class Recorder:
     parts: Mapping[str, Any]
     compiles: Callable[[], int]
 
-    def record(self, limits: Any, layers: list[int], gamma: int) -> WarmupRecord:
+    def record(self, limits: WarmupLimits, layers: list[int], gamma: int) -> WarmupRecord:
         key = record_key({**self.parts, "limits": limits, "layers": layers, "gamma": gamma})
         return WarmupRecord(self.directory, key)
