@@ -332,9 +332,8 @@ class EngineCore(StepLoop):
 
     def _recorder(self, args: ServerArgs) -> Recorder | None:
         """Where the warm-up notes the plans that load kernels, for the next start
-        (core/warmup_record.py): one GPU rank only (ranks must run the same plans, and a
-        follower's record could differ from the leader's), and with Triton to count loads."""
-        if self.device.type != "cuda" or self.ranks.size != 1 or not self.trace.compiles.hooked:
+        (core/warmup_record.py): on a GPU, with Triton to count the loads."""
+        if self.device.type != "cuda" or not self.trace.compiles.hooked:
             return None
         import triton
 
@@ -348,7 +347,8 @@ class EngineCore(StepLoop):
         parts["device"] = (props.name, props.major, props.minor, props.multi_processor_count)
         parts["model"] = self.loaded.config
         parts["weights"] = (str(self.model.dtype), self.backend.name, self.backend.weight_formats)
-        return Recorder(cache_root() / "warmup", parts, lambda: self.trace.compiles.count)
+        count = self.trace.compiles
+        return Recorder(cache_root() / "warmup", parts, lambda: count.count, self.ranks)
 
     # ------------------------------------------------------------------ shutdown
 

@@ -130,9 +130,10 @@ def warm_up(
     if step is not None:  # the verify-step shapes, through the same SpecStep
         plans = itertools.chain(plans, spec_warmup_plans(limits, step.gamma))
     record = None
+    chosen: frozenset[int] | None = None
     if recorder is not None:
         record = recorder.record(limits, layers, step.gamma if step is not None else 0)
-    chosen = record.load() if record is not None and not args.kernel.full_warmup else None
+        chosen = recorder.agree(None if args.kernel.full_warmup else record.load())
     compiles = recorder.compiles if recorder is not None else lambda: 0
     steps = total = 0
     loaded: list[int] = []  # the plans after which a kernel had come in
@@ -146,8 +147,8 @@ def warm_up(
             steps += 1
             if compiles() > before:
                 loaded.append(index)
-    if record is not None and chosen is None:
-        record.save(total, loaded)
+    if recorder is not None and record is not None and chosen is None:
+        recorder.save(record, total, loaded)
     # The plans draw at half their batch sizes (rows alternate greedy and sampled); which
     # kernels a draw takes depends on its rows.
     runner.sampler.warm_up()

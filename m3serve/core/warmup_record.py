@@ -30,7 +30,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from m3serve.core.warmup import WarmupLimits
+from m3serve.model.parallel import RankGroup
 
 log = logging.getLogger(__name__)
 
@@ -112,12 +116,43 @@ class WarmupRecord:
 class Recorder:
     """Where a start keeps its warm-up record and what it counts loads with: `parts` is what
     the key hashes besides the pass's own limits and layers (`record`), `compiles` the kernels
-    brought in so far (trace.CompileCounter.count)."""
+    brought in so far (trace.CompileCounter.count). Under --tp every rank runs the same plans
+    (their collectives pair up): the ranks agree on the record's plans or all run the whole
+    pass, whose record is the union of the plans that brought in a kernel on any rank, written
+    by rank 0."""
 
     directory: Path
     parts: Mapping[str, Any]
     compiles: Callable[[], int]
+    ranks: RankGroup = dataclasses.field(default_factory=RankGroup)
 
     def record(self, limits: WarmupLimits, layers: list[int], gamma: int) -> WarmupRecord:
         key = record_key({**self.parts, "limits": limits, "layers": layers, "gamma": gamma})
         return WarmupRecord(self.directory, key)
+
+    def agree(self, chosen: frozenset[int] | None) -> frozenset[int] | None:
+        """`chosen` where every rank loaded the same plans, else None on every rank."""
+        if self.ranks.size == 1:
+            return chosen
+        text = json.dumps(sorted(chosen)) if chosen is not None else ""
+        digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
+        mine = digest if chosen is not None else -1
+        # The smallest digest and the smallest negated one: equal when every rank's is.
+        both = torch.tensor([mine, -mine], dtype=torch.int64)
+        dist.all_reduce(both, op=dist.ReduceOp.MIN, group=self.ranks.host)
+        return chosen if int(both[0]) == -int(both[1]) else None
+
+    def union(self, loaded: list[int], plans: int) -> list[int]:
+        """The plans that brought in a kernel on any rank (`loaded`: this rank's)."""
+        if self.ranks.size == 1:
+            return loaded
+        mask = torch.zeros(plans, dtype=torch.int32)
+        mask[loaded] = 1
+        dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=self.ranks.host)
+        return mask.nonzero().flatten().tolist()
+
+    def save(self, record: WarmupRecord, plans: int, loaded: list[int]) -> None:
+        """The whole pass's record: every rank's plans, written once (by rank 0)."""
+        union = self.union(loaded, plans)
+        if self.ranks.rank == 0:
+            record.save(plans, union)

@@ -6,12 +6,15 @@ exactly rank 0's warm-up tokens, and what is served after them equals --tp 1's g
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from helpers.core_ranks import ReqSpec, core_args, drive, run_cores, waves_job
-from helpers.startup_jobs import KWARGS, warm_up_and_time
+from helpers.startup_jobs import KWARGS, warm_up_and_time, warm_up_from_one_record
 
 from m3serve.core.engine_core import EngineCore
 from m3serve.model.tiny.checkpoint import TinySpec
@@ -49,3 +52,13 @@ def test_warm_up_and_step_timing_run_in_step_on_two_ranks(path: Path) -> None:
     assert len(warm) > 50
     assert follower_ran == leader_ran  # the warm-up's steps and tokens too
     assert followed.steps == len(leader_ran) - len(warm)
+
+
+@pytest.mark.slow
+def test_ranks_warm_up_from_one_record(path: Path) -> None:
+    """Rank 0 records the union of both ranks' plans; a restart runs them on both ranks; ranks
+    that do not hold the same record all run the whole pass (assertions in the setup)."""
+    try:
+        run_cores(2, path, KWARGS, waves_job, [requests()[:1]], setup=warm_up_from_one_record)
+    finally:  # the ranks' shared directory is named after their parent: this process
+        shutil.rmtree(Path(tempfile.gettempdir()) / f"m3serve-warmup-{os.getpid()}", True)

@@ -8,10 +8,20 @@ functions with small limits to show the ranks' collectives pair up through them.
 
 from __future__ import annotations
 
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch.distributed as dist
+
 from m3serve.core.engine_core import EngineCore
 from m3serve.core.engine_start import max_step_tokens, warm_up
 from m3serve.core.step_cost import measure_step_cost
+from m3serve.core.warmup_record import Recorder
 from m3serve.runtime.config import ServerArgs
+from m3serve.runtime.messages import StepPlan, StepResult
 
 # Small enough that the warm-up's few hundred steps take seconds on two CPU ranks.
 KWARGS = {
@@ -38,3 +48,62 @@ def warm_up_and_time(core: EngineCore, rank: int) -> None:
         max_step_tokens(args.sched, slots, budget),
         core.model.cfg.vocab_size,
     )
+
+
+class _Kernels:
+    """Stands in for Triton's loads on one rank: a plan brings in its token count's power-of-two
+    class, and on rank 1 also its row count's, so that the ranks' plans differ."""
+
+    def __init__(self, rank: int) -> None:
+        self.loaded: set[tuple[str, int]] = set()
+        self.rank = rank
+
+    def see(self, plan: StepPlan) -> None:
+        tokens = sum(seq.extend for seq in plan.seqs)
+        self.loaded.add(("tokens", 1 << (tokens - 1).bit_length()))
+        if self.rank == 1:
+            self.loaded.add(("rows", len(plan.seqs)))
+
+    def count(self) -> int:
+        return len(self.loaded)
+
+
+@contextmanager
+def _counting(core: EngineCore, rank: int) -> Iterator[_Kernels]:
+    """The runner's steps, each also seen by a fresh `_Kernels` (a fresh process's)."""
+    kernels = _Kernels(rank)
+    run = core.runner.run
+
+    def counted(plan: StepPlan, layers: Sequence[int] | None = None) -> StepResult:
+        kernels.see(plan)
+        return run(plan, layers)
+
+    core.runner.run = counted  # type: ignore[method-assign]
+    try:
+        yield kernels
+    finally:
+        del core.runner.run  # the class's method again
+
+
+def warm_up_from_one_record(core: EngineCore, rank: int) -> None:
+    """A setup: the warm-up three times on this rank, each as a fresh process would (no kernel
+    in yet), with a record in a directory the ranks share (core/warmup_record.py): the whole
+    pass, which rank 0 records for both; the record's plans, which bring in every kernel class
+    the whole pass brought in on each rank; and, with rank 1 looking elsewhere (no record),
+    the whole pass on both again."""
+    args = ServerArgs.from_kwargs(**KWARGS)
+    slots, context = args.sched.max_running_requests, KWARGS["context_length"]
+    shared = Path(tempfile.gettempdir()) / f"m3serve-warmup-{os.getppid()}"
+    runs = []
+    for attempt in range(3):
+        directory = shared / "elsewhere" if attempt == 2 and rank == 1 else shared
+        with _counting(core, rank) as kernels:
+            recorder = Recorder(directory, {"test": "ranks"}, kernels.count, core.ranks)
+            done = warm_up(args, core.runner, core.budget, None, context, slots, recorder)
+        runs.append((done, kernels.loaded))
+        dist.barrier(group=core.ranks.host)  # the record is written before anyone reads it
+    (whole, cold), (again, warm), (apart, _) = runs
+    assert not whole.recorded and whole.steps == whole.plans
+    assert again.recorded and again.steps < whole.plans
+    assert warm == cold  # every class this rank needs, though not all its plans were its own
+    assert not apart.recorded and apart.steps == whole.plans
