@@ -336,7 +336,7 @@ class KernelArgs:
         False,
         "run the whole warm-up pass even where the record of an earlier start with the same "
         "code, device, model and settings names the few plans that load kernels "
-        "(core/warmup_record.py; one GPU)",
+        "(core/warmup_record.py)",
     )
     cuda_graph_max_bs_decode: int | None = option(
         None, "largest decode batch replayed from a CUDA graph (hopper backend; default 128)"
