@@ -345,7 +345,7 @@ class EngineCore(StepLoop):
         parts["kernel"] = replace(args.kernel, full_warmup=False)
         parts["versions"] = {"triton": triton.__version__, "torch": torch.__version__}
         parts["device"] = (props.name, props.major, props.minor, props.multi_processor_count)
-        parts["model"] = self.loaded.config
+        parts["config"] = self.loaded.config
         parts["weights"] = (str(self.model.dtype), self.backend.name, self.backend.weight_formats)
         count = self.trace.compiles
         return Recorder(cache_root() / "warmup", parts, lambda: count.count, self.ranks)
