@@ -333,7 +333,8 @@ class EngineCore(StepLoop):
     def _recorder(self, args: ServerArgs) -> Recorder | None:
         """Where the warm-up notes the plans that load kernels, for the next start
         (core/warmup_record.py): on a GPU, with Triton to count the loads."""
-        if self.device.type != "cuda" or not self.trace.compiles.hooked:
+        compiles = self.trace.compiles
+        if self.device.type != "cuda" or not compiles.hooked:
             return None
         import triton
 
@@ -347,8 +348,7 @@ class EngineCore(StepLoop):
         parts["device"] = (props.name, props.major, props.minor, props.multi_processor_count)
         parts["config"] = self.loaded.config
         parts["weights"] = (str(self.model.dtype), self.backend.name, self.backend.weight_formats)
-        count = self.trace.compiles
-        return Recorder(cache_root() / "warmup", parts, lambda: count.count, self.ranks)
+        return Recorder(cache_root() / "warmup", parts, lambda: compiles.count, self.ranks)
 
     # ------------------------------------------------------------------ shutdown
 

@@ -61,10 +61,6 @@ class HeadDraws:
         self.draw = draw
         self.graphs = GraphSet(sizes, self._inputs, self._forward, model.device, capture)
 
-    @property
-    def sizes(self) -> list[int]:
-        return self.graphs.sizes
-
     def holds(self, rows: int) -> bool:
         return 0 < rows <= self.graphs.max_bs
 
@@ -77,7 +73,8 @@ class HeadDraws:
         these); the pool used."""
         pool = self.graphs.capture(pool)
         if self.graphs.captured:
-            log.info("captured the piecewise steps' draw for row buckets up to %d", self.sizes[-1])
+            largest = self.graphs.max_bs
+            log.info("captured the piecewise steps' draw for row buckets up to %d", largest)
         return pool
 
     def run(

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from helpers.kernel_classes import KernelClasses
 from m3serve.core.engine_core import EngineCore
 from m3serve.core.engine_start import max_step_tokens, warm_up
 from m3serve.core.step_cost import measure_step_cost
@@ -50,28 +51,10 @@ def warm_up_and_time(core: EngineCore, rank: int) -> None:
     )
 
 
-class _Kernels:
-    """Stands in for Triton's loads on one rank: a plan brings in its token count's power-of-two
-    class, and on rank 1 also its row count's, so that the ranks' plans differ."""
-
-    def __init__(self, rank: int) -> None:
-        self.loaded: set[tuple[str, int]] = set()
-        self.rank = rank
-
-    def see(self, plan: StepPlan) -> None:
-        tokens = sum(seq.extend for seq in plan.seqs)
-        self.loaded.add(("tokens", 1 << (tokens - 1).bit_length()))
-        if self.rank == 1:
-            self.loaded.add(("rows", len(plan.seqs)))
-
-    def count(self) -> int:
-        return len(self.loaded)
-
-
 @contextmanager
-def _counting(core: EngineCore, rank: int) -> Iterator[_Kernels]:
-    """The runner's steps, each also seen by a fresh `_Kernels` (a fresh process's)."""
-    kernels = _Kernels(rank)
+def _counting(core: EngineCore, rank: int) -> Iterator[KernelClasses]:
+    """The runner's steps, each also seen by a fresh `KernelClasses` (a fresh process's)."""
+    kernels = KernelClasses(rank)
     run = core.runner.run
 
     def counted(plan: StepPlan, layers: Sequence[int] | None = None) -> StepResult:

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+
+from helpers.kernel_classes import KernelClasses
 
 from m3serve.core.engine_start import warm_up
 from m3serve.core.memory import KVBudget
 from m3serve.core.warmup_record import Recorder, WarmupRecord, record_key
 from m3serve.model.config import TextConfig
 from m3serve.runtime.config import ServerArgs
-from m3serve.runtime.messages import StepPlan
 
 
 def test_a_record_gives_back_the_plans_it_saved(tmp_path: Path) -> None:
@@ -56,41 +57,29 @@ def test_the_key_follows_every_part_but_not_the_order_of_a_set() -> None:
     assert key != record_key({"a": _Part(frozenset({"MXFP8", "NVFP4"})), "b": 2})
 
 
-@dataclass
-class _Process:
-    """A server process as the warm-up sees it: each plan's kernels are its step's token count
-    rounded up to a power of two (a variant class), brought in by the first plan that needs it."""
-
-    loaded: set[int] = field(default_factory=set)
-    plans_run: int = 0
-
-    def run(self, plan: StepPlan, layers: list[int]) -> None:
-        self.plans_run += 1
-        tokens = sum(seq.extend for seq in plan.seqs)
-        self.loaded.add(1 << (tokens - 1).bit_length())
-
-
-def _start(tmp_path: Path, **kwargs: Any) -> tuple[Any, _Process]:
-    process = _Process()
+def _start(tmp_path: Path, **kwargs: Any) -> tuple[Any, KernelClasses]:
+    """A start of a server process as the warm-up sees it (each plan's kernels a class, brought
+    in by the first plan that needs it)."""
+    process = KernelClasses()
     runner: Any = SimpleNamespace(
         model=SimpleNamespace(cfg=TextConfig(num_layers=2, layer_types=("sparse",) * 2,
                                              mlp_layer_types=("dense", "moe"))),
-        run=process.run,
+        run=lambda plan, layers: process.see(plan),
         sampler=SimpleNamespace(warm_up=lambda: None),
     )  # fmt: skip
     args = ServerArgs.from_kwargs(max_running_requests=4, chunked_prefill_size=64, **kwargs)
-    recorder = Recorder(tmp_path, {"model": "tiny"}, lambda: len(process.loaded))
+    recorder = Recorder(tmp_path, {"model": "tiny"}, process.count)
     done = warm_up(args, runner, KVBudget(num_pages=64, page_size=16), None, 256, 4, recorder)
     return done, process
 
 
 def test_a_restart_runs_only_the_plans_that_brought_in_a_kernel(tmp_path: Path) -> None:
     first, cold = _start(tmp_path)
-    assert not first.recorded and first.steps == first.plans == cold.plans_run
+    assert not first.recorded and first.steps == first.plans == cold.plans
     again, warm = _start(tmp_path)
     assert again.recorded and again.plans == first.plans
     assert again.steps == len(cold.loaded) < first.plans  # one plan a kernel class
     assert warm.loaded == cold.loaded  # and every class the whole pass brought in
     full, forced = _start(tmp_path, full_warmup=True)
-    assert not full.recorded and forced.plans_run == first.plans
+    assert not full.recorded and forced.plans == first.plans
     assert forced.loaded == cold.loaded
