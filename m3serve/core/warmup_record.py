@@ -127,7 +127,10 @@ class Recorder:
     ranks: RankGroup = dataclasses.field(default_factory=RankGroup)
 
     def record(self, limits: WarmupLimits, layers: list[int], gamma: int) -> WarmupRecord:
-        key = record_key({**self.parts, "limits": limits, "layers": layers, "gamma": gamma})
+        # The pool's page count moves with the free memory at start; the plans only take page
+        # numbers from it (values, not shapes), so it stays out of the key.
+        pass_limits = dataclasses.replace(limits, num_pages=0)
+        key = record_key({**self.parts, "limits": pass_limits, "layers": layers, "gamma": gamma})
         return WarmupRecord(self.directory, key)
 
     def agree(self, chosen: frozenset[int] | None) -> frozenset[int] | None:

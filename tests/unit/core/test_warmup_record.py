@@ -57,7 +57,7 @@ def test_the_key_follows_every_part_but_not_the_order_of_a_set() -> None:
     assert key != record_key({"a": _Part(frozenset({"MXFP8", "NVFP4"})), "b": 2})
 
 
-def _start(tmp_path: Path, **kwargs: Any) -> tuple[Any, KernelClasses]:
+def _start(tmp_path: Path, num_pages: int = 64, **kwargs: Any) -> tuple[Any, KernelClasses]:
     """A start of a server process as the warm-up sees it (each plan's kernels a class, brought
     in by the first plan that needs it)."""
     process = KernelClasses()
@@ -69,7 +69,7 @@ def _start(tmp_path: Path, **kwargs: Any) -> tuple[Any, KernelClasses]:
     )  # fmt: skip
     args = ServerArgs.from_kwargs(max_running_requests=4, chunked_prefill_size=64, **kwargs)
     recorder = Recorder(tmp_path, {"model": "tiny"}, process.count)
-    done = warm_up(args, runner, KVBudget(num_pages=64, page_size=16), None, 256, 4, recorder)
+    done = warm_up(args, runner, KVBudget(num_pages, page_size=16), None, 256, 4, recorder)
     return done, process
 
 
@@ -83,3 +83,13 @@ def test_a_restart_runs_only_the_plans_that_brought_in_a_kernel(tmp_path: Path) 
     full, forced = _start(tmp_path, full_warmup=True)
     assert not full.recorded and forced.plans == first.plans
     assert forced.loaded == cold.loaded
+
+
+def test_a_pool_of_another_size_reuses_the_record(tmp_path: Path) -> None:
+    # 64 pages of 16 hold the 256-token context; 6 and 7 pages do not, and round up to 8.
+    first, _ = _start(tmp_path)
+    assert _start(tmp_path, num_pages=61)[0].recorded
+    capped, _ = _start(tmp_path, num_pages=6)
+    assert not capped.recorded and capped.plans < first.plans  # a pass up to 128 tokens
+    again, _ = _start(tmp_path, num_pages=7)
+    assert again.recorded and again.plans == capped.plans
