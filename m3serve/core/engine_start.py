@@ -100,17 +100,6 @@ class WarmedUp:
     recorded: bool  # the plans run were those a record named (core/warmup_record.py)
 
 
-def warm_context(context: int, budget: KVBudget) -> int:
-    """The longest request the warm-up plans for: the context, or where the pool holds less,
-    the pool's tokens rounded up to a power of two of pages. A pool sized from the free memory
-    moves by a few pages from start to start; rounded, the pass (and its record's key) stays the
-    same, at the cost of shapes up to twice what the pool reaches (the plans' pages wrap)."""
-    if budget.tokens >= context:
-        return context
-    pages = 1 << (budget.num_pages - 1).bit_length()
-    return min(context, pages * budget.page_size)
-
-
 def warm_up(
     args: ServerArgs,
     runner: StepRunner,
@@ -133,7 +122,7 @@ def warm_up(
         num_pages=budget.num_pages,
         max_running=slots,
         max_step_tokens=most,
-        context=warm_context(context, budget),
+        context=min(context, budget.tokens),
     )
     cfg = runner.model.cfg
     layers = distinct_layers(cfg.layer_types, cfg.mlp_layer_types)

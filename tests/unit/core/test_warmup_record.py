@@ -86,10 +86,12 @@ def test_a_restart_runs_only_the_plans_that_brought_in_a_kernel(tmp_path: Path) 
 
 
 def test_a_pool_of_another_size_reuses_the_record(tmp_path: Path) -> None:
-    # 64 pages of 16 hold the 256-token context; 6 and 7 pages do not, and round up to 8.
+    # 64 and 61 pages of 16 hold the 256-token context: one pass, one record.
     first, _ = _start(tmp_path)
     assert _start(tmp_path, num_pages=61)[0].recorded
+    # 6 pages do not: the pass stops at the pool's 96 tokens (no request is longer), and its
+    # record is that pool's.
     capped, _ = _start(tmp_path, num_pages=6)
-    assert not capped.recorded and capped.plans < first.plans  # a pass up to 128 tokens
-    again, _ = _start(tmp_path, num_pages=7)
+    assert not capped.recorded and capped.plans < first.plans
+    again, _ = _start(tmp_path, num_pages=6)
     assert again.recorded and again.plans == capped.plans
