@@ -15,6 +15,7 @@ from m3serve.core.memory import KVBudget
 from m3serve.core.warmup_record import Recorder, WarmupRecord, record_key
 from m3serve.model.config import TextConfig
 from m3serve.runtime.config import ServerArgs
+from m3serve.runtime.messages import StepPlan
 
 
 def test_a_record_gives_back_the_plans_it_saved(tmp_path: Path) -> None:
@@ -61,10 +62,16 @@ def _start(tmp_path: Path, num_pages: int = 64, **kwargs: Any) -> tuple[Any, Ker
     """A start of a server process as the warm-up sees it (each plan's kernels a class, brought
     in by the first plan that needs it)."""
     process = KernelClasses()
+
+    def run(plan: StepPlan, layers: list[int]) -> None:
+        # The engine's slot page table holds the pool's pages: no plan may need more.
+        assert all(seq.num_pages <= num_pages for seq in plan.seqs)
+        process.see(plan)
+
     runner: Any = SimpleNamespace(
         model=SimpleNamespace(cfg=TextConfig(num_layers=2, layer_types=("sparse",) * 2,
                                              mlp_layer_types=("dense", "moe"))),
-        run=lambda plan, layers: process.see(plan),
+        run=run,
         sampler=SimpleNamespace(warm_up=lambda: None),
     )  # fmt: skip
     args = ServerArgs.from_kwargs(max_running_requests=4, chunked_prefill_size=64, **kwargs)
