@@ -327,7 +327,7 @@ class EngineCore(StepLoop):
         )
         torch.cuda.synchronize(self.device)
         kernels = compiles.count - before
-        ran = f"{done.steps} steps" if not done.recorded else f"{done.steps} of {done.plans} plans"
+        ran = f"{done.steps} of {done.plans} plans" if done.recorded else f"{done.steps} steps"
         self.startup.note("warm-up", f"{ran} on layers {done.layers}, {kernels} kernels")
 
     def _recorder(self, args: ServerArgs) -> Recorder | None:

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from helpers.core_ranks import ReqSpec, core_args, drive, run_cores, waves_job
-from helpers.startup_jobs import KWARGS, warm_up_and_time, warm_up_from_one_record
+from helpers.startup_jobs import (
+    KWARGS,
+    shared_record_dir,
+    warm_up_and_time,
+    warm_up_from_one_record,
+)
 
 from m3serve.core.engine_core import EngineCore
 from m3serve.model.tiny.checkpoint import TinySpec
@@ -61,4 +65,4 @@ def test_ranks_warm_up_from_one_record(path: Path) -> None:
     try:
         run_cores(2, path, KWARGS, waves_job, [requests()[:1]], setup=warm_up_from_one_record)
     finally:  # the ranks' shared directory is named after their parent: this process
-        shutil.rmtree(Path(tempfile.gettempdir()) / f"m3serve-warmup-{os.getpid()}", True)
+        shutil.rmtree(shared_record_dir(os.getpid()), True)

@@ -68,6 +68,11 @@ def _counting(core: EngineCore, rank: int) -> Iterator[KernelClasses]:
         del core.runner.run  # the class's method again
 
 
+def shared_record_dir(parent: int) -> Path:
+    """The warm-up record directory the ranks of test process `parent` share."""
+    return Path(tempfile.gettempdir()) / f"m3serve-warmup-{parent}"
+
+
 def warm_up_from_one_record(core: EngineCore, rank: int) -> None:
     """A setup: the warm-up three times on this rank, each as a fresh process would (no kernel
     in yet), with a record in a directory the ranks share (core/warmup_record.py): the whole
@@ -76,7 +81,7 @@ def warm_up_from_one_record(core: EngineCore, rank: int) -> None:
     the whole pass on both again."""
     args = ServerArgs.from_kwargs(**KWARGS)
     slots, context = args.sched.max_running_requests, KWARGS["context_length"]
-    shared = Path(tempfile.gettempdir()) / f"m3serve-warmup-{os.getppid()}"
+    shared = shared_record_dir(os.getppid())
     runs = []
     for attempt in range(3):
         directory = shared / "elsewhere" if attempt == 2 and rank == 1 else shared
