@@ -132,22 +132,33 @@ class SchedulerActor(Actor):
     async def loop(self) -> None:
         core = self.core
         assert core is not None
-        step = core.step if self.args.sched.disable_overlap_schedule else core.overlap_step
+        overlap = not self.args.sched.disable_overlap_schedule
         receiver = asyncio.create_task(self._receive(), name="scheduler-receive")
+        # Overlap: a step's outputs, sent once the step after next is launched (`overlap_step`).
+        unsent: Outputs | None = None
+
+        async def send_unsent() -> None:
+            nonlocal unsent
+            outputs, unsent = unsent, None
+            await self._emit(outputs)
+
         try:
             while not self.stopping:
                 if receiver.done():
                     receiver.result()  # a crashed receiver is a crashed actor
                 # Cleared before planning: a message that lands from here on wakes the idle wait.
                 self._wake.clear()
-                outputs = await step()
+                if overlap:
+                    outputs = unsent = await core.overlap_step(send_unsent)
+                else:
+                    outputs = await core.step()
+                    await self._emit(outputs)
                 # Cheap per step: unchanged figures write nothing, changed ones a few floats
                 # (mmap writes when the actors run as processes).
                 self.metrics.update(core.scheduler, core.compiles_after_ready)
                 if outputs is None:
                     await self._idle(receiver)
-                    continue
-                await self._emit(outputs)
+            await send_unsent()
             await self._emit(await core.drain())
         finally:
             receiver.cancel()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 from m3serve.core.executor import Executor
 from m3serve.core.media import ReqMedia
@@ -70,17 +71,30 @@ class StepLoop:
         plan = self._schedule()
         if plan is None:
             return self.scheduler.take_errors()
-        return await self._process(self._launch(plan))
+        outputs = await self._process(self._launch(plan))
+        self.trace.log_processed()
+        return outputs
 
-    async def overlap_step(self) -> Outputs | None:
+    async def overlap_step(
+        self, launched: Callable[[], Awaitable[None]] | None = None
+    ) -> Outputs | None:
         """Schedule and launch step N+1, then process step N, whose tokens the plan of step N+1
         never needed (decode inputs come from the slot table). None when nothing was planned
-        and nothing was in flight."""
+        and nothing was in flight.
+
+        `launched` is awaited once step N+1 is launched, before step N's result is awaited:
+        the caller sends step N-1's outputs there. From step N-1's result to the plan of step
+        N+1 the executor may be waiting for that plan, to build it while step N runs; sending
+        first (or logging the step trace) would put the sockets' writes, which let go of the
+        GIL and take it back behind the executor, on that path."""
         plan = self._schedule()
         previous = self._in_flight
         self._in_flight = self._launch(plan) if plan is not None else None
         if plan is None:  # the executor may be waiting for this plan (core/executor.py)
             self.executor.nothing_planned()
+        self.trace.log_processed()
+        if launched is not None:
+            await launched()
         if previous is None:
             return self.scheduler.take_errors() if plan is None else Outputs()
         return await self._process(previous)
@@ -88,7 +102,9 @@ class StepLoop:
     async def drain(self) -> Outputs | None:
         """Process the step still in flight, if any (before shutting down)."""
         previous, self._in_flight = self._in_flight, None
-        return await self._process(previous) if previous is not None else None
+        outputs = await self._process(previous) if previous is not None else None
+        self.trace.log_processed()
+        return outputs
 
     def _schedule(self) -> StepPlan | None:
         started = time.perf_counter()

@@ -282,6 +282,7 @@ class StepTrace:
         self.compiles = CompileCounter()
         self.gc = GcPauses() if log_every_step else None
         self._records: dict[int, StepRecord] = {}
+        self._unlogged: list[StepRecord] = []  # processed, logged by `log_processed`
         self._last_run_end: float | None = None  # executor thread only
         self._serving = False  # a step has been planned: start-up is over
         self.alloc: AllocWatch | None = None
@@ -363,15 +364,24 @@ class StepTrace:
         if self.gc is not None:
             record.gc_ms += self.gc.total_ms
             record.gc_full_ms += self.gc.full_ms
-        if record.compiled:
-            log.warning("%s (a compile stalls every request in the step)", record.line())
-        elif self.log_every_step:
-            log.info("%s", record.line())
+        if record.compiled or self.log_every_step:
+            self._unlogged.append(record)
+        return record
+
+    def log_processed(self) -> None:
+        """Log the steps processed since the last call (and long gc pauses). Apart from
+        `processed` so that the overlap scheduler can launch the next step first: a write
+        lets go of the GIL, and the executor may be waiting for that step's plan."""
+        for record in self._unlogged:
+            if record.compiled:
+                log.warning("%s (a compile stalls every request in the step)", record.line())
+            else:
+                log.info("%s", record.line())
+        self._unlogged.clear()
         if self.gc is not None:
             for pause in self.gc.take_long():
                 log.info("gc pause %.2f ms: generation %d, %d objects freed, in thread %s",
                          pause.ms, pause.generation, pause.collected, pause.thread)  # fmt: skip
-        return record
 
     def close(self) -> None:
         self.compiles.close()

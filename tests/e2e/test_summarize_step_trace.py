@@ -260,6 +260,7 @@ def test_long_collections_are_counted_by_generation_and_thread(
         trace.ran(3, 0.001, trace.compiles.count)
         with caplog.at_level(logging.INFO, logger="m3serve.core.trace"):
             trace.processed(3, 0.0)
+            trace.log_processed()
     finally:
         trace.close()
     pause = next(r.getMessage() for r in caplog.records if "gc pause" in r.getMessage())

@@ -34,6 +34,8 @@ def test_each_step_logs_its_kind_batch_tokens_and_times(caplog: pytest.LogCaptur
     trace.ran(7, 0.004, trace.compiles.count)
     with caplog.at_level(logging.INFO, logger="m3serve.core.trace"):
         record = trace.processed(7, 0.002)
+        assert not caplog.records  # logged apart: the overlap scheduler plans first
+        trace.log_processed()
     assert record is not None and record.tokens == 5
     (line,) = [r.getMessage() for r in caplog.records]
     assert line.startswith("step 7 mixed batch=2 tokens=5 host=3.00ms")
@@ -51,6 +53,7 @@ def test_a_step_that_samples_logs_how_long_its_launch_took(
     trace.ran(4, 0.004, trace.compiles.count)  # samples nothing: no launch point
     with caplog.at_level(logging.INFO, logger="m3serve.core.trace"):
         sampled, chunk = trace.processed(3, 0.0), trace.processed(4, 0.0)
+        trace.log_processed()
     assert sampled is not None and sampled.launch_ms == pytest.approx(3.0)
     assert chunk is not None and chunk.launch_ms == 0.0
     first, second = (r.getMessage() for r in caplog.records)
@@ -70,6 +73,7 @@ def test_a_step_that_built_its_own_batch_logs_how_long_that_took(
     with caplog.at_level(logging.INFO, logger="m3serve.core.trace"):
         trace.processed(5, 0.0)
         trace.processed(6, 0.0)
+        trace.log_processed()
     late, ahead = (r.getMessage() for r in caplog.records)
     assert late.endswith(" launch=3.00ms build=1.20ms cpu=0.00ms")
     assert "build=" not in ahead
@@ -93,6 +97,7 @@ def test_a_launch_logs_the_executor_threads_cpu_time_in_it_and_its_preemptions(
     with caplog.at_level(logging.INFO, logger="m3serve.core.trace"):
         trace.processed(5, 0.0)
         trace.processed(6, 0.0)
+        trace.log_processed()
     starved, chunk = (r.getMessage() for r in caplog.records)
     assert starved.endswith(
         " launch=20.00ms cpu=1.20ms preempted=3 device=21.00ms wait=0.50ms ahead=0.30ms"
@@ -126,6 +131,7 @@ def test_idle_is_the_executors_wait_for_a_plan_and_lag_the_results_wait(
     time.sleep(0.02)
     with caplog.at_level(logging.INFO, logger="m3serve.core.trace"):
         first = trace.processed(1, 0.0)
+        trace.log_processed()
     trace.planned(plan(DECODE, step=2), 0.0)
     trace.ran(2, 0.001, trace.compiles.count)
     second = trace.processed(2, 0.0)
@@ -145,6 +151,7 @@ def test_a_mixed_step_logs_the_prompt_budget_it_was_held_to(
     with caplog.at_level(logging.INFO, logger="m3serve.core.trace"):
         trace.processed(8, 0.0)
         trace.processed(9, 0.0)
+        trace.log_processed()
     mixed, decode = [r.getMessage() for r in caplog.records]
     assert mixed.endswith("budget=256") and "budget" not in decode
     trace.close()
@@ -159,6 +166,7 @@ def test_a_budget_sized_for_a_batch_still_filling_logs_that_batch(
     with caplog.at_level(logging.INFO, logger="m3serve.core.trace"):
         trace.processed(8, 0.0)
         trace.processed(9, 0.0)
+        trace.log_processed()
     ahead, own = [r.getMessage() for r in caplog.records]
     assert ahead.endswith("budget=512(64 rows)") and own.endswith("budget=256")
     trace.close()
@@ -174,6 +182,7 @@ def test_a_step_that_compiled_is_a_warning_even_without_the_trace(
     trace.ran(3, 0.5, before)
     with caplog.at_level(logging.INFO, logger="m3serve.core.trace"):
         trace.processed(3, 0.0)
+        trace.log_processed()
     (record,) = caplog.records
     assert record.levelno == logging.WARNING
     assert "compiled 1: _prefill_kernel" in record.getMessage()
@@ -212,6 +221,7 @@ def traced_step(
         trace.ran(4, 0.001, trace.compiles.count)
         with caplog.at_level(logging.INFO, logger="m3serve.core.trace"):
             record = trace.processed(4, 0.0)
+            trace.log_processed()
     finally:
         gc.enable()
         trace.close()
