@@ -9,6 +9,7 @@ ahead."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -347,3 +348,32 @@ def test_each_step_feeds_back_the_batch_its_budget_was_planned_for(
     assert len(budget.rows) > 1
     assert all(sized_for == decodes + 5 for decodes, sized_for in budget.rows[1:])
     assert core._budget_rows == {}
+
+
+def test_the_next_step_is_launched_before_the_last_steps_result_is_taken(
+    two_slots: EngineCore,
+) -> None:
+    """`overlap_step(launched)` awaits `launched` (where the scheduler actor sends the outputs
+    the call before returned) with the new step in flight and the step before it not yet
+    processed: its tokens are not on the host yet."""
+    req = _req("solo", frozenset(), max_new=5)
+    seen: list[tuple[int | None, int]] = []  # at `launched`: the step in flight, host tokens
+
+    async def launched() -> None:
+        in_flight = two_slots._in_flight
+        seen.append((in_flight[0] if in_flight is not None else None, len(req.output)))
+
+    async def go() -> list[int]:
+        two_slots.add(req)
+        counts = []
+        while two_slots.has_work or two_slots._in_flight is not None:
+            await two_slots.overlap_step(launched)
+            counts.append(len(req.output))
+        return counts
+
+    counts = asyncio.run(go())
+    assert counts[-1] == 5 and len(seen) == len(counts)
+    steps = [step for step, _ in seen if step is not None]
+    assert len(steps) >= 5 and steps == sorted(set(steps))  # each call launched a new step
+    # At each `launched` the host holds what the call before returned, not this call's tokens.
+    assert [tokens for _, tokens in seen] == [0, *counts[:-1]]
