@@ -13,7 +13,7 @@
 #
 #   carry [".whl"] (plus ".scratch" holding tcache.tgz.part*, if any):
 #   bash perf/h200_serve_slice.sh [--experts N] [--layers L] [--tag T] [--client-procs P]
-#       [--serve-arg ARG]... [--py-spy NAME]
+#       [--serve-arg ARG]... [--py-spy NAME] [--py-spy-idle]
 #       [LEVEL...]
 #
 # `--experts N`: routed experts per layer of the slice (default 8; issue 11 allows 8-32). With
@@ -30,6 +30,8 @@
 # the executor thread's samples). Needs py-spy's wheel in `.whl` (`device-wheels.sh py-spy`):
 # where the host time of a step goes when its run outlasts its kernels (2026-12-07: ~0.6 ms a
 # step on one H100's host, none on another's). The level should last 6 s or more: c1:1:24.
+# `--py-spy-idle`: record threads while they wait too (py-spy's --idle), so that a thread
+# waiting for the GIL shows where it waits.
 # A LEVEL is NAME:CONCURRENCY:REQUESTS[:probe]; the default is the table of the closing notes:
 # c1:1:12 c16:16:192 c64:64:256:probe c128:128:256 c256:256:512. `.whl` holds the wheels the
 # README's Notes list (the server dies at import without xgrammar's).
@@ -40,6 +42,7 @@ tag=""
 client_procs=4
 serve_args=()
 py_spy=""
+py_spy_idle=()
 while [ $# -gt 0 ]; do
   case $1 in
     --experts) experts=$2; shift 2 ;;
@@ -48,6 +51,7 @@ while [ $# -gt 0 ]; do
     --client-procs) client_procs=$2; shift 2 ;;
     --serve-arg) serve_args+=("$2"); shift 2 ;;
     --py-spy) py_spy=$2; shift 2 ;;
+    --py-spy-idle) py_spy_idle=(--idle); shift ;;
     *) break ;;
   esac
 done
@@ -81,7 +85,7 @@ record_py_spy() {  # record_py_spy FILE: 2 s into the level, 4 s of each server 
   local pid pids
   pids="$server $(pgrep -P $server)"
   for pid in $pids; do
-    py-spy record -r 250 -d 4 -f raw --threads -p "$pid" -o "$1.$pid" > /dev/null 2>&1 &
+    py-spy record -r 250 -d 4 -f raw --threads "${py_spy_idle[@]}" -p "$pid" -o "$1.$pid" > /dev/null 2>&1 &
   done
   wait
   for pid in $pids; do
