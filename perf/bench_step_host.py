@@ -69,7 +69,7 @@ PARTS = [
     ("", "_build"),
     ("", "_decode_rows"),
     ("slot_pages", "update"),
-    ("", "_fill_slot_tokens"),
+    ("slot_pages", "changes"),
     ("", "_launches_ahead"),
     ("", "_launch_ahead"),
     ("", "logits"),

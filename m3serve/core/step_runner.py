@@ -49,7 +49,7 @@ from m3serve.core.sampler import Sampler
 from m3serve.core.step_ahead import LaunchedAhead, StepsAhead, step_result
 from m3serve.core.step_draw import StepDraws
 from m3serve.model.batch import ForwardBatch
-from m3serve.model.host_copy import Download, upload, upload_many
+from m3serve.model.host_copy import Download, upload
 from m3serve.model.kv_cache import KVCache
 from m3serve.model.m3 import M3ForCausalLM
 from m3serve.model.slot_pages import SlotPages
@@ -260,9 +260,10 @@ class StepRunner(StepsAhead, StepDraws):
         decode = self._decode_rows(seqs) if rows else None
         if decode is not None:
             return decode
-        batch = ForwardBatch.build(seqs, self.page_size, self.device, slot_pages=self.slot_pages)
-        self._fill_slot_tokens(seqs, batch)
-        return batch
+        return ForwardBatch.build(
+            seqs, self.page_size, self.device, slot_pages=self.slot_pages,
+            slot_tokens=self.last_tokens,
+        )  # fmt: skip
 
     def _decode_rows(self, seqs: list[SeqStep]) -> DecodeRows | None:
         """`seqs` as the rows of a decode graph (core/graphs.py `DecodeRows`): plain decode
@@ -413,18 +414,6 @@ class StepRunner(StepsAhead, StepDraws):
                     self._ahead.dead.add(slot)  # its row there was launched live
             else:
                 self._ended.discard(slot)
-
-    def _fill_slot_tokens(self, seqs: Sequence[SeqStep], batch: ForwardBatch) -> None:
-        """Decode inputs the CPU has not seen yet come from the device-side token table."""
-        rows, slots, row = [], [], 0
-        for seq in seqs:
-            if seq.input_ids is None:
-                rows.append(row)
-                slots.append(seq.slot)
-            row += seq.extend
-        if rows:
-            rows_t, index = upload_many([(rows, torch.int64), (slots, torch.int64)], self.device)
-            batch.input_ids.index_copy_(0, rows_t, self.last_tokens.index_select(0, index))
 
 
 def _device_done(device: torch.device) -> Callable[[], bool]:

@@ -61,13 +61,16 @@ class ForwardBatch:
         device: torch.device | str,
         all_logits: bool = False,
         slot_pages: SlotPages | None = None,
+        slot_tokens: torch.Tensor | None = None,
     ) -> ForwardBatch:
         """The batch of `seqs`. Logits are for the last new token of each sampled seq, or with
-        `all_logits` for every new token (parity tests). A seq without input ids gets a
-        placeholder token (a verify row: one per token) its caller overwrites on the device.
+        `all_logits` for every new token (parity tests). A seq without input ids gets
+        placeholder tokens (a verify row: one per token) its caller overwrites on the device;
+        with `slot_tokens` (the device's last token of each slot) its first is its slot's.
 
         With `slot_pages` the seqs' page changes are applied to it and the page table is its
-        rows, gathered on the device; without, every seq carries its whole page list.
+        rows, gathered on the device; without, every seq carries its whole page list. Either
+        way the step's host arrays go up in one copy.
 
         Per-token metadata is computed with numpy, not per token in Python: a step of a few
         thousand prompt tokens would otherwise spend milliseconds here before it launches."""
@@ -88,7 +91,7 @@ class ForwardBatch:
             slots = table[rows, positions // page_size] * page_size + positions % page_size
             pages_item = (table, torch.int32)  # the page table itself
         else:
-            slot_pages.update(seqs)
+            changed = slot_pages.changes(seqs)
             held = np.fromiter((s.slot for s in seqs), np.int64, len(seqs))
             pages = slot_pages.host[held[rows], positions // page_size]
             slots = pages * page_size + positions % page_size
@@ -102,24 +105,34 @@ class ForwardBatch:
         ids = [t for s in seqs for t in ([0] * s.extend if s.input_ids is None else s.input_ids)]
 
         seq_lens = starts + extends
+        items = [
+            (ids, torch.int64),
+            (positions, torch.int64),
+            (slots, torch.int64),
+            (logit_rows, torch.int64),
+            (seq_lens, torch.int32),
+            (np.concatenate([[0], ends]), torch.int32),
+            pages_item,
+        ]
+        token_rows = _slot_token_rows(seqs, ends) if slot_tokens is not None else None
+        if token_rows is not None:
+            items += token_rows
+        if slot_pages is not None and changed is not None:
+            items += changed
         # One host-to-device copy for the whole step's metadata.
-        input_ids, positions_t, out_slots, logit_rows_t, seq_lens_t, extend_starts, pages_t = (
-            upload_many(
-                [
-                    (ids, torch.int64),
-                    (positions, torch.int64),
-                    (slots, torch.int64),
-                    (logit_rows, torch.int64),
-                    (seq_lens, torch.int32),
-                    (np.concatenate([[0], ends]), torch.int32),
-                    pages_item,
-                ],
-                device,
-            )
-        )
+        sent = upload_many(items, device)
+        input_ids, positions_t, out_slots, logit_rows_t, seq_lens_t, extend_starts, pages_t = sent[
+            :7
+        ]
+        if token_rows is not None:
+            assert slot_tokens is not None
+            rows_t, slots_t = sent[7:9]
+            input_ids.index_copy_(0, rows_t, slot_tokens.index_select(0, slots_t))
         if slot_pages is None:
             page_table = pages_t
         else:  # index_select, not advanced indexing: a fraction of the host time a step
+            if changed is not None:
+                slot_pages.write(*sent[-2:])
             page_table = torch.index_select(slot_pages.table[:, :max_pages], 0, pages_t)
         return cls(
             input_ids=input_ids,
@@ -136,6 +149,19 @@ class ForwardBatch:
             decode_rows=len(seqs) if (extends == 1).all() else int((extends == 1).argmin()),
             logit_rows_host=logit_rows,
         )
+
+
+def _slot_token_rows(
+    seqs: Sequence[SeqStep], ends: np.ndarray
+) -> list[tuple[np.ndarray, torch.dtype]] | None:
+    """The first batch row of each seq without input ids, and its slot (None: no such seq):
+    its token there is the slot's last, from the device's table."""
+    starts = (int(end) - seq.extend for seq, end in zip(seqs, ends, strict=True))
+    rows = [row for seq, row in zip(seqs, starts, strict=True) if seq.input_ids is None]
+    if not rows:
+        return None
+    slots = [seq.slot for seq in seqs if seq.input_ids is None]
+    return [(np.asarray(rows, np.int64), torch.int64), (np.asarray(slots, np.int64), torch.int64)]
 
 
 def _check_seq(seq: SeqStep, page_size: int, whole: bool) -> None:

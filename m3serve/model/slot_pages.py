@@ -32,6 +32,14 @@ class SlotPages:
     def update(self, seqs: Sequence[SeqStep]) -> None:
         """Apply each row's change to its slot's list: `pages` from `page_start` on, the rest
         of the old list dropped. One host-to-device copy for all rows (none if none changed)."""
+        changed = self.changes(seqs)
+        if changed is not None:
+            self.write(*upload_many(changed, self.table.device))
+
+    def changes(self, seqs: Sequence[SeqStep]) -> list[tuple[np.ndarray, torch.dtype]] | None:
+        """Apply the rows' changes to the host lists; the device table's changed entries, as
+        the arrays `write` takes once uploaded (a step's batch sends them in its one copy), or
+        None where no list changed."""
         flat: list[np.ndarray] = []  # entries of the flattened table
         values: list[np.ndarray] = []
         for seq in seqs:
@@ -52,11 +60,12 @@ class SlotPages:
             changed = np.arange(seq.page_start, max(new, old))
             flat.append(seq.slot * self.max_pages + changed)
             values.append(row[changed])
-        if flat:
-            # Flat indices and one index_copy_: a two-tensor index_put_ cost the host several
-            # times as much (its index tensors expanded and checked every step).
-            index, value = upload_many(
-                [(np.concatenate(flat), torch.int64), (np.concatenate(values), torch.int32)],
-                self.table.device,
-            )
-            self.table.view(-1).index_copy_(0, index, value)
+        if not flat:
+            return None
+        return [(np.concatenate(flat), torch.int64), (np.concatenate(values), torch.int32)]
+
+    def write(self, index: torch.Tensor, value: torch.Tensor) -> None:
+        """The device table's entries at flat `index` set to `value` (`changes`, uploaded).
+        Flat indices and one index_copy_: a two-tensor index_put_ cost the host several times
+        as much (its index tensors expanded and checked every step)."""
+        self.table.view(-1).index_copy_(0, index, value)

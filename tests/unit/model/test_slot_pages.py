@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import m3serve.model.batch as batch_module
 from m3serve.model.batch import ForwardBatch
 from m3serve.model.slot_pages import SlotPages
 from m3serve.runtime.messages import SeqStep
@@ -81,3 +82,30 @@ def test_a_change_past_what_the_slot_holds_is_refused() -> None:
     too_long = msgspec.structs.replace(seq, page_start=0, pages=list(range(9)))
     with pytest.raises(ValueError, match="the table holds 8"):
         ForwardBatch.build([too_long], PAGE, "cpu", slot_pages=slot_pages)
+
+
+def test_rows_without_input_ids_take_their_slots_last_token_in_the_steps_one_upload(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A decode row and a verify row (its first token the slot's last, its drafts written
+    later) beside a prompt chunk; the slots' page changes and those rows' slots go up with the
+    batch's arrays in one copy."""
+    uploads: list[int] = []
+    upload_many = batch_module.upload_many
+
+    def counted(items, device):  # type: ignore[no-untyped-def]
+        uploads.append(len(items))
+        return upload_many(items, device)
+
+    monkeypatch.setattr(batch_module, "upload_many", counted)
+    slot_pages = SlotPages(3, 8, "cpu")
+    last = torch.tensor([70, 71, 72])  # each slot's last token, on the "device"
+    seqs = [
+        SeqStep(None, 5, [1, 2], slot=2),  # a decode row: 1 token
+        SeqStep([9, 8, 7], 0, [3], slot=0),  # a prompt chunk
+        SeqStep(None, 4, [4, 5], slot=1, draft=2),  # a verify row: 3 tokens
+    ]
+    batch = ForwardBatch.build(seqs, PAGE, "cpu", slot_pages=slot_pages, slot_tokens=last)
+    assert batch.input_ids.tolist() == [72, 9, 8, 7, 71, 0, 0]
+    assert uploads == [11]  # 7 arrays of the batch, 2 for the rows' tokens, 2 page changes
+    assert slot_pages.table[1, :2].tolist() == [4, 5] and slot_pages.table[2, :2].tolist() == [1, 2]
