@@ -84,6 +84,7 @@ class ForwardBatch:
         rows = np.repeat(np.arange(len(seqs)), extends)  # the seq each new token belongs to
         positions = starts[rows] + np.arange(int(ends[-1])) - (ends - extends)[rows]
         max_pages = max(s.num_pages for s in seqs)
+        changed = None  # the slot lists' changes, to send with the batch
         if slot_pages is None:
             table = np.full((len(seqs), max_pages), -1, np.int64)
             for i, seq in enumerate(seqs):
@@ -117,13 +118,11 @@ class ForwardBatch:
         token_rows = _slot_token_rows(seqs, ends) if slot_tokens is not None else None
         if token_rows is not None:
             items += token_rows
-        if slot_pages is not None and changed is not None:
+        if changed is not None:
             items += changed
         # One host-to-device copy for the whole step's metadata.
         sent = upload_many(items, device)
-        input_ids, positions_t, out_slots, logit_rows_t, seq_lens_t, extend_starts, pages_t = sent[
-            :7
-        ]
+        input_ids, positions_t, out_slots, logit_rows_t, seq_lens_t, starts_t, pages_t = sent[:7]
         if token_rows is not None:
             assert slot_tokens is not None
             rows_t, slots_t = sent[7:9]
@@ -144,7 +143,7 @@ class ForwardBatch:
             logit_rows=logit_rows_t,
             page_size=page_size,
             seq_lens_t=seq_lens_t,
-            extend_starts=extend_starts,
+            extend_starts=starts_t,
             max_extend=int(extends.max()),
             decode_rows=len(seqs) if (extends == 1).all() else int((extends == 1).argmin()),
             logit_rows_host=logit_rows,
