@@ -10,16 +10,11 @@ scratch allocations): 1.8 ms of a 4-layer mixed step's 2.5 ms launch, and so ~27
 
 `LayerCalls.run` records the launches of the first layer's call (each goes through `launch`)
 and, for the layers after it, launches the compiled kernels again directly with that layer's
-tensors swapped in. A direct launch hands Triton's launcher each tensor as its device address
-(an int, which the launcher takes as the pointer itself): given a tensor it calls its
-`data_ptr()` and asks the driver about the address (`cuPointerGetAttribute`), ~10 tensors a
-kernel, and the compiled kernel's own `[grid](...)` looks up the device and stream each time.
-
-A recorded call may do other device work only on what stays the same for the step (its
-batch), since a replay repeats just the kernels; each per-layer input must reach a kernel as
-itself, not as a view or a copy (checked when recording: otherwise the call is not replayed);
-and a replay takes only tensors of the recorded dtype, shape, strides and pointer alignment,
-which is what the compiled variant and the host-side sizes were computed for.
+tensors swapped in. A recorded call may do other device work only on what stays the same for
+the step (its batch), since a replay repeats just the kernels; each per-layer input must reach
+a kernel as itself, not as a view or a copy (checked when recording: otherwise the call is not
+replayed); and a replay takes only tensors of the recorded dtype, shape, strides and pointer
+alignment, which is what the compiled variant and the host-side sizes were computed for.
 """
 
 from __future__ import annotations
@@ -32,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
-import triton
 
 R = TypeVar("R")
 
@@ -107,26 +101,6 @@ class Launch:
         else:
             self.fn[self.grid](*values, **self.options)
 
-    def addressed(self) -> list[Any] | None:
-        """`values` with each tensor as its device address, for `again_at`; None where the
-        kernel is not launched directly (Triton's interpreter, or a Triton without the
-        compiled kernel's launcher parts this relies on)."""
-        compiled = self.compiled
-        if compiled is None or not all(
-            hasattr(compiled, name) for name in ("run", "function", "packed_metadata")
-        ):
-            return None
-        return [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in self.values]
-
-    def again_at(self, addressed: list[Any], stream: int) -> None:
-        """Launch the compiled kernel on `stream` with `addressed` (see `addressed`): what its
-        `[grid](*values)` does, without a launch hook (`_hooked`)."""
-        compiled = self.compiled
-        compiled.run(
-            *self.grid, stream, compiled.function, compiled.packed_metadata, None, None, None,
-            *addressed,
-        )  # fmt: skip
-
 
 def _form(t: torch.Tensor) -> tuple[Any, ...]:
     """What a compiled variant and the host-side sizes of a call depend on in a tensor."""
@@ -140,13 +114,6 @@ def _position(inputs: Sequence[torch.Tensor], value: Any) -> int | None:
     return None
 
 
-def _hooked() -> bool:
-    """Whether a launch hook is set (a profiler's): launches then go through Triton's path,
-    which calls it."""
-    runtime = triton.knobs.runtime
-    return runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
-
-
 @dataclass
 class Recorded:
     """A call's launches, where each per-layer input goes in them, and what the call returned."""
@@ -156,8 +123,6 @@ class Recorded:
     forms: list[tuple[Any, ...]]
     result: Any
     result_input: int | None  # the result is this input (swapped on replay), else `result`
-    # Per launch, its values as addresses (`Launch.addressed`); None: launched through Triton.
-    addressed: list[list[Any]] | None = None
 
     @classmethod
     def make(
@@ -192,10 +157,7 @@ class Recorded:
             and result.untyped_storage().data_ptr() in memory
         ):
             return None
-        addressed = [one.addressed() for one in launches]
-        direct = None if any(a is None for a in addressed) else addressed
-        forms = [_form(t) for t in inputs]
-        return cls(launches, slots, forms, result, result_input, direct)  # type: ignore[arg-type]
+        return cls(launches, slots, [_form(t) for t in inputs], result, result_input)
 
     def fits(self, inputs: Sequence[torch.Tensor]) -> bool:
         return len(inputs) == len(self.forms) and all(
@@ -203,28 +165,14 @@ class Recorded:
         )
 
     def replay(self, inputs: Sequence[torch.Tensor]) -> Any:
-        if self.addressed is not None and not _hooked():
-            self._replay_direct(inputs)
-        else:
-            for one, mine in zip(self.launches, self.slots, strict=True):
-                values = one.values
-                if mine:
-                    values = values.copy()
-                    for pos, i in mine:
-                        values[pos] = inputs[i]
-                one.again(values)
-        return self.result if self.result_input is None else inputs[self.result_input]
-
-    def _replay_direct(self, inputs: Sequence[torch.Tensor]) -> None:
-        assert self.addressed is not None
-        # The stream current now (the call's inputs are on one device: `fits`).
-        stream = torch._C._cuda_getCurrentRawStream(inputs[0].device.index)
-        for one, values, mine in zip(self.launches, self.addressed, self.slots, strict=True):
+        for one, mine in zip(self.launches, self.slots, strict=True):
+            values = one.values
             if mine:
                 values = values.copy()
                 for pos, i in mine:
-                    values[pos] = inputs[i].data_ptr()
-            one.again_at(values, stream)
+                    values[pos] = inputs[i]
+            one.again(values)
+        return self.result if self.result_input is None else inputs[self.result_input]
 
 
 class LayerCalls:

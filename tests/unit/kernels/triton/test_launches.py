@@ -10,7 +10,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from helpers.devices import DEVICE, ON_GPU
+from helpers.devices import DEVICE
 
 from m3serve.kernels.triton.launches import LayerCalls, Recorded, launch, recording
 
@@ -137,47 +137,3 @@ def test_with_the_replay_off_every_call_in_the_scope_runs() -> None:
     calls.replay = False
     with calls.scope(batch):
         assert [_runs(calls, batch) for _ in range(2)] == [1, 1]
-
-
-def _recorded_axpy() -> tuple[Recorded, torch.Tensor]:
-    """A recorded axpy (x, out as the per-layer inputs) and its y."""
-    x, y, out = _vectors(40)
-    with recording() as launches:
-        axpy(x, y, out)
-    recorded = Recorded.make(launches, (x, out), out)
-    assert recorded is not None
-    return recorded, y
-
-
-@pytest.mark.skipif(not ON_GPU, reason="the interpreter compiles nothing to launch directly")
-def test_a_gpu_replay_hands_the_compiled_kernel_addresses() -> None:
-    recorded, y = _recorded_axpy()
-    assert recorded.addressed is not None
-    first = recorded.addressed[0]
-    assert first[:3] == [v.data_ptr() for v in recorded.launches[0].values[:3]]
-    x, out = torch.randn(40, device=DEVICE), torch.full((40,), float("nan"), device=DEVICE)
-    assert recorded.replay((x, out)) is out
-    assert torch.equal(out, 2 * x + y + 1)
-
-
-@pytest.mark.skipif(not ON_GPU, reason="the interpreter calls no launch hook")
-def test_with_a_launch_hook_set_a_replay_goes_through_triton(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    recorded, y = _recorded_axpy()
-    seen: list[object] = []
-    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", seen.append)
-    x, out = torch.randn(40, device=DEVICE), torch.empty(40, device=DEVICE)
-    recorded.replay((x, out))
-    assert len(seen) == 2  # both kernels, each seen by the hook
-    assert torch.equal(out, 2 * x + y + 1)
-
-
-def test_in_the_interpreter_a_replay_goes_through_triton() -> None:
-    recorded, y = _recorded_axpy()
-    if ON_GPU:
-        pytest.skip("on a GPU the kernels are compiled and launched directly")
-    assert recorded.addressed is None
-    x, out = torch.randn(40, device=DEVICE), torch.empty(40, device=DEVICE)
-    recorded.replay((x, out))
-    assert torch.equal(out, 2 * x + y + 1)
