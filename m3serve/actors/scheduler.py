@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -136,12 +137,6 @@ class SchedulerActor(Actor):
         receiver = asyncio.create_task(self._receive(), name="scheduler-receive")
         # Overlap: a step's outputs, sent once the step after next is launched (`overlap_step`).
         unsent: Outputs | None = None
-
-        async def send_unsent() -> None:
-            nonlocal unsent
-            outputs, unsent = unsent, None
-            await self._emit(outputs)
-
         try:
             while not self.stopping:
                 if receiver.done():
@@ -149,7 +144,7 @@ class SchedulerActor(Actor):
                 # Cleared before planning: a message that lands from here on wakes the idle wait.
                 self._wake.clear()
                 if overlap:
-                    outputs = unsent = await core.overlap_step(send_unsent)
+                    outputs = unsent = await core.overlap_step(partial(self._emit, unsent))
                 else:
                     outputs = await core.step()
                     await self._emit(outputs)
@@ -158,7 +153,7 @@ class SchedulerActor(Actor):
                 self.metrics.update(core.scheduler, core.compiles_after_ready)
                 if outputs is None:
                     await self._idle(receiver)
-            await send_unsent()
+            await self._emit(unsent)  # None without overlap: each step's went out as it ended
             await self._emit(await core.drain())
         finally:
             receiver.cancel()

@@ -82,7 +82,8 @@ class ForwardBatch:
         extends = np.fromiter((s.extend for s in seqs), np.int64, len(seqs))
         ends = np.cumsum(extends)
         rows = np.repeat(np.arange(len(seqs)), extends)  # the seq each new token belongs to
-        positions = starts[rows] + np.arange(int(ends[-1])) - (ends - extends)[rows]
+        first_rows = ends - extends  # each seq's first row in the batch
+        positions = starts[rows] + np.arange(int(ends[-1])) - first_rows[rows]
         max_pages = max(s.num_pages for s in seqs)
         changed = None  # the slot lists' changes, to send with the batch
         if slot_pages is None:
@@ -115,7 +116,7 @@ class ForwardBatch:
             (np.concatenate([[0], ends]), torch.int32),
             pages_item,
         ]
-        token_rows = _slot_token_rows(seqs, ends) if slot_tokens is not None else None
+        token_rows = _slot_token_rows(seqs, first_rows) if slot_tokens is not None else None
         if token_rows is not None:
             items += token_rows
         if changed is not None:
@@ -151,16 +152,15 @@ class ForwardBatch:
 
 
 def _slot_token_rows(
-    seqs: Sequence[SeqStep], ends: np.ndarray
+    seqs: Sequence[SeqStep], first_rows: np.ndarray
 ) -> list[tuple[np.ndarray, torch.dtype]] | None:
     """The first batch row of each seq without input ids, and its slot (None: no such seq):
     its token there is the slot's last, from the device's table."""
-    starts = (int(end) - seq.extend for seq, end in zip(seqs, ends, strict=True))
-    rows = [row for seq, row in zip(seqs, starts, strict=True) if seq.input_ids is None]
-    if not rows:
+    fresh = [i for i, seq in enumerate(seqs) if seq.input_ids is None]
+    if not fresh:
         return None
-    slots = [seq.slot for seq in seqs if seq.input_ids is None]
-    return [(np.asarray(rows, np.int64), torch.int64), (np.asarray(slots, np.int64), torch.int64)]
+    slots = np.fromiter((seqs[i].slot for i in fresh), np.int64, len(fresh))
+    return [(first_rows[fresh], torch.int64), (slots, torch.int64)]
 
 
 def _check_seq(seq: SeqStep, page_size: int, whole: bool) -> None:
